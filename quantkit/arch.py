@@ -1,0 +1,261 @@
+"""Architectures: one dataclass for the DeepSeek-V3 family, built from config.json.
+
+DeepSeek-V3, Kimi K2/K2.5/K2.6 and GLM-5.x share one skeleton: MLA attention (low-rank q and
+kv projections, a 576-wide latent cache), a few dense MLP layers, then MoE layers with a sigmoid
+`noaux_tc` router, a correction bias and one shared expert. They differ in sizes, in where the
+text model sits inside the checkpoint (Kimi K2.5+ nests it under `text_config` and prefixes
+tensors with `language_model.`), in RoPE flavour, and GLM adds DeepSeek Sparse Attention (a
+"lightning indexer" per layer, shared across layers by IndexShare) and keeps an MTP layer.
+
+Everything downstream reads these explicit fields; nothing infers a feature from a tensor shape.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from quantkit.errors import ConfigError
+
+# model_type (outer) -> family. Kimi K2 and K2-Thinking ship `kimi_k2` (DeepSeek-V3 fields);
+# K2.5/K2.6 wrap it in a multimodal `kimi_k25` config.
+FAMILIES = {
+    "deepseek_v3": "deepseek_v3",
+    "kimi_k2": "kimi",
+    "kimi_k25": "kimi",
+    "glm_moe_dsa": "glm",
+}
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """The text model of one checkpoint, as the reference forward and the converter see it."""
+
+    model_type: str  # outer model_type from config.json
+    family: str  # "deepseek_v3" | "kimi" | "glm"
+    prefix: str  # tensor-name prefix of the decoder: "model." or "language_model.model."
+    head_name: str  # "lm_head.weight" or "language_model.lm_head.weight"
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int  # dense MLP width
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+
+    # moe
+    moe_intermediate_size: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    moe_layers: tuple[bool, ...]  # per decoder layer: MoE (True) or dense MLP (False)
+
+    # mla
+    num_attention_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    # rope
+    rope: dict[str, Any]  # rope_type, rope_theta, and yarn's factor/original_max_position_embeddings/...
+    rope_interleave: bool
+    max_position_embeddings: int
+
+    # dsa (GLM): None when the model has no indexer
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+    indexer_layers: tuple[bool, ...] | None = None  # per layer: owns an indexer (True) or reuses the last one
+
+    # mtp: extra decoder layers after the last one (index num_hidden_layers...), carried, never run
+    num_mtp_layers: int = 0
+
+    quantization_config: dict[str, Any] | None = None  # the source's, as found
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    # derived sizes
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def has_dsa(self) -> bool:
+        return self.indexer_layers is not None
+
+    @property
+    def num_layers_with_mtp(self) -> int:
+        return self.num_hidden_layers + self.num_mtp_layers
+
+    @property
+    def kv_cache_width(self) -> int:
+        """Elements cached per token per layer by MLA: the normalised latent plus the shared rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def layer_prefix(self, layer: int) -> str:
+        return f"{self.prefix}layers.{layer}."
+
+    def is_moe(self, layer: int) -> bool:
+        """MTP layers are MoE layers in every published checkpoint of these families."""
+        return layer >= self.num_hidden_layers or self.moe_layers[layer]
+
+    def to_json(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "raw"}
+        d["moe_layers"] = list(self.moe_layers)
+        d["indexer_layers"] = None if self.indexer_layers is None else list(self.indexer_layers)
+        return d
+
+
+def _text_config(cfg: dict[str, Any], model_type: str) -> tuple[dict[str, Any], str, str]:
+    """(text config, decoder prefix, head name) for a config.json."""
+    if model_type == "kimi_k25":
+        text = cfg.get("text_config")
+        if not isinstance(text, dict):
+            raise ConfigError("config.json: model_type kimi_k25 needs a text_config object")
+        return text, "language_model.model.", "language_model.lm_head.weight"
+    return cfg, "model.", "lm_head.weight"
+
+
+def _indexer_layers(text: dict[str, Any], n_layers: int) -> tuple[bool, ...]:
+    """Which layers own a DSA indexer (GLM-5.2 IndexShare); GLM-5/5.1 have one on every layer.
+
+    A layer runs its own indexer iff max(i - offset + 1, 0) % freq == 0. An explicit
+    `indexer_types` list or `index_topk_pattern` string ("F"ull / "S"hared) wins over the rule.
+    """
+    if isinstance(text.get("indexer_types"), list):
+        return tuple(t == "full" for t in text["indexer_types"])
+    pattern = text.get("index_topk_pattern")
+    if pattern is not None:
+        return tuple(c in ("F", "full") for c in pattern)
+    freq = max(int(text.get("index_topk_freq", 1)), 1)
+    offset = int(text.get("index_skip_topk_offset", 2))
+    return tuple(max(i - offset + 1, 0) % freq == 0 for i in range(n_layers))
+
+
+def _rope(text: dict[str, Any]) -> dict[str, Any]:
+    """Normalise the legacy `rope_theta` + `rope_scaling` pair and the newer `rope_parameters`."""
+    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    rope.setdefault("rope_theta", text.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope["rope_type"] = rope_type
+    rope.pop("type", None)
+    if rope_type not in ("default", "yarn"):
+        raise ConfigError(f"config.json: rope_type {rope_type!r} is not supported (default, yarn)")
+    if rope_type == "yarn":
+        for key in ("factor", "original_max_position_embeddings"):
+            if key not in rope:
+                raise ConfigError(f"config.json: yarn rope needs {key!r} in rope_scaling")
+    return rope
+
+
+def arch_from_config(cfg: dict[str, Any], *, source: str = "config.json") -> ModelArch:
+    """Parse a config.json dict of a supported family into a ModelArch."""
+    model_type = cfg.get("model_type")
+    if model_type not in FAMILIES:
+        raise ConfigError(
+            f"{source}: unknown model_type {model_type!r}; quantkit supports {', '.join(sorted(FAMILIES))}"
+        )
+    text, prefix, head = _text_config(cfg, model_type)
+
+    def need(key: str) -> Any:
+        if key not in text:
+            raise ConfigError(f"{source}: missing {key!r} for model_type {model_type}")
+        return text[key]
+
+    n_layers = int(need("num_hidden_layers"))
+    first_dense = int(text.get("first_k_dense_replace", 0))
+    moe_freq = int(text.get("moe_layer_freq", 1))
+    if isinstance(text.get("mlp_layer_types"), list):
+        moe_layers = tuple(t == "sparse" for t in text["mlp_layer_types"])
+    else:
+        moe_layers = tuple(i >= first_dense and i % moe_freq == 0 for i in range(n_layers))
+    if text.get("scoring_func", "sigmoid") != "sigmoid":
+        raise ConfigError(f"{source}: scoring_func {text['scoring_func']!r} is not supported (sigmoid)")
+    if text.get("q_lora_rank") is None:
+        raise ConfigError(f"{source}: q_lora_rank null (DeepSeek-V2-Lite style q_proj) is not supported")
+
+    family = FAMILIES[model_type]
+    is_glm = family == "glm"
+    n_mtp = int(text.get("num_nextn_predict_layers", 0) or 0)
+    arch = ModelArch(
+        model_type=model_type,
+        family=family,
+        prefix=prefix,
+        head_name=head,
+        vocab_size=int(need("vocab_size")),
+        hidden_size=int(need("hidden_size")),
+        num_hidden_layers=n_layers,
+        intermediate_size=int(need("intermediate_size")),
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+        moe_intermediate_size=int(need("moe_intermediate_size")),
+        n_routed_experts=int(need("n_routed_experts")),
+        num_experts_per_tok=int(need("num_experts_per_tok")),
+        n_shared_experts=int(text.get("n_shared_experts", 1) or 0),
+        n_group=int(text.get("n_group", 1) or 1),
+        topk_group=int(text.get("topk_group", 1) or 1),
+        routed_scaling_factor=float(text.get("routed_scaling_factor", 1.0)),
+        norm_topk_prob=bool(text.get("norm_topk_prob", True)),
+        moe_layers=moe_layers,
+        num_attention_heads=int(need("num_attention_heads")),
+        q_lora_rank=int(need("q_lora_rank")),
+        kv_lora_rank=int(need("kv_lora_rank")),
+        qk_nope_head_dim=int(need("qk_nope_head_dim")),
+        qk_rope_head_dim=int(need("qk_rope_head_dim")),
+        v_head_dim=int(need("v_head_dim")),
+        rope=_rope(text),
+        # transformers' DeepSeek-V3 defaults to interleaved rope (the original weights' layout);
+        # GLM's modelling code always interleaves.
+        rope_interleave=True if is_glm else bool(text.get("rope_interleave", True)),
+        max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
+        index_n_heads=int(text.get("index_n_heads", 0)) if is_glm else 0,
+        index_head_dim=int(text.get("index_head_dim", 0)) if is_glm else 0,
+        index_topk=int(text.get("index_topk", 0)) if is_glm else 0,
+        indexer_layers=_indexer_layers(text, n_layers) if is_glm else None,
+        num_mtp_layers=n_mtp,
+        quantization_config=text.get("quantization_config") or cfg.get("quantization_config"),
+        raw=cfg,
+    )
+    if len(arch.moe_layers) != n_layers:
+        raise ConfigError(f"{source}: mlp_layer_types has {len(arch.moe_layers)} entries for {n_layers} layers")
+    if arch.n_routed_experts % arch.n_group:
+        raise ConfigError(f"{source}: n_routed_experts {arch.n_routed_experts} not divisible by n_group {arch.n_group}")
+    if is_glm and not arch.indexer_layers[0]:
+        raise ConfigError(f"{source}: layer 0 must own a DSA indexer (IndexShare reuses the previous layer's)")
+    return arch
+
+
+def load_config(folder: Path) -> dict[str, Any]:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{path}: not found; a model folder needs config.json")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def load_arch(folder: Path) -> ModelArch:
+    return arch_from_config(load_config(folder), source=str(Path(folder) / "config.json"))
+
+
+PRESET_DIR = Path(__file__).parent / "presets"
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+def load_preset(name: str) -> dict[str, Any]:
+    """The published config.json of a real model, shipped so planning needs no download."""
+    path = PRESET_DIR / f"{name}.json"
+    if not path.is_file():
+        raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(preset_names())}")
+    return json.loads(path.read_text())

@@ -1,0 +1,339 @@
+"""Checkpoint I/O: lazy reading of sharded safetensors, one layer at a time, and atomic writing.
+
+Reading never holds the model: shard headers are parsed up front (so a bad index or a truncated
+shard fails before any work), tensors are memory-mapped and materialised only when asked for,
+and a layer's tensors come out dequantized from whatever the source stores:
+
+    dense   BF16 / FP16 / FP32 `weight`
+    fp8     DeepSeek-native `weight` (float8_e4m3fn) + `weight_scale_inv` (128x128 multipliers)
+    int4    compressed-tensors `weight_packed` + `weight_scale` + `weight_shape` (+ `weight_zero_point`)
+
+Writing goes to `<out>.partial/` and is renamed to `<out>/` only when complete, so a folder under
+its final name is always a whole checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from quantkit.arch import ModelArch, load_arch
+from quantkit.errors import CheckpointError, OutputError
+from quantkit.formats import fp8, int4
+from quantkit.tensors import QUANT_SUFFIXES, TensorClass, TensorInfo, classify, logical_name
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")  # never carried as "other files"
+
+_DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One logical tensor as it sits on disk."""
+
+    info: TensorInfo
+    format: str  # "dense" | "fp8" | "int4"
+    parts: dict[str, str]  # storage suffix ("weight", "weight_scale", ...) -> full storage name
+    dtype: str  # safetensors dtype of the main part
+    shape: tuple[int, ...]  # logical (dequantized) shape
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+
+def _read_header(path: Path) -> dict:
+    """Parse a safetensors header and check the file is as long as the header says."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise CheckpointError("file is shorter than a safetensors header; re-download it", file=str(path))
+            (n,) = struct.unpack("<Q", raw)
+            if n > min(size - 8, 100 * 2**20):
+                raise CheckpointError("header length is past the end of the file; the shard is truncated or corrupt, re-download it", file=str(path))
+            header = json.loads(f.read(n))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CheckpointError("header is not valid JSON; the shard is corrupt, re-download it", file=str(path)) from None
+    except FileNotFoundError:
+        raise CheckpointError("file not found", file=str(path)) from None
+    header.pop("__metadata__", None)
+    end = max((v["data_offsets"][1] for v in header.values()), default=0)
+    if 8 + n + end > size:
+        raise CheckpointError(
+            f"truncated: tensors need {8 + n + end} bytes, file has {size}; re-download it", file=str(path)
+        )
+    return header
+
+
+class Checkpoint:
+    """A model folder opened for streaming: index validated, tensors classified, nothing loaded."""
+
+    def __init__(self, folder: str | Path, *, check_finite: bool = True):
+        self.folder = Path(folder)
+        self.arch: ModelArch = load_arch(self.folder)
+        self.check_finite = check_finite
+        self._handles: dict[str, object] = {}
+        self.weight_map = self._weight_map()  # storage name -> file name
+        self.headers = {f: _read_header(self.folder / f) for f in sorted(set(self.weight_map.values()))}
+        for name, f in self.weight_map.items():
+            if name not in self.headers[f]:
+                raise CheckpointError(f"the index names tensor {name!r} but the shard does not hold it", file=str(self.folder / f))
+        self.tensors: dict[str, Stored] = self._group()
+        self._by_layer: dict[int | None, list[str]] = defaultdict(list)
+        for name, st in self.tensors.items():
+            self._by_layer[st.info.layer].append(name)
+
+    # ---- index -------------------------------------------------------------------------------
+    def _weight_map(self) -> dict[str, str]:
+        index = self.folder / INDEX
+        if index.is_file():
+            try:
+                wm = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise CheckpointError("not a valid index (needs a 'weight_map' object)", file=str(index)) from None
+            root = self.folder.resolve()
+            for name, f in wm.items():
+                p = (self.folder / f).resolve()
+                if root not in p.parents:
+                    raise CheckpointError(f"index points outside the model folder ({f!r})", file=str(index), tensor=name)
+                if not p.is_file():
+                    raise CheckpointError(f"index names missing shard {f!r}; re-download it", file=str(index), tensor=name)
+            return dict(wm)
+        single = self.folder / SINGLE
+        if single.is_file():
+            return {name: SINGLE for name in _read_header(single)}
+        raise CheckpointError(f"no {INDEX} or {SINGLE}; is this a model folder?", file=str(self.folder))
+
+    def _group(self) -> dict[str, Stored]:
+        """Group storage names into logical tensors and decide each one's format."""
+        parts: dict[str, dict[str, str]] = defaultdict(dict)
+        for name in self.weight_map:
+            head, _, leaf = name.rpartition(".")
+            if leaf in QUANT_SUFFIXES or leaf == "weight":
+                parts[f"{head}.weight"][leaf] = name
+            else:
+                parts[name][leaf] = name
+        out = {}
+        for logical, p in sorted(parts.items()):
+            info = classify(logical, self.arch)
+            hdr = lambda n: self.headers[self.weight_map[n]][n]  # noqa: E731
+            if "weight_packed" in p:
+                missing = {"weight_scale", "weight_shape"} - p.keys()
+                if missing:
+                    raise CheckpointError(f"pack-quantized tensor lacks {sorted(missing)}", tensor=logical)
+                shape = tuple(int(x) for x in self._raw(p["weight_shape"]).tolist())
+                out[logical] = Stored(info, "int4", p, hdr(p["weight_packed"])["dtype"], shape)
+            elif "weight_scale_inv" in p:
+                out[logical] = Stored(info, "fp8", p, hdr(p["weight"])["dtype"], tuple(hdr(p["weight"])["shape"]))
+            else:
+                (leaf, storage), = p.items() if len(p) == 1 else self._ambiguous(logical, p)
+                out[logical] = Stored(info, "dense", p, hdr(storage)["dtype"], tuple(hdr(storage)["shape"]))
+        return out
+
+    def _ambiguous(self, logical: str, p: dict[str, str]):
+        raise CheckpointError(f"unexpected storage parts {sorted(p)} for one tensor", tensor=logical)
+
+    # ---- access ------------------------------------------------------------------------------
+    def _file(self, storage: str) -> Path:
+        return self.folder / self.weight_map[storage]
+
+    def _raw(self, storage: str) -> torch.Tensor:
+        f = self.weight_map[storage]
+        h = self._handles.get(f)
+        if h is None:
+            h = self._handles[f] = safe_open(str(self.folder / f), framework="pt")
+        return h.get_tensor(storage)
+
+    def raw(self, storage: str) -> torch.Tensor:
+        """A stored tensor exactly as on disk (for byte-for-byte pass-through)."""
+        return self._raw(storage)
+
+    def names(self, layer: int | None = ..., klass: TensorClass | None = None) -> list[str]:
+        """Logical names, optionally of one layer (None: outside any layer) and/or one class."""
+        names = sorted(self.tensors) if layer is ... else sorted(self._by_layer.get(layer, []))
+        return [n for n in names if klass is None or self.tensors[n].info.klass == klass]
+
+    def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """One logical tensor, dequantized and cast to `dtype`, checked for shape and NaN/Inf."""
+        st = self.tensors.get(name)
+        if st is None:
+            raise CheckpointError("tensor not in checkpoint", file=str(self.folder), tensor=name)
+        p = st.parts
+        if st.format == "int4":
+            zp = self._raw(p["weight_zero_point"]) if "weight_zero_point" in p else None
+            try:
+                w = int4.dequantize(self._raw(p["weight_packed"]), self._raw(p["weight_scale"]), st.shape, zp)
+            except (ValueError, RuntimeError) as e:
+                raise CheckpointError(f"cannot unpack INT4 ({e})", file=str(self._file(p["weight_packed"])), tensor=name) from None
+        elif st.format == "fp8":
+            try:
+                w = fp8.dequantize(self._raw(p["weight"]), self._raw(p["weight_scale_inv"]))
+            except ValueError as e:
+                raise CheckpointError(str(e), file=str(self._file(p["weight"])), tensor=name) from None
+        else:
+            (storage,) = p.values()
+            w = self._raw(storage)
+        self._check(st, w)
+        return w.to(dtype)
+
+    def _check(self, st: Stored, w: torch.Tensor) -> None:
+        expected = expected_shape(st.info, self.arch)
+        file = str(self._file(next(iter(st.parts.values()))))
+        if expected is not None and tuple(w.shape) != expected:
+            raise CheckpointError(f"shape {tuple(w.shape)} contradicts config.json (expected {expected})", file=file, tensor=st.name)
+        if self.check_finite and w.is_floating_point() and not torch.isfinite(w).all():
+            raise CheckpointError("contains NaN or Inf; the source checkpoint is damaged", file=file, tensor=st.name)
+
+    def layer(self, layer: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """All tensors of one decoder layer, dequantized, keyed relative to the layer prefix."""
+        pre = self.arch.layer_prefix(layer)
+        return {n[len(pre):]: self.get(n, dtype) for n in self.names(layer)}
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def other_files(self) -> list[Path]:
+        """Files to carry over verbatim: tokenizer, chat template, generation config, code, ..."""
+        skip = {INDEX, "config.json"}
+        return sorted(
+            p for p in self.folder.iterdir()
+            if p.is_file() and p.name not in skip and not p.name.endswith(WEIGHT_FILES) and not p.name.startswith(".")
+        )
+
+    def storage_bytes(self, name: str) -> int:
+        st = self.tensors[name]
+        total = 0
+        for s in st.parts.values():
+            off = self.headers[self.weight_map[s]][s]["data_offsets"]
+            total += off[1] - off[0]
+        return total
+
+
+def expected_shape(info: TensorInfo, a: ModelArch) -> tuple[int, ...] | None:
+    """The [out, in] a config implies for a projection; None where the config does not say."""
+    h, k = a.hidden_size, a.kv_lora_rank
+    if info.klass in (TensorClass.ROUTED_EXPERT, TensorClass.SHARED_EXPERT, TensorClass.DENSE_MLP):
+        inter = {
+            TensorClass.ROUTED_EXPERT: a.moe_intermediate_size,
+            TensorClass.SHARED_EXPERT: a.moe_intermediate_size * a.n_shared_experts,
+            TensorClass.DENSE_MLP: a.intermediate_size,
+        }[info.klass]
+        return (h, inter) if info.proj == "down_proj" else (inter, h)
+    if info.klass == TensorClass.ATTENTION and info.name.endswith(".weight"):
+        n = a.num_attention_heads
+        return {
+            "q_a_proj": (a.q_lora_rank, h),
+            "q_b_proj": (n * a.qk_head_dim, a.q_lora_rank),
+            "kv_a_proj_with_mqa": (k + a.qk_rope_head_dim, h),
+            "kv_b_proj": (n * (a.qk_nope_head_dim + a.v_head_dim), k),
+            "o_proj": (h, n * a.v_head_dim),
+        }.get(info.proj)
+    if info.klass == TensorClass.ROUTER:
+        return (a.n_routed_experts, h) if info.name.endswith(".weight") else (a.n_routed_experts,)
+    if info.klass == TensorClass.INDEXER and info.proj is not None:
+        return {
+            "wq_b": (a.index_n_heads * a.index_head_dim, a.q_lora_rank),
+            "wk": (a.index_head_dim, h),
+            "weights_proj": (a.index_n_heads, h),
+        }[info.proj]
+    if info.klass == TensorClass.EMBEDDING or info.klass == TensorClass.HEAD:
+        return (a.vocab_size, h)
+    return None
+
+
+class CheckpointWriter:
+    """Writes a sharded safetensors checkpoint into `<out>.partial/`, renamed to `<out>` on finish.
+
+    Shards are cut at `flush()` (the converter flushes after every layer, which makes a resumed
+    run write exactly the shards an uninterrupted one would) or when a buffer passes
+    `max_shard_bytes`. Shard names get their final `-of-N` only in `finish()`.
+    """
+
+    def __init__(self, out: str | Path, *, max_shard_bytes: int = 5 * 2**30, digits: int = 5, resume: bool = False):
+        self.out = Path(out)
+        self.tmp = self.out.with_name(self.out.name + ".partial")
+        self.max_shard_bytes = max_shard_bytes
+        self.digits = digits
+        if self.out.exists():
+            raise OutputError(f"{self.out}: already exists; remove it or choose another --out")
+        if self.tmp.exists() and not resume:
+            shutil.rmtree(self.tmp)
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        self._buf: dict[str, torch.Tensor] = {}
+        self._buf_bytes = 0
+        self._parts = sorted(p.name for p in self.tmp.glob("part-*.safetensors"))
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._buf:
+            raise ValueError(f"tensor {name} added twice")
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._buf and self._buf_bytes + nbytes > self.max_shard_bytes:
+            self.flush()
+        self._buf[name] = tensor.contiguous()
+        self._buf_bytes += nbytes
+
+    def flush(self) -> None:
+        if not self._buf:
+            return
+        name = f"part-{len(self._parts):06d}.safetensors"
+        tmp = self.tmp / (name + ".tmp")
+        save_file(dict(sorted(self._buf.items())), str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, self.tmp / name)
+        self._parts.append(name)
+        self._buf, self._buf_bytes = {}, 0
+
+    @property
+    def num_parts(self) -> int:
+        return len(self._parts)
+
+    def truncate_parts(self, n: int) -> None:
+        """Resume: drop parts written after the last completed layer (a crash mid-layer)."""
+        for name in self._parts[n:]:
+            (self.tmp / name).unlink()
+        self._parts = self._parts[:n]
+        for stale in self.tmp.glob("*.tmp"):
+            stale.unlink()
+
+    def finish(self, config: dict, *, files: list[Path] = (), extra: dict[str, str] | None = None) -> Path:
+        """Write config, index and carried files, name the shards, and rename into place."""
+        self.flush()
+        n = len(self._parts)
+        weight_map, total = {}, 0
+        for i, part in enumerate(self._parts):
+            final = f"model-{i + 1:0{self.digits}d}-of-{n:0{self.digits}d}.safetensors"
+            header = _read_header(self.tmp / part)
+            for t, v in header.items():
+                weight_map[t] = final
+                total += v["data_offsets"][1] - v["data_offsets"][0]
+            os.replace(self.tmp / part, self.tmp / final)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        (self.tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for f in files:
+            shutil.copy2(f, self.tmp / f.name)
+        for name, text in (extra or {}).items():
+            (self.tmp / name).write_text(text)
+        os.replace(self.tmp, self.out)
+        return self.out
+
+
+def iter_layers(ckpt: Checkpoint) -> Iterator[int]:
+    return iter(range(ckpt.arch.num_layers_with_mtp))

@@ -1,0 +1,69 @@
+"""Shared fixtures: the embedded tiny models (built once per machine into the quantkit cache) and
+small random checkpoints of any family and storage format, cheap enough to build per test."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantkit.arch import arch_from_config
+from quantkit.checkpoint import CheckpointWriter
+from quantkit.formats import fp8, int4
+from quantkit.gptq import quantize_rtn
+from quantkit.tiny import GLM, KIMI_TEXT, init_weights, tiny_path
+
+
+@pytest.fixture(scope="session")
+def tiny_kimi() -> Path:
+    return tiny_path("kimi-k2.6")
+
+
+@pytest.fixture(scope="session")
+def tiny_glm() -> Path:
+    return tiny_path("glm-5.2")
+
+
+def small_config(family: str, **overrides) -> dict:
+    """A config.json smaller than the tiny models (2-3 layers), for random-weight checkpoints."""
+    if family == "glm":
+        cfg = copy.deepcopy(GLM)
+        cfg.update(num_hidden_layers=3, n_routed_experts=8, index_topk=6)
+    else:
+        cfg = copy.deepcopy(KIMI_TEXT)
+        cfg.update(model_type="deepseek_v3", num_hidden_layers=3, n_routed_experts=8, n_group=4, topk_group=2,
+                   first_k_dense_replace=1, num_nextn_predict_layers=0,
+                   rope_scaling={"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
+                                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
+    cfg.update(overrides)
+    return cfg
+
+
+def write_random(folder: Path, config: dict, *, experts: str = "bf16", linears: str = "bf16", seed: int = 0,
+                 digits: int = 5, tensors: dict | None = None) -> tuple[Path, dict[str, torch.Tensor]]:
+    """Random weights saved with routed experts and other Linears in `bf16`, `fp32`, `fp8` or `int4`.
+
+    Returns the folder and the fp32 weights as generated (before storage rounding).
+    """
+    arch = arch_from_config(config)
+    t = tensors if tensors is not None else init_weights(arch, torch.Generator().manual_seed(seed))
+    w = CheckpointWriter(folder, digits=digits)
+    for name, x in sorted(t.items()):
+        is_linear = name.endswith("proj.weight") or name.endswith(("wq_b.weight", "wk.weight"))
+        keep = name.endswith(("mlp.gate.weight", "weights_proj.weight", "eh_proj.weight"))
+        fmt = experts if ".mlp.experts." in name else (linears if is_linear and not keep else "bf16")
+        if name.endswith("e_score_correction_bias"):
+            fmt = "fp32"
+        if fmt == "int4":
+            qw = quantize_rtn(x, 32)
+            for suffix, s in int4.store(qw.q, qw.scale).items():
+                w.add(name[: -len("weight")] + suffix, s)
+        elif fmt == "fp8":
+            q, s = fp8.quantize(x)
+            w.add(name, q)
+            w.add(name[: -len("weight")] + "weight_scale_inv", s)
+        else:
+            w.add(name, x.to(torch.float32 if fmt == "fp32" else torch.bfloat16))
+    return w.finish(config), t
