@@ -1,0 +1,40 @@
+"""quantkit: offline quantization of trillion-parameter MoE checkpoints (Kimi K2.6, GLM 5.2).
+
+One streaming pass turns a source checkpoint into a matched pair for disaggregated serving: an
+FP8 checkpoint for the compute-bound prefill pool and an INT4-expert checkpoint for the
+bandwidth-bound decode pool, then validates both against the source with quantkit's own
+reference forward pass.
+
+    import quantkit as qk
+    qk.inspect("tiny:glm-5.2")
+    qk.plan("glm-5.2")
+    qk.logits("tiny:glm-5.2", input_ids)
+
+Heavy modules load on first use, so `import quantkit` is cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_API = {
+    "inspect": ("quantkit.inspect", "inspect"),
+    "plan": ("quantkit.plan", "plan"),
+    "logits": ("quantkit.forward", "logits"),
+    "convert": ("quantkit.convert", "convert"),
+    "validate": ("quantkit.validate", "validate"),
+    "pull": ("quantkit.hub", "pull"),
+    "Checkpoint": ("quantkit.checkpoint", "Checkpoint"),
+    "QuantkitError": ("quantkit.errors", "QuantkitError"),
+}
+
+__all__ = sorted(_API)
+
+
+def __getattr__(name: str):
+    if name in _API:
+        module, attr = _API[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'quantkit' has no attribute {name!r}")

@@ -1,0 +1,119 @@
+"""The `quantkit` command: thin typer commands over the library API.
+
+Every command declares its options and calls one library function. Heavy libraries are imported
+inside the commands, so `quantkit --help` answers at once. A QuantkitError prints one line and
+exits 1; set QUANTKIT_DEBUG=1 to see the traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(
+    name="quantkit",
+    help="Quantize trillion-parameter MoE checkpoints (Kimi K2.6, GLM 5.2) into a matched FP8-prefill / INT4-decode pair.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console(stderr=True)
+
+Model = Annotated[str, typer.Argument(help="A model folder, an hf://org/repo@rev id, or tiny:kimi-k2.6 / tiny:glm-5.2.")]
+Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (for scripts).")]
+Device = Annotated[str, typer.Option(help="auto (CUDA when present, else CPU), cuda or cpu.")]
+
+
+def user_errors(fn):
+    """Map quantkit's typed errors to one red line and exit code 1."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from quantkit.errors import QuantkitError
+
+        try:
+            return fn(*args, **kwargs)
+        except QuantkitError as e:
+            if os.environ.get("QUANTKIT_DEBUG"):
+                raise
+            console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+def emit_json(data) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+@app.command()
+@user_errors
+def inspect(model: Model, json_out: Json = False):
+    """Family, layers, parameters and bytes by tensor class, storage format per class, shard count."""
+    from quantkit.inspect import inspect as run_inspect
+
+    result = run_inspect(model)
+    if json_out:
+        emit_json(result.to_json())
+    else:
+        Console().print(result.table())
+
+
+@app.command()
+@user_errors
+def plan(
+    model: Annotated[str, typer.Argument(help="A preset (kimi-k2.6, glm-5.2, deepseek-v3), a folder with config.json, or a tiny id.")],
+    gpus: Annotated[int, typer.Option(help="GPUs in the set.")] = 8,
+    gpu: Annotated[str, typer.Option(help="GPU kind: h200, h100, b200, ...")] = "h200",
+    tp: Annotated[Optional[int], typer.Option(help="Tensor-parallel size (default: --gpus).")] = None,
+    context: Annotated[int, typer.Option(help="Tokens per request for the concurrency figure.")] = 21_400,
+    mem_fraction: Annotated[float, typer.Option(help="Share of GPU memory for weights + KV cache.")] = 0.90,
+    overhead_gib: Annotated[float, typer.Option(help="Per-GPU runtime overhead (activations, graphs, NCCL).")] = 12.0,
+    group_size: Annotated[int, typer.Option(help="INT4 group size of the decode checkpoint.")] = 128,
+    json_out: Json = False,
+):
+    """Checkpoint sizes, weight memory per GPU, KV cache per token and capacity, beside the article's figures."""
+    from quantkit.models import is_tiny, resolve
+    from quantkit.plan import plan as run_plan, render_plan
+
+    target = resolve(model) if is_tiny(model) else model
+    result = run_plan(target, gpus=gpus, gpu=gpu, tp=tp, context=context, mem_fraction=mem_fraction,
+                      overhead_gib=overhead_gib, group_size=group_size)
+    if json_out:
+        emit_json(result.to_json())
+    else:
+        render_plan(result, Console())
+
+
+@app.command()
+@user_errors
+def pull(
+    repo: Annotated[str, typer.Argument(help="org/repo[@rev] or hf://org/repo[@rev].")],
+    out: Annotated[Path, typer.Option("--out", help="Folder to download into.")],
+    include: Annotated[Optional[list[str]], typer.Option(help="Only files matching this pattern (repeatable).")] = None,
+    workers: Annotated[int, typer.Option(help="Parallel downloads.")] = 8,
+    json_out: Json = False,
+):
+    """Download a Hub repo at one pinned commit: parallel, resumable, every file checksum-verified."""
+    from quantkit.hub import pull as run_pull
+
+    result = run_pull(repo, out, include=include, max_workers=workers, progress=not json_out)
+    if json_out:
+        emit_json({k: str(v) if isinstance(v, Path) else v for k, v in vars(result).items()})
+    else:
+        console.print(f"pulled {len(result.files)} files of {result.repo_id}@{result.commit[:12]} into {out}")
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
