@@ -28,7 +28,7 @@ def pack(q: torch.Tensor, dim: int = -1) -> torch.Tensor:
     pad = (-cols) % PER_WORD
     u = (q.to(torch.int64) + OFFSET)
     if pad:
-        u = torch.nn.functional.pad(u, (0, pad), value=OFFSET)  # padding nibbles encode 0
+        u = torch.nn.functional.pad(u, (0, pad), value=0)  # padding nibbles are 0 bits, as compressed-tensors writes them
     u = u.view(rows, -1, PER_WORD)  # (rows, words, 8)
     shifts = torch.arange(0, 32, 4, dtype=torch.int64)  # (8,)
     words = (u << shifts).sum(-1)  # (rows, words), in [0, 2^32)
