@@ -74,13 +74,40 @@ def _read_header(path: Path) -> dict:
         raise CheckpointError("header is not valid JSON; the shard is corrupt, re-download it", file=str(path)) from None
     except FileNotFoundError:
         raise CheckpointError("file not found", file=str(path)) from None
+    if not isinstance(header, dict):
+        raise CheckpointError("header is not a JSON object; the shard is corrupt, re-download it", file=str(path))
     header.pop("__metadata__", None)
-    end = max((v["data_offsets"][1] for v in header.values()), default=0)
-    if 8 + n + end > size:
-        raise CheckpointError(
-            f"truncated: tensors need {8 + n + end} bytes, file has {size}; re-download it", file=str(path)
-        )
+    for name, v in header.items():
+        if not _entry_ok(v):
+            raise CheckpointError(
+                "header entry is malformed (dtype, shape and data_offsets disagree); the shard is corrupt, re-download it",
+                file=str(path), tensor=name,
+            )
+    if header:
+        last, v = max(header.items(), key=lambda kv: kv[1]["data_offsets"][1])
+        end = v["data_offsets"][1]
+        if 8 + n + end > size:
+            raise CheckpointError(
+                f"truncated: tensors need {8 + n + end} bytes, file has {size}; re-download it", file=str(path), tensor=last
+            )
     return header
+
+
+def _entry_ok(v) -> bool:
+    """A header entry is {dtype, shape, data_offsets} with as many bytes as dtype x shape needs."""
+    try:
+        dtype, shape, (begin, end) = v["dtype"], v["shape"], v["data_offsets"]
+        numel = 1
+        for d in shape:
+            if not isinstance(d, int) or d < 0:
+                return False
+            numel *= d
+        return (
+            dtype in _DTYPES and isinstance(begin, int) and isinstance(end, int)
+            and 0 <= begin <= end and end - begin == numel * _DTYPES[dtype].itemsize
+        )
+    except (TypeError, KeyError, ValueError):
+        return False
 
 
 class Checkpoint:
