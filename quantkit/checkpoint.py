@@ -160,12 +160,18 @@ class Checkpoint:
                 parts[name][leaf] = name
         out = {}
         for logical, p in sorted(parts.items()):
-            info = classify(logical, self.arch)
+            file = str(self._file(next(iter(p.values()))))
+            try:
+                info = classify(logical, self.arch)
+            except CheckpointError as e:  # classify knows names, not files: add the shard
+                err = CheckpointError(str(e), file=file)
+                err.tensor = e.tensor
+                raise err from None
             hdr = lambda n: self.headers[self.weight_map[n]][n]  # noqa: E731
             if "weight_packed" in p:
                 missing = {"weight_scale", "weight_shape"} - p.keys()
                 if missing:
-                    raise CheckpointError(f"pack-quantized tensor lacks {sorted(missing)}", tensor=logical)
+                    raise CheckpointError(f"pack-quantized tensor lacks {sorted(missing)}", file=file, tensor=logical)
                 shape = tuple(int(x) for x in self._raw(p["weight_shape"]).tolist())
                 out[logical] = Stored(info, "int4", p, hdr(p["weight_packed"])["dtype"], shape)
             elif "weight_scale_inv" in p:
