@@ -49,8 +49,8 @@ _COMMON = dict(
 
 KIMI_TEXT = dict(
     _COMMON, model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"], num_hidden_layers=4,
-    n_routed_experts=16, routed_scaling_factor=2.827, q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32,
-    qk_rope_head_dim=16, v_head_dim=32, rms_norm_eps=1e-5, rope_theta=50000.0, rope_scaling=_ROPE_KIMI,
+    n_routed_experts=16, routed_scaling_factor=2.827, q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32,
+    qk_rope_head_dim=32, v_head_dim=32, rms_norm_eps=1e-5, rope_theta=50000.0, rope_scaling=_ROPE_KIMI,
     num_nextn_predict_layers=0, moe_layer_freq=1,
 )
 
@@ -74,7 +74,8 @@ def tiny_config(name: str) -> dict:
             "model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
             "text_config": copy.deepcopy(KIMI_TEXT),
             "vision_config": {"model_type": "kimi_k25_vision", "hidden_size": 32, "num_hidden_layers": 1,
-                              "num_attention_heads": 2, "intermediate_size": 64, "patch_size": 14},
+                              "num_attention_heads": 2, "intermediate_size": 64, "patch_size": 14,
+                              "pos_emb_height": 4, "pos_emb_width": 4, "pos_emb_time": 1},
             "projection_hidden_size": 32, "tie_word_embeddings": False,
             "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
         }
@@ -302,14 +303,11 @@ def save_kimi(t: dict[str, torch.Tensor], arch: ModelArch, config: dict, out: Pa
     text = config["text_config"]
     text["quantization_config"] = int4.quantization_config(INT4_GROUP, [
         "lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
+        "re:.*vision_tower.*", "re:.*mm_projector.*",
     ])
     w = CheckpointWriter(out, digits=6)
-    gen = torch.Generator().manual_seed(1234)
-    v = config["vision_config"]["hidden_size"]
-    for name, shape in [("vision_tower.patch_embed.proj.weight", (v, 3, 14, 14)), ("vision_tower.patch_embed.proj.bias", (v,)),
-                        ("vision_tower.encoder.final_layernorm.weight", (v,)), ("mm_projector.pre_norm.weight", (v,)),
-                        ("mm_projector.proj.0.weight", (v * 4, v * 4)), ("mm_projector.proj.2.weight", (arch.hidden_size, v * 4))]:
-        w.add(name, (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16))
+    for name, tensor in vision_stub(config["vision_config"], arch.hidden_size).items():
+        w.add(name, tensor)
     for name in (f"{arch.prefix}embed_tokens.weight", f"{arch.prefix}norm.weight", arch.head_name):
         w.add(name, t[name].to(torch.bfloat16))
     w.flush()
@@ -335,6 +333,31 @@ def glm_keeps_bf16(name: str) -> bool:
         or name.endswith(("mlp.gate.weight", "weights_proj.weight", "eh_proj.weight"))
         or "embed_tokens" in name or "lm_head" in name
     )
+
+
+def vision_stub(v: dict, text_hidden: int) -> dict[str, torch.Tensor]:
+    """Random BF16 MoonViT tower + projector under the original Kimi K2.5 checkpoint names, sized by
+    `vision_config`, so transformers' Kimi_K25ForConditionalGeneration loads it with no missing key.
+    quantkit never runs it: a text-only converter carries it byte for byte."""
+    gen = torch.Generator().manual_seed(1234)
+    d, f, p = v["hidden_size"], v["intermediate_size"], v["patch_size"]
+    merged = d * 4  # 2x2 patch merge before the projector
+    shapes = {
+        "vision_tower.patch_embed.proj.weight": (d, 3, p, p), "vision_tower.patch_embed.proj.bias": (d,),
+        "vision_tower.patch_embed.pos_emb.weight": (v["pos_emb_height"], v["pos_emb_width"], d),
+        "vision_tower.encoder.final_layernorm.weight": (d,), "vision_tower.encoder.final_layernorm.bias": (d,),
+        "mm_projector.pre_norm.weight": (d,), "mm_projector.pre_norm.bias": (d,),
+        "mm_projector.proj.0.weight": (merged, merged), "mm_projector.proj.0.bias": (merged,),
+        "mm_projector.proj.2.weight": (text_hidden, merged), "mm_projector.proj.2.bias": (text_hidden,),
+    }
+    for i in range(v["num_hidden_layers"]):
+        b = f"vision_tower.encoder.blocks.{i}."
+        shapes.update({
+            b + "norm0.weight": (d,), b + "norm0.bias": (d,), b + "norm1.weight": (d,), b + "norm1.bias": (d,),
+            b + "wqkv.weight": (3 * d, d), b + "wqkv.bias": (3 * d,), b + "wo.weight": (d, d), b + "wo.bias": (d,),
+            b + "mlp.fc0.weight": (f, d), b + "mlp.fc0.bias": (f,), b + "mlp.fc1.weight": (d, f), b + "mlp.fc1.bias": (d,),
+        })
+    return {k: (torch.randn(*s, generator=gen) * 0.02).to(torch.bfloat16) for k, s in sorted(shapes.items())}
 
 
 def save_glm(t: dict[str, torch.Tensor], arch: ModelArch, config: dict, out: Path) -> None:
@@ -389,7 +412,9 @@ def tiny_path(name: str) -> Path:
         from quantkit.errors import ConfigError
 
         raise ConfigError(f"unknown tiny model {name!r}; choose one of: " + ", ".join(f"tiny:{n}" for n in TINY_NAMES))
-    key = hashlib.sha256(json.dumps([TINY_VERSION, name, tiny_config(name), STEPS, BATCH, SEQ, LR]).encode()).hexdigest()[:12]
+    # Keyed by this file's source too, so any change to how tiny models are made rebuilds them.
+    key = hashlib.sha256(json.dumps([TINY_VERSION, name, tiny_config(name), STEPS, BATCH, SEQ, LR]).encode()
+                         + Path(__file__).read_bytes()).hexdigest()[:12]
     folder = cache_dir() / "tiny" / f"{name}-{key}"
     if not folder.is_dir():
         folder.parent.mkdir(parents=True, exist_ok=True)
