@@ -179,6 +179,11 @@ class Checkpoint:
             else:
                 (leaf, storage), = p.items() if len(p) == 1 else self._ambiguous(logical, p)
                 out[logical] = Stored(info, "dense", p, hdr(storage)["dtype"], tuple(hdr(storage)["shape"]))
+            expected = expected_shape(info, self.arch)
+            if expected is not None and out[logical].shape != expected:
+                raise CheckpointError(
+                    f"shape {out[logical].shape} contradicts config.json (expected {expected})", file=file, tensor=logical
+                )
         return out
 
     def _ambiguous(self, logical: str, p: dict[str, str]):
