@@ -136,12 +136,16 @@ class Checkpoint:
                 wm = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise CheckpointError("not a valid index (needs a 'weight_map' object)", file=str(index)) from None
-            root = self.folder.resolve()
+            if not isinstance(wm, dict):
+                raise CheckpointError("not a valid index ('weight_map' must be an object)", file=str(index))
+            # Lexical check: shards may be symlinks into a download cache (the Hugging Face
+            # cache layout), but an index entry may not climb out of the folder.
+            root = os.path.abspath(self.folder)
             for name, f in wm.items():
-                p = (self.folder / f).resolve()
-                if root not in p.parents:
+                p = os.path.normpath(os.path.join(root, f)) if isinstance(f, str) else root
+                if p == root or not p.startswith(root.rstrip(os.sep) + os.sep):
                     raise CheckpointError(f"index points outside the model folder ({f!r})", file=str(index), tensor=name)
-                if not p.is_file():
+                if not os.path.isfile(p):
                     raise CheckpointError(f"index names missing shard {f!r}; re-download it", file=str(index), tensor=name)
             return dict(wm)
         single = self.folder / SINGLE
