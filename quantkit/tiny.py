@@ -329,7 +329,7 @@ def save_kimi(t: dict[str, torch.Tensor], arch: ModelArch, config: dict, out: Pa
 # Modules GLM-5.2-FP8 keeps in BF16 (`modules_to_not_convert`): everything not a Linear in FP8.
 def glm_keeps_bf16(name: str) -> bool:
     return (
-        not name.endswith("proj.weight") and not name.endswith("wq_b.weight") and not name.endswith("wk.weight")
+        not name.endswith(("proj.weight", "proj_with_mqa.weight", "wq_b.weight", "wk.weight"))
         or name.endswith(("mlp.gate.weight", "weights_proj.weight", "eh_proj.weight"))
         or "embed_tokens" in name or "lm_head" in name
     )
