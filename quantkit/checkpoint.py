@@ -178,20 +178,20 @@ class Checkpoint:
                     raise CheckpointError(f"pack-quantized tensor lacks {sorted(missing)}", file=file, tensor=logical)
                 shape = tuple(int(x) for x in self._raw(p["weight_shape"]).tolist())
                 out[logical] = Stored(info, "int4", p, hdr(p["weight_packed"])["dtype"], shape)
-            elif "weight_scale_inv" in p:
+            elif "weight" in p and hdr(p["weight"])["dtype"].startswith("F8") and ("weight_scale_inv" in p or "weight_scale" in p):
+                # DeepSeek names the block multiplier `weight_scale_inv`, compressed-tensors `weight_scale`
                 out[logical] = Stored(info, "fp8", p, hdr(p["weight"])["dtype"], tuple(hdr(p["weight"])["shape"]))
-            else:
-                (leaf, storage), = p.items() if len(p) == 1 else self._ambiguous(logical, p)
+            elif len(p) == 1:
+                ((leaf, storage),) = p.items()
                 out[logical] = Stored(info, "dense", p, hdr(storage)["dtype"], tuple(hdr(storage)["shape"]))
+            else:
+                raise CheckpointError(f"unexpected storage parts {sorted(p)} for one tensor", file=file, tensor=logical)
             expected = expected_shape(info, self.arch)
             if expected is not None and out[logical].shape != expected:
                 raise CheckpointError(
                     f"shape {out[logical].shape} contradicts config.json (expected {expected})", file=file, tensor=logical
                 )
         return out
-
-    def _ambiguous(self, logical: str, p: dict[str, str]):
-        raise CheckpointError(f"unexpected storage parts {sorted(p)} for one tensor", tensor=logical)
 
     # ---- access ------------------------------------------------------------------------------
     def _file(self, storage: str) -> Path:
@@ -227,7 +227,7 @@ class Checkpoint:
                 raise CheckpointError(f"cannot unpack INT4 ({e})", file=str(self._file(p["weight_packed"])), tensor=name) from None
         elif st.format == "fp8":
             try:
-                w = fp8.dequantize(self._raw(p["weight"]), self._raw(p["weight_scale_inv"]))
+                w = fp8.dequantize(self._raw(p["weight"]), self._raw(p.get("weight_scale_inv") or p["weight_scale"]))
             except ValueError as e:
                 raise CheckpointError(str(e), file=str(self._file(p["weight"])), tensor=name) from None
         else:

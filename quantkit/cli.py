@@ -111,6 +111,38 @@ def pull(
         console.print(f"pulled {len(result.files)} files of {result.repo_id}@{result.commit[:12]} into {out}")
 
 
+@app.command()
+@user_errors
+def convert(
+    model: Model,
+    out: Annotated[Path, typer.Option("--out", help="Output folder: prefill/, decode/ and convert-report.json appear when complete.")],
+    recipe: Annotated[Optional[str], typer.Option(help="Recipe file or name (default: the model family's).")] = None,
+    preset: Annotated[Optional[str], typer.Option(help="Alias of --recipe: a shipped recipe name (kimi-k2.6, glm-5.2, ...).")] = None,
+    method: Annotated[Optional[str], typer.Option(help="gptq (calibrated), awq, or rtn (data-free baseline).")] = None,
+    calib: Annotated[Optional[str], typer.Option(help="Calibration data: hf:org/name[@split], a .jsonl/.txt/.parquet/.npy file, or synthetic.")] = None,
+    num_samples: Annotated[Optional[int], typer.Option(help="Calibration samples.")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(help="Tokens per calibration sample.")] = None,
+    group_size: Annotated[Optional[int], typer.Option(help="INT4 group size: 32, 64 or 128.")] = None,
+    device: Device = "auto",
+    resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from its last completed layer.")] = False,
+    no_validate: Annotated[bool, typer.Option("--no-validate", help="Skip validating the pair afterwards.")] = False,
+    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow the tokenizer's own code to run.")] = False,
+    json_out: Json = False,
+):
+    """Emit the FP8 prefill and INT4 decode checkpoints from one streaming pass, with calibrated per-expert GPTQ."""
+    from quantkit.convert import convert as run_convert
+
+    if recipe and preset:
+        raise typer.BadParameter("give --recipe or --preset, not both")
+    result = run_convert(model, out, recipe=recipe or preset, method=method, calib=calib, num_samples=num_samples,
+                         seq_len=seq_len, group_size=group_size, device=device, resume=resume,
+                         validate=not no_validate, progress=not json_out, trust_remote_code=trust_remote_code)
+    if json_out:
+        emit_json(result.to_json())
+    else:
+        Console().print(result.table())
+
+
 def main() -> None:  # pragma: no cover - console entry point
     app()
 

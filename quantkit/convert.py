@@ -1,0 +1,635 @@
+"""`quantkit convert`: one streaming pass from a source checkpoint to the prefill/decode pair.
+
+The conversion loop, one decoder layer at a time (peak memory: one layer plus the calibration
+activations, whatever the depth):
+
+    h = embed(calibration tokens)
+    for each layer:
+        load the layer from the shards (dequantized on the fly)
+        decide each tensor's storage in both outputs (quantkit.precision)
+        run attention with the weights both outputs will hold          -> h_mid
+        MoE layers: route h_mid's tokens; per routed expert, build GPTQ Hessians from the tokens the
+                    router actually sends it (gate and up share one; down's from the quantized
+                    gate/up's output); starved experts take the recipe's fallback, counted
+        quantize the experts (batched), write both outputs' tensors, flush a shard per layer
+        h = h_mid + MoE/MLP output computed with the *decode* weights
+        save h and the progress (so --resume restarts exactly here)
+
+Calibration choice: each layer is calibrated on the hidden states the quantized decode model
+produces at that point (errors of earlier layers included), as GPTQ's sequential mode does; the
+attention weights are the shared (FP8) ones both pools run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from quantkit import __version__
+from quantkit.checkpoint import Checkpoint, CheckpointWriter
+from quantkit.errors import OutputError
+from quantkit.formats import fp8, int4
+from quantkit.gptq import HessianError, QuantizedWeight, gptq, hessian_from_inputs, quantize_rtn
+from quantkit.precision import (
+    BF16, FP8, INT4, PASS, REUSE_INT4, Decision, decide, decode_quantization_config, precision_summary,
+    prefill_quantization_config, set_quantization_config,
+)
+from quantkit.reference import Context, mla_attention, rms_norm, route, swiglu
+from quantkit.tensors import TensorClass
+
+STATE_DIR = ".quantkit-convert"
+PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class ExpertRecord:
+    layer: int
+    expert: int
+    tokens: int
+    method: str  # gptq | rtn | reused
+    fallback: str | None = None  # why this expert did not get its own Hessian
+    loss: float | None = None
+
+
+@dataclass
+class ConvertResult:
+    """What `convert` made; `report` is convert-report.json."""
+
+    out: Path
+    prefill: Path
+    decode: Path
+    report: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return self.report
+
+    def table(self):
+        from rich.table import Table
+
+        r = self.report
+        t = Table(title=f"quantkit convert: {r['source']['spec']} -> {self.out}")
+        t.add_column("")
+        t.add_column("prefill")
+        t.add_column("decode")
+        for cls in sorted(set(r["outputs"]["prefill"]["precision"]) | set(r["outputs"]["decode"]["precision"])):
+            t.add_row(cls, r["outputs"]["prefill"]["precision"].get(cls, ""), r["outputs"]["decode"]["precision"].get(cls, ""))
+        t.add_row("size", _gb(r["outputs"]["prefill"]["bytes"]), _gb(r["outputs"]["decode"]["bytes"]), style="bold")
+        e = r["experts_summary"]
+        t.caption = (
+            f"{e['total']} routed experts: {e['gptq']} GPTQ, {e['rtn']} RTN, {e['reused']} reused, "
+            f"{e['fallbacks']} fallbacks; {r['seconds']:.1f}s, peak RSS {_gb(r['peak_rss_bytes'])}"
+        )
+        return t
+
+    def _repr_html_(self) -> str:
+        from rich.console import Console
+
+        console = Console(record=True, width=110)
+        console.print(self.table())
+        return console.export_html(inline_styles=True)
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
+def _peak_rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ---- per-layer pieces --------------------------------------------------------------------------
+def expert_weights(w: dict[str, torch.Tensor], e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    p = f"mlp.experts.{e}."
+    return w[p + "gate_proj.weight"], w[p + "up_proj.weight"], w[p + "down_proj.weight"]
+
+
+def quantize_experts(
+    x: torch.Tensor,
+    w: dict[str, torch.Tensor],
+    tokens: dict[int, torch.Tensor],
+    experts: list[int],
+    recipe,
+    group_size: int,
+    method: str,
+    layer: int,
+) -> tuple[dict[int, dict[str, QuantizedWeight]], list[ExpertRecord]]:
+    """GPTQ (or RTN) for the given routed experts of one layer, batched across experts.
+
+    x: (N, D) the MoE input of every calibration token; tokens[e]: indices of the tokens routed to e.
+    gate and up share the Hessian of their input; down's Hessian comes from the *quantized* gate/up
+    output on the same tokens. An expert with fewer than `gptq.min_tokens` tokens uses every
+    calibration token instead (fallback "all_tokens") or plain RTN (fallback "rtn").
+    """
+    g = recipe.gptq
+    records, quantized = [], {}
+    starved = [e for e in experts if len(tokens[e]) < g.min_tokens]
+    if method == "rtn":
+        for e in experts:
+            quantized[e] = {p: quantize_rtn(t, group_size) for p, t in zip(PROJS, expert_weights(w, e))}
+            records.append(ExpertRecord(layer, e, len(tokens[e]), "rtn"))
+        return quantized, records
+
+    inputs: dict[int, torch.Tensor] = {}
+    for e in experts:
+        if e in starved and g.fallback == "rtn":
+            continue
+        inputs[e] = x if e in starved else x[tokens[e]]
+    run = list(inputs)
+    for e in experts:
+        if e not in inputs:
+            quantized[e] = {p: quantize_rtn(t, group_size) for p, t in zip(PROJS, expert_weights(w, e))}
+            records.append(ExpertRecord(layer, e, len(tokens[e]), "rtn", fallback="rtn"))
+
+    batch = getattr(recipe.gptq, "expert_batch", 16)  # experts per batched GPTQ call (memory: batch x D^2 floats)
+    for chunk_start in range(0, len(run), batch):
+        chunk = run[chunk_start: chunk_start + batch]
+        # gate and up: one Hessian per expert, shared by both projections
+        H = torch.stack([hessian_from_inputs(inputs[e].float()) for e in chunk])  # (C, D, D)
+        Wgu = torch.stack([torch.stack(expert_weights(w, e)[:2]) for e in chunk]).float()  # (C, 2, I, D)
+        qgu = _gptq(Wgu, H[:, None].expand(-1, 2, -1, -1), group_size, g, layer, chunk)
+        # down: inputs are what the quantized gate/up produce on the same tokens
+        gu_hat = qgu.dequantize(torch.float32)  # (C, 2, I, D)
+        Z = [torch.nn.functional.silu(inputs[e].float() @ gu_hat[i, 0].T) * (inputs[e].float() @ gu_hat[i, 1].T) for i, e in enumerate(chunk)]
+        Hd = torch.stack([hessian_from_inputs(z) for z in Z])  # (C, I, I)
+        Wd = torch.stack([expert_weights(w, e)[2] for e in chunk]).float()  # (C, D, I)
+        qd = _gptq(Wd, Hd, group_size, g, layer, chunk)
+        for i, e in enumerate(chunk):
+            quantized[e] = {
+                "gate_proj": QuantizedWeight(qgu.q[i, 0], qgu.scale[i, 0]),
+                "up_proj": QuantizedWeight(qgu.q[i, 1], qgu.scale[i, 1]),
+                "down_proj": QuantizedWeight(qd.q[i], qd.scale[i]),
+            }
+            loss = float(qgu.loss[i].sum() + qd.loss[i]) if qgu.loss is not None else None
+            records.append(ExpertRecord(layer, e, len(tokens[e]), "gptq", "all_tokens" if e in starved else None, loss))
+    records.sort(key=lambda r: r.expert)
+    return quantized, records
+
+
+def _gptq(W, H, group_size, g, layer, experts) -> QuantizedWeight:
+    try:
+        return gptq(W, H, group_size, block_size=g.block_size, dampening=g.dampening, actorder=g.actorder)
+    except HessianError as e:
+        raise OutputError(f"layer {layer}, experts {experts}: {e}; raise gptq.dampening in the recipe") from None
+
+
+def routed_tokens(x: torch.Tensor, w: dict[str, torch.Tensor], arch) -> dict[int, torch.Tensor]:
+    """For every routed expert, the indices of the tokens the router sends it."""
+    topk_idx, _ = route(x, w, arch)
+    return {e: (topk_idx == e).nonzero(as_tuple=True)[0] for e in range(arch.n_routed_experts)}
+
+
+def moe_forward(x: torch.Tensor, w: dict[str, torch.Tensor], arch, experts_w: dict[int, tuple]) -> torch.Tensor:
+    """MoE output (N, D) with the given (dequantized) expert weights."""
+    topk_idx, topk_weight = route(x, w, arch)
+    out = torch.zeros_like(x)
+    for e in torch.unique(topk_idx).tolist():
+        tok, slot = (topk_idx == e).nonzero(as_tuple=True)
+        gate, up, down = experts_w[e]
+        out.index_add_(0, tok, swiglu(x[tok], gate, up, down) * topk_weight[tok, slot, None].to(x.dtype))
+    if arch.n_shared_experts:
+        p = "mlp.shared_experts."
+        out = out + swiglu(x, w[p + "gate_proj.weight"], w[p + "up_proj.weight"], w[p + "down_proj.weight"])
+    return out
+
+
+# ---- writing -----------------------------------------------------------------------------------
+class PairWriter:
+    """Writes a tensor to both outputs (or one), deduplicating FP8/BF16 work shared by both."""
+
+    def __init__(self, ckpt: Checkpoint, prefill: CheckpointWriter, decode: CheckpointWriter):
+        self.ckpt, self.prefill, self.decode = ckpt, prefill, decode
+        self.differ: list[str] = []
+
+    def stored(self, name: str, action: str, *, scale_name: str) -> dict[str, torch.Tensor]:
+        """The stored tensors for `action` on source tensor `name` (suffix -> tensor)."""
+        st = self.ckpt.tensors[name]
+        if action in (PASS, REUSE_INT4):
+            return {s.rpartition(".")[2]: self.ckpt.raw(s) for s in st.parts.values()}
+        if action == FP8:
+            q, s = fp8.quantize(self.ckpt.get(name, torch.float32))
+            return {"weight": q, scale_name: s}
+        if action == BF16:
+            return {"weight": self.ckpt.get(name, torch.bfloat16)}
+        raise ValueError(action)
+
+    def write_shared(self, name: str, d: Decision) -> torch.Tensor | None:
+        """A tensor both outputs hold identically; returns its dequantized value for compute."""
+        base = name.rpartition(".")[0] + "." if name.endswith(".weight") else None
+        parts = self.stored(name, d.prefill, scale_name="weight_scale_inv")
+        for suffix, t in parts.items():
+            key = base + suffix if base else name
+            self.prefill.add(key, t)
+            # compressed-tensors calls the FP8 block multiplier `weight_scale`
+            dsuffix = "weight_scale" if suffix == "weight_scale_inv" else suffix
+            self.decode.add(base + dsuffix if base else name, t)
+        return parts
+
+    def write_expert(self, name: str, d: Decision, q: QuantizedWeight | None) -> None:
+        base = name[: -len("weight")]
+        for suffix, t in self.stored(name, d.prefill, scale_name="weight_scale_inv").items():
+            self.prefill.add(base + suffix, t)
+        if d.decode == REUSE_INT4:
+            parts = self.stored(name, REUSE_INT4, scale_name="")
+        else:
+            parts = int4.store(q.q, q.scale)
+        for suffix, t in parts.items():
+            self.decode.add(base + suffix, t)
+        self.differ.append(name)
+
+    def flush(self) -> None:
+        self.prefill.flush()
+        self.decode.flush()
+
+
+def compute_weight(parts: dict[str, torch.Tensor], st, dtype) -> torch.Tensor:
+    """The value a loader computes with for the stored parts of one tensor."""
+    if "weight_scale_inv" in parts:
+        return fp8.dequantize(parts["weight"], parts["weight_scale_inv"]).to(dtype)
+    if "weight_packed" in parts:
+        return int4.dequantize(parts["weight_packed"], parts["weight_scale"], parts["weight_shape"]).to(dtype)
+    (t,) = parts.values()
+    return t.to(dtype)
+
+
+# ---- resume ------------------------------------------------------------------------------------
+@dataclass
+class State:
+    fingerprint: str
+    next_layer: int = -1  # -1: the non-layer tensors are not written yet
+    prefill_parts: int = 0
+    decode_parts: int = 0
+    experts: list[dict] = field(default_factory=list)
+    layers: list[dict] = field(default_factory=list)
+    differ: list[str] = field(default_factory=list)
+
+
+def _save_state(folder: Path, state: State, h: torch.Tensor | None, topks: list) -> None:
+    if h is not None:
+        tensors = {"h": h.contiguous()} | {f"topk.{i}": t.cpu().contiguous() for i, t in enumerate(topks) if t is not None}
+        save_file(tensors, str(folder / "hidden.tmp"))
+        os.replace(folder / "hidden.tmp", folder / "hidden.safetensors")
+    (folder / "state.tmp").write_text(json.dumps(vars(state)))
+    os.replace(folder / "state.tmp", folder / "state.json")
+
+
+# ---- the conversion ----------------------------------------------------------------------------
+def convert(
+    model: str | Path,
+    out: str | Path,
+    *,
+    recipe: str | Path | None = None,
+    method: str | None = None,
+    calib: str | None = None,
+    num_samples: int | None = None,
+    seq_len: int | None = None,
+    group_size: int | None = None,
+    device: str = "auto",
+    resume: bool = False,
+    validate: bool = True,
+    progress: bool = True,
+    trust_remote_code: bool = False,
+    dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int = 5 * 2**30,
+) -> ConvertResult:
+    """Convert `model` into `out/prefill` (FP8) and `out/decode` (INT4 experts), with a report.
+
+    Args:
+        model: a folder, `hf://org/repo@rev`, or `tiny:kimi-k2.6` / `tiny:glm-5.2`.
+        out: output folder; `prefill/`, `decode/` and `convert-report.json` appear when complete.
+        recipe: a recipe file or name (default: the model family's recipe); the keyword options
+            below override its fields when given.
+        resume: continue an interrupted run from its last completed layer (byte-identical result).
+        validate: run `quantkit.validate` on the pair afterwards.
+
+    Example:
+        >>> res = quantkit.convert("tiny:glm-5.2", "out/glm")
+        >>> res.report["experts_summary"]
+    """
+    from quantkit.calib import load_tokens
+    from quantkit.models import resolve
+    from quantkit.recipe import default_recipe, load_recipe, recipe_overrides
+    from quantkit.reference import resolve_device
+
+    t_start = time.time()
+    out = Path(out)
+    src_path = resolve(model)
+    ckpt = Checkpoint(src_path)
+    arch = ckpt.arch
+    rec = load_recipe(recipe) if recipe is not None else default_recipe(str(model), arch)
+    rec = recipe_overrides(rec, method=method, group_size=group_size, num_samples=num_samples, seq_len=seq_len, calib=calib)
+    G = rec.group_size
+    dev = resolve_device(device)
+
+    # decisions for every tensor, up front (a dry run of the whole conversion)
+    source_group = _source_int4_group(arch)
+    decisions = {n: decide(st, rec, G, source_group) for n, st in ckpt.tensors.items()}
+    needs_calibration = rec.method != "rtn" and any(
+        d.decode == INT4 and not ckpt.tensors[n].info.mtp for n, d in decisions.items()
+    )
+
+    state_dir = out / STATE_DIR
+    for final in (out / "prefill", out / "decode"):
+        if final.exists():
+            raise OutputError(f"{final}: already exists; remove it or choose another --out")
+    tokens = None
+    if needs_calibration:
+        tokens = load_tokens(rec.calibration.dataset, tokenizer=src_path, num_samples=rec.calibration.num_samples,
+                             seq_len=rec.calibration.seq_len, seed=rec.calibration.seed, trust_remote_code=trust_remote_code)
+    source_files = {p.name: _sha256(p) for p in sorted(src_path.iterdir()) if p.is_file()}
+    fingerprint = hashlib.sha256(json.dumps(
+        [source_files, rec.model_dump(mode="json"), tokens.sha256 if tokens else None, __version__]).encode()).hexdigest()
+
+    out.mkdir(parents=True, exist_ok=True)
+    state = State(fingerprint)
+    if resume and (state_dir / "state.json").is_file():
+        state = State(**json.loads((state_dir / "state.json").read_text()))
+        if state.fingerprint != fingerprint:
+            raise OutputError(f"{state_dir}: the interrupted run used another source, recipe or calibration; "
+                              "rerun without --resume (or restore them)")
+    elif state_dir.exists():
+        if not resume:
+            shutil.rmtree(state_dir)
+    state_dir.mkdir(exist_ok=True)
+    _check_disk(ckpt, decisions, out, G)
+
+    digits = _shard_digits(src_path)
+    wp = CheckpointWriter(out / "prefill", digits=digits, resume=resume, max_shard_bytes=max_shard_bytes)
+    wd = CheckpointWriter(out / "decode", digits=digits, resume=resume, max_shard_bytes=max_shard_bytes)
+    wp.truncate_parts(state.prefill_parts)
+    wd.truncate_parts(state.decode_parts)
+    pair = PairWriter(ckpt, wp, wd)
+    pair.differ = list(state.differ)
+
+    n_layers = arch.num_layers_with_mtp
+    bar = _Progress(progress, n_layers)
+    h = None
+    ctx = None
+    topks: list = []
+    if tokens is not None:
+        ids = tokens.ids
+        ctx = Context.build(arch, ids.shape[1], dev, dtype)
+        topks = [None] * -(-ids.shape[0] // MICRO_BATCH)
+
+    with bar:
+        # 1. tensors outside the decoder layers: embeddings, final norm, head, vision
+        if state.next_layer == -1:
+            for name in ckpt.names(layer=None):
+                pair.write_shared(name, decisions[name])
+            pair.flush()
+            if tokens is not None:
+                from quantkit.forward import embed
+
+                h = embed(ckpt, ids, dev, dtype)
+            state.next_layer = 0
+            state.prefill_parts, state.decode_parts = wp.num_parts, wd.num_parts
+            _save_state(state_dir, state, h.cpu() if h is not None else None, topks)
+        elif tokens is not None:
+            saved = load_file(str(state_dir / "hidden.safetensors"))
+            h = saved["h"].to(dev)
+            topks = [saved[f"topk.{i}"].to(dev) if f"topk.{i}" in saved else None for i in range(len(topks))]
+        bar.advance_to(state.next_layer)
+
+        # 2. the decoder layers, one at a time
+        for layer in range(state.next_layer, n_layers):
+            t0 = time.time()
+            pre = arch.layer_prefix(layer)
+            mtp = layer >= arch.num_hidden_layers
+            w: dict[str, torch.Tensor] = {}
+            experts_q: dict[int, dict[str, QuantizedWeight]] = {}
+            records: list[ExpertRecord] = []
+
+            # shared tensors first: their stored form is also what we compute with
+            for name in ckpt.names(layer):
+                if ckpt.tensors[name].info.klass == TensorClass.ROUTED_EXPERT:
+                    continue
+                parts = pair.write_shared(name, decisions[name])
+                w[name[len(pre):]] = compute_weight(parts, ckpt.tensors[name], dtype).to(dev)
+
+            expert_names = ckpt.names(layer, TensorClass.ROUTED_EXPERT)
+            experts = sorted({ckpt.tensors[n].info.expert for n in expert_names})
+            for name in expert_names:
+                w[name[len(pre):]] = ckpt.get(name, dtype).to(dev)
+
+            calibrate = h is not None and not mtp
+            if calibrate:
+                x, h_mid = _attention_half(h, w, ctx, layer, topks)
+            if experts:
+                to_quantize = [e for e in experts if decisions[f"{pre}mlp.experts.{e}.down_proj.weight"].decode == INT4]
+                reused = [e for e in experts if e not in to_quantize]
+                if calibrate:
+                    tok = routed_tokens(x, w, arch)
+                else:
+                    tok = {e: torch.empty(0, dtype=torch.long) for e in experts}
+                method_here = rec.method if (calibrate and to_quantize) else "rtn"
+                if to_quantize:
+                    bar.experts(layer, len(to_quantize))
+                    experts_q, records = quantize_experts(x if calibrate else None, w, tok, to_quantize, rec, G,
+                                                          "rtn" if method_here == "rtn" else "gptq", layer)
+                    if mtp:
+                        for r in records:
+                            r.fallback = "mtp: no calibration path (RTN)"
+                records += [ExpertRecord(layer, e, int(len(tok.get(e, ()))), "reused") for e in reused]
+                records.sort(key=lambda r: r.expert)
+                for name in expert_names:
+                    info = ckpt.tensors[name].info
+                    pair.write_expert(name, decisions[name], experts_q.get(info.expert, {}).get(info.proj))
+            pair.flush()
+
+            if calibrate:
+                if arch.is_moe(layer):
+                    decode_experts = {
+                        e: tuple(experts_q[e][p].dequantize(dtype).to(dev) for p in PROJS) if e in experts_q else expert_weights(w, e)
+                        for e in experts
+                    }
+                    moe_out = moe_forward(x, w, arch, decode_experts)
+                else:
+                    moe_out = swiglu(x, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
+                h = h_mid + moe_out.view_as(h_mid)
+
+            state.experts += [vars(r) for r in records]
+            state.layers.append({"layer": layer, "kind": "mtp" if mtp else ("moe" if arch.is_moe(layer) else "dense"),
+                                 "seconds": round(time.time() - t0, 3), "calibrated": calibrate and bool(experts)})
+            state.next_layer = layer + 1
+            state.prefill_parts, state.decode_parts = wp.num_parts, wd.num_parts
+            state.differ = pair.differ
+            _save_state(state_dir, state, h.cpu() if h is not None else None, topks)
+            del w
+            bar.layer_done(layer)
+
+    # 3. configs, carried files, rename into place
+    block = rec.prefill.fp8_block
+    prefill_cfg = set_quantization_config(arch.raw, arch, prefill_quantization_config(ckpt, decisions, block))
+    decode_cfg = set_quantization_config(arch.raw, arch, decode_quantization_config(ckpt, decisions, G, block))
+    carried = ckpt.other_files()
+    wp.finish(prefill_cfg, files=carried)
+    wd.finish(decode_cfg, files=carried)
+
+    report = _report(model, src_path, source_files, rec, tokens, state, ckpt, decisions, out, t_start, G, block)
+    (out / "convert-report.json").write_text(json.dumps(report, indent=2) + "\n")
+    shutil.rmtree(state_dir, ignore_errors=True)
+    result = ConvertResult(out, out / "prefill", out / "decode", report)
+    if validate:
+        from quantkit.validate import validate as run_validate
+
+        run_validate(out, device=device, progress=progress)
+    return result
+
+
+MICRO_BATCH = 8
+
+
+def _attention_half(h, w, ctx, layer, topks: list):
+    """Attention and the post-attention norm: (MoE/MLP input x (N*T, D), residual stream h_mid (N, T, D)).
+
+    Samples go through attention MICRO_BATCH at a time, bounding the (B, heads, T, T) scores;
+    `topks` carries each micro-batch's DSA selection to the next layer (IndexShare)."""
+    a = ctx.arch
+    outs = []
+    for i, hb in enumerate(h.split(MICRO_BATCH)):
+        ctx.topk = topks[i]
+        outs.append(hb + mla_attention(rms_norm(hb, w["input_layernorm.weight"], a.rms_norm_eps), w, ctx, layer))
+        topks[i] = ctx.topk
+    h_mid = torch.cat(outs)
+    x = rms_norm(h_mid, w["post_attention_layernorm.weight"], a.rms_norm_eps)
+    return x.reshape(-1, x.shape[-1]), h_mid
+
+
+def _source_int4_group(arch) -> int | None:
+    qc = arch.quantization_config or {}
+    if qc.get("quant_method") != "compressed-tensors":
+        return None
+    for group in qc.get("config_groups", {}).values():
+        wts = group.get("weights") or {}
+        if wts.get("num_bits") == 4 and wts.get("symmetric", True):
+            return wts.get("group_size")
+    return None
+
+
+def _shard_digits(folder: Path) -> int:
+    """Keep the source's shard-name style (Kimi: six digits, GLM: five)."""
+    for p in folder.glob("model-*-of-*.safetensors"):
+        return len(p.stem.rsplit("-of-", 1)[1])
+    return 5
+
+
+def _predicted_bytes(ckpt: Checkpoint, decisions: dict[str, Decision], G: int) -> tuple[int, int]:
+    sizes = [0, 0]
+    for name, d in decisions.items():
+        st = ckpt.tensors[name]
+        n = 1
+        for s in st.shape:
+            n *= s
+        for i, action in enumerate((d.prefill, d.decode)):
+            if action in (PASS, REUSE_INT4):
+                sizes[i] += ckpt.storage_bytes(name)
+            elif action == FP8:
+                sizes[i] += n + 4 * -(-st.shape[0] // 128) * -(-st.shape[1] // 128)
+            elif action == BF16:
+                sizes[i] += 2 * n
+            else:
+                sizes[i] += n // 2 + 2 * n // G
+    return sizes[0], sizes[1]
+
+
+def _check_disk(ckpt, decisions, out: Path, G: int) -> None:
+    need = sum(_predicted_bytes(ckpt, decisions, G))
+    free = shutil.disk_usage(out).free
+    if need > free:
+        raise OutputError(f"{out}: the pair needs about {need / 1e9:.1f} GB, only {free / 1e9:.1f} GB free; "
+                          "free space or choose another --out")
+
+
+def _report(model, src_path, source_files, rec, tokens, state: State, ckpt, decisions, out: Path, t_start, G, block) -> dict:
+    experts = state.experts
+    counts = {m: sum(1 for e in experts if e["method"] == m) for m in ("gptq", "rtn", "reused")}
+    fallbacks = [e for e in experts if e["fallback"]]
+    sizes = {which: sum(p.stat().st_size for p in (out / which).glob("*.safetensors")) for which in ("prefill", "decode")}
+    differ = sorted(state.differ)
+    return {
+        "quantkit_version": __version__,
+        "source": {"spec": str(model), "path": str(Path(src_path).resolve()), "model_type": ckpt.arch.model_type,
+                   "files": source_files},
+        "recipe": rec.model_dump(mode="json"),
+        "method": rec.method,
+        "group_size": G,
+        "calibration": None if tokens is None else {
+            "spec": tokens.spec, "num_samples": int(tokens.ids.shape[0]), "seq_len": int(tokens.ids.shape[1]),
+            "tokens": int(tokens.ids.numel()), "sha256": tokens.sha256, "source": tokens.source,
+        },
+        "calibration_choice": "each layer calibrated on the hidden states of the quantized decode model (sequential)",
+        "layers": state.layers,
+        "experts": experts,
+        "experts_summary": {"total": len(experts), **counts, "fallbacks": len(fallbacks),
+                            "starved": sum(1 for e in experts if e["fallback"] == "all_tokens" or e["fallback"] == "rtn")},
+        "outputs": {
+            "prefill": {"path": "prefill", "bytes": sizes["prefill"],
+                        "precision": precision_summary(ckpt, decisions, "prefill", G, block)},
+            "decode": {"path": "decode", "bytes": sizes["decode"],
+                       "precision": precision_summary(ckpt, decisions, "decode", G, block)},
+        },
+        "shared_tensors": {
+            "identical": len(ckpt.tensors) - len(differ),
+            "differ": len(differ),
+            "differ_classes": sorted({ckpt.tensors[n].info.klass.value for n in differ}),
+            "renamed": "FP8 block multipliers are `weight_scale_inv` in prefill (DeepSeek layout) and "
+                       "`weight_scale` in decode (compressed-tensors); the bytes are identical",
+        },
+        "decisions": {n: {"prefill": d.prefill, "decode": d.decode, **({"why": d.why} if d.why else {})}
+                      for n, d in decisions.items() if d.prefill != PASS or d.decode != PASS or d.why},
+        "seconds": round(time.time() - t_start, 3),
+        "peak_rss_bytes": _peak_rss(),
+    }
+
+
+class _Progress:
+    """Rich progress over layers (and the experts of the current layer); silent when disabled."""
+
+    def __init__(self, enabled: bool, n_layers: int):
+        self.enabled = enabled
+        self.n_layers = n_layers
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+            self.p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                              TimeElapsedColumn(), TimeRemainingColumn(), transient=False)
+            self.task = self.p.add_task("layers", total=n_layers)
+
+    def __enter__(self):
+        if self.enabled:
+            self.p.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.p.__exit__(*exc)
+
+    def advance_to(self, layer: int) -> None:
+        if self.enabled:
+            self.p.update(self.task, completed=max(layer, 0))
+
+    def experts(self, layer: int, n: int) -> None:
+        if self.enabled:
+            self.p.update(self.task, description=f"layer {layer}: quantizing {n} experts")
+
+    def layer_done(self, layer: int) -> None:
+        if self.enabled:
+            self.p.update(self.task, completed=layer + 1, description="layers")

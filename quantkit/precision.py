@@ -1,0 +1,179 @@
+"""What the prefill/decode pair looks like: one decision per source tensor, and each output's config.
+
+The pair shares every tensor except the routed experts, byte for byte, so both pools compute the
+same KV cache from the same hidden states:
+
+    tensor class                     prefill (FP8)                 decode (INT4)
+    routed experts                   FP8 128x128 block             INT4 group-G symmetric (GPTQ/AWQ/RTN,
+                                                                   or the source's INT4 reused)
+    attention, indexer wq_b/wk,      FP8 block, or BF16 where a projection cannot be blocked the way
+    shared experts, dense MLP        engines need (Kimi's q_a_proj, kv_a_proj_with_mqa): same in both
+    router, bias, norms, embeddings, as stored in the source, byte for byte: same in both
+    head, vision, MTP extras
+
+A tensor already stored as FP8 blocks in the source (GLM-5.2) passes through untouched. The prefill
+checkpoint uses DeepSeek's native FP8 layout (`weight_scale_inv`, `quant_method: fp8`); the decode
+checkpoint is compressed-tensors `mixed-precision`, which names the same FP8 multiplier
+`weight_scale`: identical bytes under the name each loader expects.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from quantkit.arch import ModelArch
+from quantkit.checkpoint import Checkpoint, Stored
+from quantkit.formats import fp8, int4
+from quantkit.tensors import TensorClass
+
+# Storage actions
+PASS = "pass"  # copy the stored tensors byte for byte
+FP8 = "fp8"  # (re)quantize to FP8 128x128 blocks
+BF16 = "bf16"  # dequantize and store BF16
+INT4 = "int4"  # quantize to INT4 (decode experts)
+REUSE_INT4 = "reuse-int4"  # copy the source's INT4 tensors (same scheme)
+
+
+@dataclass(frozen=True)
+class Decision:
+    prefill: str
+    decode: str
+    why: str = ""
+
+
+def _fp8_or_pass(st: Stored) -> str:
+    return PASS if st.format == "fp8" else FP8
+
+
+def decide(st: Stored, recipe, group_size: int, source_group: int | None) -> Decision:
+    """Where one source tensor goes in each output; pure, so a dry run can check every name."""
+    info = st.info
+    k = info.klass
+    if k == TensorClass.ROUTED_EXPERT:
+        prefill = _fp8_or_pass(st)
+        reuse = st.format == "int4" and source_group == group_size and "weight_zero_point" not in st.parts
+        if reuse and recipe.decode.reuse_source_int4:
+            return Decision(prefill, REUSE_INT4, "source INT4 in the target scheme")
+        return Decision(prefill, INT4)
+    linear = info.is_linear and k in (TensorClass.ATTENTION, TensorClass.INDEXER, TensorClass.SHARED_EXPERT, TensorClass.DENSE_MLP)
+    if linear and info.proj != "weights_proj":
+        if st.format == "fp8":
+            return Decision(PASS, PASS, "source FP8")
+        setting = {TensorClass.SHARED_EXPERT: recipe.prefill.shared_experts, TensorClass.DENSE_MLP: recipe.prefill.dense_mlp}.get(k, "fp8")
+        if setting == "bf16":
+            return Decision(BF16 if st.format != "dense" else PASS, BF16 if st.format != "dense" else PASS, "recipe keeps BF16")
+        if info.proj in recipe.prefill.keep_bf16:
+            return Decision(PASS, PASS, "recipe keeps BF16 (engines fuse it with a projection that breaks 128-blocks)")
+        if not fp8.can_block(st.shape, recipe.prefill.fp8_block):
+            return Decision(PASS, PASS, f"shape {st.shape} is not a multiple of {recipe.prefill.fp8_block}")
+        return Decision(FP8, FP8)
+    return Decision(PASS, PASS)
+
+
+def module_of(name: str) -> str:
+    return name[: -len(".weight")] if name.endswith(".weight") else name
+
+
+def stored_as(decision: str, st: Stored) -> str:
+    """The storage format a decision produces: fp8 / int4 / dense."""
+    if decision == PASS:
+        return st.format
+    return {FP8: "fp8", BF16: "dense", INT4: "int4", REUSE_INT4: "int4"}[decision]
+
+
+def _linear_modules(ckpt: Checkpoint, decisions: dict[str, Decision], which: str, fmt: str) -> list[str]:
+    out = []
+    for name, st in ckpt.tensors.items():
+        if not name.endswith(".weight") or len(st.shape) != 2 or st.info.klass in (TensorClass.NORM, TensorClass.EMBEDDING):
+            continue
+        if stored_as(getattr(decisions[name], which), st) == fmt:
+            out.append(module_of(name))
+    return sorted(out)
+
+
+def _short(module: str, arch: ModelArch) -> str:
+    """`language_model.model.layers.3.mlp.gate` -> `layers.3.mlp.gate`: loaders rename the prefix
+    (transformers loads Kimi's text model as `model.language_model.`), the rest stays."""
+    return module[len(arch.prefix):] if module.startswith(arch.prefix) else module
+
+
+def _vision(module: str) -> bool:
+    return module.startswith(("vision_tower.", "mm_projector.", "multi_modal_projector."))
+
+
+def ct_patterns(modules: list[str], arch: ModelArch) -> list[str]:
+    """compressed-tensors `re:` patterns matching exactly these modules under any loader's prefix.
+    Vision modules (renamed freely by loaders) are covered by one pattern per tower."""
+    out = {f"re:(^|.*\\.){re.escape(_short(m, arch))}$" for m in modules if not _vision(m)}
+    out |= {f"re:.*{m.split('.')[0]}.*" for m in modules if _vision(m)}
+    return sorted(out)
+
+
+def prefill_quantization_config(ckpt: Checkpoint, decisions: dict[str, Decision], block: int) -> dict:
+    """DeepSeek-native FP8 config; every 2-D weight not stored FP8 is listed as not converted.
+
+    Names are listed as stored and, where the decoder prefix is not `model.` (Kimi), also without
+    it: transformers matches by suffix on its renamed modules, vLLM and SGLang by stored name.
+    """
+    not_fp8 = {m for fmt in ("dense", "int4") for m in _linear_modules(ckpt, decisions, "prefill", fmt)}
+    if ckpt.arch.prefix != "model.":
+        not_fp8 |= {_short(m, ckpt.arch) for m in not_fp8}
+    return {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [block, block],
+        "modules_to_not_convert": sorted(not_fp8),
+    }
+
+
+def decode_quantization_config(ckpt: Checkpoint, decisions: dict[str, Decision], group_size: int, block: int) -> dict:
+    """compressed-tensors mixed-precision: INT4 group targeting `Linear` (the MoE scheme SGLang and
+    vLLM pick), FP8 block group with exact-name targets, BF16 modules in `ignore`."""
+    fp8_modules = _linear_modules(ckpt, decisions, "decode", "fp8")
+    bf16_modules = _linear_modules(ckpt, decisions, "decode", "dense")
+    cfg = int4.quantization_config(group_size, ignore=ct_patterns(bf16_modules, ckpt.arch))
+    cfg["format"] = "mixed-precision"
+    if fp8_modules:
+        cfg["config_groups"]["group_1"] = {
+            "targets": ct_patterns(fp8_modules, ckpt.arch),
+            "weights": {
+                "num_bits": 8, "type": "float", "symmetric": True, "strategy": "block",
+                "block_structure": [block, block], "dynamic": False, "observer": "minmax",
+            },
+            "input_activations": {
+                "num_bits": 8, "type": "float", "symmetric": True, "strategy": "group",
+                "group_size": block, "dynamic": True, "observer": None,
+            },
+            "output_activations": None,
+            "format": "float-quantized",
+        }
+    return cfg
+
+
+def precision_summary(ckpt: Checkpoint, decisions: dict[str, Decision], which: str, group_size: int, block: int) -> dict[str, str]:
+    """Per tensor class, the storage formats in one output (for the report and the model card)."""
+    names = {"fp8": f"fp8-block{block}", "int4": f"int4-g{group_size}-sym"}
+    summary: dict[str, set[str]] = {}
+    for name, st in ckpt.tensors.items():
+        fmt = stored_as(getattr(decisions[name], which), st)
+        label = names.get(fmt, st.dtype.lower() if fmt == "dense" and getattr(decisions[name], which) == PASS else "bf16")
+        if fmt == "int4" and getattr(decisions[name], which) == PASS:
+            label = "int4 (source)"
+        summary.setdefault(st.info.klass.value, set()).add(label)
+    return {k: ", ".join(sorted(v)) for k, v in sorted(summary.items())}
+
+
+def set_quantization_config(config: dict, arch: ModelArch, qc: dict) -> dict:
+    """A copy of the source config.json with `qc` as its quantization_config (Kimi: top level and
+    text_config, where different loaders look)."""
+    import copy
+
+    out = copy.deepcopy(config)
+    out.pop("quantization_config", None)
+    if "text_config" in out:
+        out["text_config"].pop("quantization_config", None)
+        out["text_config"]["quantization_config"] = qc
+    out["quantization_config"] = qc
+    return out
