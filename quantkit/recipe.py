@@ -1,0 +1,303 @@
+"""Conversion recipes: one YAML file says how a model becomes its FP8 prefill + INT4 decode pair.
+
+A recipe is validated once, up front, by pydantic models with `extra="forbid"`, so a typo is an
+error rather than a silently ignored setting. Every problem becomes one line naming the file, the
+field path and the fix:
+
+    recipes/x.yaml: gptq.dampening: must be > 0 (got 0)
+    recipes/x.yaml: gptq.dampning: unknown field; did you mean 'dampening'?
+
+Shipped recipes live in the repo's `recipes/` folder (kimi-k2.6, glm-5.2 and the tiny-* ones for
+the embedded tiny models); `load_recipe("kimi-k2.6")` finds them by name. docs/recipes.md is the
+field reference.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import warnings
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from quantkit.errors import ConfigError
+
+__all__ = ["Recipe", "load_recipe", "default_recipe", "recipe_overrides", "recipe_dirs", "available_recipes"]
+
+# Projections `prefill.keep_bf16` may name (the last component of the module name).
+ATTENTION_PROJECTIONS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "wq_b", "wk")
+
+# CLI option -> field path, for recipe_overrides and its error messages.
+_OVERRIDES = {
+    "method": ("method",),
+    "group_size": ("group_size",),
+    "num_samples": ("calibration", "num_samples"),
+    "seq_len": ("calibration", "seq_len"),
+    "calib": ("calibration", "dataset"),
+    "seed": ("calibration", "seed"),
+}
+
+
+class _Section(BaseModel):
+    # strict: YAML already gives typed values, so "128" or 1.5 for an int is a mistake, not a coercion
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+
+
+class Calibration(_Section):
+    dataset: str | None = None  # a quantkit.calib spec; required unless method is rtn
+    num_samples: int = Field(128, ge=1)
+    seq_len: int = Field(512, ge=1)
+    seed: int = Field(0, ge=0)
+
+
+class GPTQSettings(_Section):
+    dampening: float = Field(0.01, gt=0, lt=1)  # fraction of mean(diag H) added to the diagonal
+    block_size: int = Field(128, ge=1)  # columns per lazy batch update; a multiple of group_size
+    actorder: bool = False  # static activation order (group of a column unchanged: same format)
+    min_tokens: int = Field(32, ge=0)  # experts routed fewer tokens take `fallback`
+    fallback: Literal["all_tokens", "rtn"] = "all_tokens"
+
+
+class AWQSettings(_Section):  # placeholders until AWQ lands
+    grid: int = Field(20, ge=1)
+    duo_scaling: bool = True
+
+
+class PrefillSettings(_Section):
+    fp8_block: Literal[128] = 128  # the DeepSeek-native [128, 128] block format both engines load
+    keep_bf16: list[str] = []
+    shared_experts: Literal["fp8", "bf16"] = "fp8"
+    dense_mlp: Literal["fp8", "bf16"] = "fp8"
+
+    @field_validator("keep_bf16")
+    @classmethod
+    def _known_projections(cls, names: list[str]) -> list[str]:
+        for n in names:
+            if n not in ATTENTION_PROJECTIONS:
+                close = difflib.get_close_matches(n, ATTENTION_PROJECTIONS, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise ValueError(f"unknown projection {n!r}; {hint}choose from {', '.join(ATTENTION_PROJECTIONS)}")
+        if len(set(names)) != len(names):
+            raise ValueError("lists a projection twice; remove the duplicate")
+        return names
+
+
+class DecodeSettings(_Section):
+    reuse_source_int4: bool = True  # copy source INT4 experts bit for bit when already in the target scheme
+
+
+class ValidateSettings(_Section):
+    dataset: str | None = None  # a quantkit.calib spec the calibration never saw; None skips data checks
+    num_samples: int = Field(8, ge=1)
+    seq_len: int = Field(128, ge=2)
+    gen_tokens: int = Field(8, ge=0)
+    gates: dict[str, float] = {}  # metric_max / metric_min bounds, e.g. kl_max, top1_min, ppl_delta_max
+
+    @field_validator("gates")
+    @classmethod
+    def _bounds(cls, gates: dict[str, float]) -> dict[str, float]:
+        for k, v in gates.items():
+            if not k.endswith(("_max", "_min")):
+                raise ValueError(f"gate {k!r} must end in _max or _min (an upper or lower bound), e.g. kl_max, top1_min")
+            if not math.isfinite(v):
+                raise ValueError(f"gate {k!r} must be a finite number (got {v})")
+        return gates
+
+
+# `validate` shadows BaseModel's deprecated `validate` classmethod; the field is what recipes call it,
+# and instance attributes win, so `recipe.validate` is the section. Silence pydantic's warning.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message='Field name "validate"', category=UserWarning)
+
+    class Recipe(_Section):
+        name: str = Field(min_length=1)
+        method: Literal["gptq", "rtn", "awq"] = "gptq"
+        group_size: Literal[32, 64, 128] = 128  # Marlin MoE kernels accept these
+        calibration: Calibration = Field(default_factory=Calibration)
+        gptq: GPTQSettings = Field(default_factory=GPTQSettings)
+        awq: AWQSettings = Field(default_factory=AWQSettings)
+        prefill: PrefillSettings = Field(default_factory=PrefillSettings)
+        decode: DecodeSettings = Field(default_factory=DecodeSettings)
+        validate: ValidateSettings = Field(default_factory=ValidateSettings)
+
+        @model_validator(mode="after")
+        def _consistent(self) -> "Recipe":
+            problems = []
+            if self.method != "rtn" and not self.calibration.dataset:
+                problems.append(f"calibration.dataset: method {self.method} needs calibration data; "
+                                "add a spec such as synthetic:train or hf:org/name@split, or use method: rtn")
+            if self.gptq.block_size % self.group_size:
+                problems.append(f"gptq.block_size: {self.gptq.block_size} must be a multiple of "
+                                f"group_size {self.group_size}")
+            cal, val = _same_data(self.calibration.dataset), _same_data(self.validate.dataset)
+            if val is not None and val == cal:
+                problems.append(f"validate.dataset: {self.validate.dataset} is the calibration data; evaluate on held-out "
+                                "data (synthetic:heldout, a test split, or another file)")
+            if problems:
+                raise ValueError("\n".join(problems))
+            return self
+
+        def to_dict(self) -> dict[str, Any]:
+            """Plain dict with YAML field names (for reports and round trips)."""
+            return self.model_dump()
+
+
+def _same_data(spec: str | None) -> str | None:
+    if not spec:
+        return None
+    s = spec.strip()
+    return "synthetic:train" if s == "synthetic" else s
+
+
+# ---- loading -------------------------------------------------------------------------------------
+def recipe_dirs() -> list[Path]:
+    """Where recipe names are looked up: the repo checkout's recipes/, then a packaged copy."""
+    here = Path(__file__).resolve().parent
+    return [d for d in (here.parent / "recipes", here / "recipes") if d.is_dir()]
+
+
+def available_recipes() -> list[str]:
+    return sorted({p.stem for d in recipe_dirs() for p in d.glob("*.yaml")})
+
+
+def load_recipe(path_or_name: str | Path) -> Recipe:
+    """A recipe from a YAML path, or by name (`kimi-k2.6`) from the recipes folder."""
+    path = _find(path_or_name)
+    where = _display(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or _first_line(e)
+        raise ConfigError(f"{where}{at}: YAML syntax error: {problem}; fix the YAML (indentation, colons, quotes)") from None
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot read the recipe ({e.strerror or e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: a recipe is a YAML mapping of fields (name, method, calibration, ...); "
+                          f"got {type(data).__name__}")
+    return _validate(data, where)
+
+
+def _find(path_or_name: str | Path) -> Path:
+    p = Path(path_or_name).expanduser()
+    if p.is_file():
+        return p
+    name = str(path_or_name)
+    if "/" not in name and "\\" not in name:
+        stem = name[:-5] if name.endswith(".yaml") else name
+        for d in recipe_dirs():
+            if (d / f"{stem}.yaml").is_file():
+                return d / f"{stem}.yaml"
+    names = ", ".join(available_recipes()) or "none found"
+    raise ConfigError(f"{path_or_name}: no such recipe file or name; pass a YAML path or one of: {names}")
+
+
+def default_recipe(model_spec: str, arch) -> Recipe:
+    """The shipped recipe for a model: tiny:<name> -> tiny-<name>, else by family (kimi, glm)."""
+    spec = str(model_spec)
+    if spec.startswith("tiny:"):
+        return load_recipe(f"tiny-{spec[len('tiny:'):]}")
+    family = getattr(arch, "family", arch)
+    by_family = {"kimi": "kimi-k2.6", "glm": "glm-5.2"}
+    if family not in by_family:
+        raise ConfigError(f"{spec}: no default recipe for the {family} family; pass one with --recipe "
+                          f"(start from {' or '.join(by_family.values())})")
+    return load_recipe(by_family[family])
+
+
+def recipe_overrides(recipe: Recipe, **cli_options: Any) -> Recipe:
+    """`recipe` with CLI options applied: method, group_size, num_samples, seq_len, calib, seed.
+
+    None keeps the recipe's value. The result is validated again (e.g. a new group_size must still
+    divide gptq.block_size); errors name the CLI option.
+    """
+    unknown = sorted(set(cli_options) - set(_OVERRIDES))
+    if unknown:
+        raise TypeError(f"recipe_overrides: unknown option(s) {', '.join(unknown)}; known: {', '.join(_OVERRIDES)}")
+    data = recipe.to_dict()
+    changed = False
+    for option, value in cli_options.items():
+        if value is None:
+            continue
+        *parents, leaf = _OVERRIDES[option]
+        node = data
+        for key in parents:
+            node = node[key]
+        node[leaf] = value
+        changed = True
+    if not changed:
+        return recipe
+    options = {path: "--" + option.replace("_", "-")
+               for option, path in _OVERRIDES.items() if cli_options.get(option) is not None}
+    return _validate(data, f"command line (recipe {recipe.name})", options)
+
+
+# ---- errors --------------------------------------------------------------------------------------
+def _validate(data: dict, where: str, options: dict[tuple, str] | None = None) -> Recipe:
+    """Validate `data`; `options` names the CLI option behind a field path in error messages."""
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        lines = [line for err in e.errors() for line in _describe(err, where, options or {})]
+        raise ConfigError("\n".join(lines)) from None
+
+
+def _describe(err: dict, where: str, options: dict[tuple, str]) -> list[str]:
+    """One line per problem: `<file>: <field path>: <what is wrong>; <fix>`."""
+    loc = tuple(err["loc"])
+    field = options.get(loc) or _field_name(loc)
+    kind, ctx, got = err["type"], err.get("ctx") or {}, err.get("input")
+    if kind == "value_error":
+        message = str(ctx.get("error", err["msg"]))
+        if not loc:  # model-level checks already start with their field path, one per line
+            return [f"{where}: {line}" for line in message.splitlines()]
+        return [f"{where}: {field}: {message}"]
+    if kind == "extra_forbidden":
+        valid = _fields_at(loc[:-1])
+        close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"valid fields: {', '.join(valid)}"
+        return [f"{where}: {field}: unknown field; {hint}"]
+    if kind == "missing":
+        return [f"{where}: {field}: required; add it"]
+    if kind == "literal_error":
+        return [f"{where}: {field}: must be one of {ctx.get('expected')} (got {got!r})"]
+    bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+    if kind in bounds:
+        limit = next(iter(ctx.values()), "?")
+        return [f"{where}: {field}: must be {bounds[kind]} {limit} (got {got!r})"]
+    types = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false", "string_type": "a string",
+             "dict_type": "a mapping", "list_type": "a list", "model_type": "a mapping of fields",
+             "string_too_short": "a non-empty string"}
+    if kind in types or kind.startswith(("int_", "float_")):
+        return [f"{where}: {field}: must be {types.get(kind, 'a number')} (got {got!r})"]
+    return [f"{where}: {field}: {err['msg']} (got {got!r})"]
+
+
+def _field_name(loc: tuple) -> str:
+    return ".".join(str(x) for x in loc) or "(recipe)"
+
+
+def _fields_at(loc: tuple) -> list[str]:
+    model: type[BaseModel] = Recipe
+    for key in loc:
+        info = model.model_fields.get(key)
+        if info is None or not isinstance(info.annotation, type) or not issubclass(info.annotation, BaseModel):
+            return []
+        model = info.annotation
+    return sorted(model.model_fields)
+
+
+def _display(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

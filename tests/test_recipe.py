@@ -1,0 +1,160 @@
+"""quantkit.recipe: the shipped recipes load, mistakes give one line per problem naming the file,
+the field and the fix, and CLI overrides are validated like the file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from quantkit.arch import arch_from_config
+from quantkit.calib import parse_spec
+from quantkit.errors import ConfigError
+from quantkit.recipe import Recipe, available_recipes, default_recipe, load_recipe, recipe_dirs, recipe_overrides
+from quantkit.tiny import tiny_config
+
+SHIPPED = ["glm-5.2", "kimi-k2.6", "tiny-glm-5.2", "tiny-kimi-k2.6"]
+REPO_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    return path
+
+
+def errors(path: Path) -> list[str]:
+    with pytest.raises(ConfigError) as e:
+        load_recipe(path)
+    return str(e.value).splitlines()
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_recipes_load(name):
+    r = load_recipe(name)
+    assert r.name == name
+    assert r == load_recipe(REPO_RECIPES / f"{name}.yaml")
+    assert r.method == "gptq" and r.gptq.block_size % r.group_size == 0
+    for spec in (r.calibration.dataset, r.validate.dataset):  # both parse (no data is read)
+        parse_spec(spec)
+    assert r.validate.dataset != r.calibration.dataset and r.validate.gates
+
+
+def test_shipped_recipe_settings():
+    assert set(SHIPPED) <= set(available_recipes()) and recipe_dirs()[0] == REPO_RECIPES
+    kimi, glm = load_recipe("kimi-k2.6"), load_recipe("glm-5.2")
+    assert kimi.group_size == 32 and kimi.decode.reuse_source_int4
+    assert kimi.prefill.keep_bf16 == ["q_a_proj", "kv_a_proj_with_mqa"] and glm.prefill.keep_bf16 == []
+    assert glm.group_size == 128
+    for r in (kimi, glm):
+        assert (r.calibration.dataset, r.calibration.num_samples, r.calibration.seq_len) == (
+            "hf:HuggingFaceH4/ultrachat_200k@train_sft", 512, 2048)
+    for name in ("tiny-kimi-k2.6", "tiny-glm-5.2"):
+        t = load_recipe(name)
+        assert (t.calibration.dataset, t.calibration.num_samples, t.calibration.seq_len) == ("synthetic:train", 64, 64)
+        assert (t.validate.dataset, t.validate.num_samples, t.validate.seq_len, t.validate.gen_tokens) == (
+            "synthetic:heldout", 8, 64, 8)
+    assert load_recipe("tiny-kimi-k2.6").group_size == 32 and load_recipe("tiny-glm-5.2").group_size == 128
+
+
+def test_defaults_of_a_minimal_recipe(tmp_path):
+    r = load_recipe(write(tmp_path, "name: mine\ncalibration:\n  dataset: data.jsonl\n"))
+    assert (r.method, r.group_size) == ("gptq", 128)
+    assert (r.calibration.num_samples, r.calibration.seq_len, r.calibration.seed) == (128, 512, 0)
+    g = r.gptq
+    assert (g.dampening, g.block_size, g.actorder, g.min_tokens, g.fallback) == (0.01, 128, False, 32, "all_tokens")
+    assert (r.awq.grid, r.awq.duo_scaling) == (20, True)
+    p = r.prefill
+    assert (p.fp8_block, p.keep_bf16, p.shared_experts, p.dense_mlp) == (128, [], "fp8", "fp8")
+    assert r.decode.reuse_source_int4 is True
+    v = r.validate
+    assert (v.dataset, v.num_samples, v.seq_len, v.gen_tokens, v.gates) == (None, 8, 128, 8, {})
+    assert Recipe.model_validate(r.to_dict()) == r
+    assert load_recipe(write(tmp_path, "name: fast\nmethod: rtn\n")).calibration.dataset is None
+
+
+def test_typos_and_bad_values_name_file_and_field(tmp_path):
+    path = write(tmp_path, """\
+name: x
+group_size: 100
+calibration:
+  dataset: synthetic:train
+  num_sample: 3
+gptq:
+  dampning: 0.01
+  dampening: 0
+  fallback: zeros
+prefill:
+  keep_bf16: [q_a_prj]
+validate:
+  seq_len: 1.5
+  gates: {kl: 0.1}
+""")
+    lines = errors(path)
+    where = str(path)
+    assert lines == [
+        f"{where}: group_size: must be one of 32, 64 or 128 (got 100)",
+        f"{where}: calibration.num_sample: unknown field; did you mean 'num_samples'?",
+        f"{where}: gptq.dampening: must be > 0.0 (got 0)",
+        f"{where}: gptq.fallback: must be one of 'all_tokens' or 'rtn' (got 'zeros')",
+        f"{where}: gptq.dampning: unknown field; did you mean 'dampening'?",
+        f"{where}: prefill.keep_bf16: unknown projection 'q_a_prj'; did you mean 'q_a_proj'? "
+        "choose from q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj, wq_b, wk",
+        f"{where}: validate.seq_len: must be an integer (got 1.5)",
+        f"{where}: validate.gates: gate 'kl' must end in _max or _min (an upper or lower bound), e.g. kl_max, top1_min",
+    ]
+
+
+def test_cross_field_rules(tmp_path):
+    lines = errors(write(tmp_path, "name: x\ngroup_size: 64\ngptq: {block_size: 96}\n"
+                                   "calibration: {dataset: synthetic}\nvalidate: {dataset: synthetic:train}\n"))
+    assert [line.split(": ", 2)[1] for line in lines] == ["gptq.block_size", "validate.dataset"]
+    assert "must be a multiple of group_size 64" in lines[0] and "held-out" in lines[1]
+    (line,) = errors(write(tmp_path, "name: x\nmethod: gptq\n"))
+    assert "calibration.dataset: method gptq needs calibration data" in line and "method: rtn" in line
+
+
+def test_structural_errors(tmp_path):
+    (line,) = errors(write(tmp_path, "name: [x\n"))
+    assert "YAML syntax error" in line and line.startswith(str(tmp_path / "r.yaml") + ":2:")
+    (line,) = errors(write(tmp_path, "- a\n"))
+    assert "a recipe is a YAML mapping" in line
+    (line,) = errors(write(tmp_path, "method: rtn\nfoo: 1\n"))[:1]
+    assert line.endswith("name: required; add it")
+    (line,) = errors(write(tmp_path, "name: x\nmethod: rtn\nprefil: {}\n"))
+    assert line.endswith("prefil: unknown field; did you mean 'prefill'?")
+    with pytest.raises(ConfigError, match="no such recipe file or name; pass a YAML path or one of: glm-5.2"):
+        load_recipe("kimi-k3")
+
+
+def test_default_recipe_by_model():
+    kimi_arch = arch_from_config(tiny_config("kimi-k2.6"))
+    glm_arch = arch_from_config(tiny_config("glm-5.2"))
+    assert default_recipe("tiny:kimi-k2.6", kimi_arch).name == "tiny-kimi-k2.6"
+    assert default_recipe("tiny:glm-5.2", glm_arch).name == "tiny-glm-5.2"
+    assert default_recipe("/models/Kimi-K2.6", kimi_arch).name == "kimi-k2.6"
+    assert default_recipe("hf://zai-org/GLM-5.2-FP8", glm_arch).name == "glm-5.2"
+    with pytest.raises(ConfigError, match="no default recipe for the deepseek_v3 family; pass one with --recipe"):
+        default_recipe("/models/DeepSeek-V3", "deepseek_v3")
+
+
+def test_overrides():
+    base = load_recipe("kimi-k2.6")
+    assert recipe_overrides(base) is base and recipe_overrides(base, method=None, group_size=None) is base
+    r = recipe_overrides(base, method="rtn", group_size=128, num_samples=16, seq_len=256, calib="synthetic:train", seed=3)
+    assert (r.method, r.group_size) == ("rtn", 128)
+    assert r.calibration.model_dump() == {"dataset": "synthetic:train", "num_samples": 16, "seq_len": 256, "seed": 3}
+    assert r.prefill == base.prefill and base.group_size == 32  # the base recipe is untouched
+    for kwargs, line in [
+        (dict(group_size=100), "command line (recipe kimi-k2.6): --group-size: must be one of 32, 64 or 128 (got 100)"),
+        (dict(num_samples=0), "command line (recipe kimi-k2.6): --num-samples: must be >= 1 (got 0)"),
+        (dict(method="hqq"), "command line (recipe kimi-k2.6): --method: must be one of 'gptq', 'rtn' or 'awq' (got 'hqq')"),
+        (dict(calib="hf:HuggingFaceH4/ultrachat_200k@test_sft"), "command line (recipe kimi-k2.6): validate.dataset: "
+         "hf:HuggingFaceH4/ultrachat_200k@test_sft is the calibration data; evaluate on held-out data "
+         "(synthetic:heldout, a test split, or another file)"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            recipe_overrides(base, **kwargs)
+        assert str(e.value) == line
+    with pytest.raises(TypeError, match="unknown option"):
+        recipe_overrides(base, group=32)
