@@ -135,6 +135,9 @@ def decode_quantization_config(ckpt: Checkpoint, decisions: dict[str, Decision],
     bf16_modules = _linear_modules(ckpt, decisions, "decode", "dense")
     cfg = int4.quantization_config(group_size, ignore=ct_patterns(bf16_modules, ckpt.arch))
     cfg["format"] = "mixed-precision"
+    # Name the routed experts explicitly too: transformers picks the experts' scheme as the first
+    # group with an `re:` target mentioning "experts" (the FP8 group's shared_experts would win).
+    cfg["config_groups"]["group_0"]["targets"].append(r"re:.*mlp\.experts\..*")
     if fp8_modules:
         cfg["config_groups"]["group_1"] = {
             "targets": ct_patterns(fp8_modules, ckpt.arch),

@@ -56,7 +56,7 @@ KIMI_TEXT = dict(
 
 GLM = dict(
     _COMMON, model_type="glm_moe_dsa", architectures=["GlmMoeDsaForCausalLM"], num_hidden_layers=5,
-    n_routed_experts=16, routed_scaling_factor=2.5, q_lora_rank=96, kv_lora_rank=96, qk_nope_head_dim=32,
+    n_routed_experts=16, routed_scaling_factor=2.5, q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32,
     qk_rope_head_dim=32, v_head_dim=32, rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 8e6},
     rope_interleave=True, index_n_heads=4, index_head_dim=64, index_topk=16, index_topk_freq=2,
     index_skip_topk_offset=1, num_nextn_predict_layers=1, head_dim=32,
