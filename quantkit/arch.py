@@ -237,9 +237,12 @@ def load_config(folder: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"{path}: not found; a model folder needs config.json")
     try:
-        return json.loads(path.read_text())
+        cfg = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path}: must be a JSON object, not {type(cfg).__name__}")
+    return cfg
 
 
 def load_arch(folder: Path) -> ModelArch:
