@@ -131,7 +131,9 @@ def save_tokenizer(folder: Path, vocab_size: int) -> None:
     assert len(vocab) <= vocab_size
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    # joins words with spaces; no cleanup, which would glue "." and "?" to the previous word so
+    # decoded text would not re-encode (those are words of their own here)
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
     tok.save(str(folder / "tokenizer.json"))
     chat = (
         "{% for m in messages %}{{ '<|' + m['role'] + '|> ' + m['content'] + ' ' }}{% endfor %}"
