@@ -474,6 +474,8 @@ def convert(
             _save_state(state_dir, state, h.cpu() if h is not None else None, topks)
             del w
             bar.layer_done(layer)
+            if delay := float(os.environ.get("QUANTKIT_CONVERT_LAYER_DELAY", 0)):
+                time.sleep(delay)  # debug knob: widens the window for crash/resume tests
 
     # 3. configs, carried files, rename into place
     block = rec.prefill.fp8_block

@@ -93,9 +93,14 @@ def _linear_modules(ckpt: Checkpoint, decisions: dict[str, Decision], which: str
 
 
 def _short(module: str, arch: ModelArch) -> str:
-    """`language_model.model.layers.3.mlp.gate` -> `layers.3.mlp.gate`: loaders rename the prefix
-    (transformers loads Kimi's text model as `model.language_model.`), the rest stays."""
-    return module[len(arch.prefix):] if module.startswith(arch.prefix) else module
+    """`language_model.model.layers.3.mlp.gate` -> `layers.3.mlp.gate`, `language_model.lm_head` ->
+    `lm_head`: loaders rename the prefix (transformers loads Kimi's text model as
+    `model.language_model.` and its head as `lm_head`), the rest stays."""
+    wrapper = arch.prefix[: -len("model.")]  # "language_model." for Kimi, "" otherwise
+    for p in (arch.prefix, wrapper):
+        if p and module.startswith(p):
+            return module[len(p):]
+    return module
 
 
 def _vision(module: str) -> bool:

@@ -34,10 +34,18 @@ def dequantize_int4_ct(packed, scale, shape, group_size):
     return dequantize(x_q=q, scale=scale, zero_point=None, args=args)
 
 
-def dequantize_fp8_tf(q, scale_inv):
-    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+def dequantize_fp8_blocks(q, scale_inv, block=128):
+    """w[i, j] = q[i, j] * s[i // 128, j // 128], block by block.
 
-    return Fp8Dequantize(None)._dequantize_one(q, scale_inv, torch.float32)
+    Not transformers' `Fp8Dequantize`: on CPU it infers the block from the scale grid
+    (rows // grid_rows), which is wrong when a projection's rows are not a multiple of 128, e.g.
+    MLA's kv_a_proj_with_mqa (kv_lora + rope rows: 576 in the real models, 160 in the tiny GLM)."""
+    w = torch.empty(q.shape, dtype=torch.float32)
+    for i in range(scale_inv.shape[0]):
+        for j in range(scale_inv.shape[1]):
+            rows, cols = slice(i * block, (i + 1) * block), slice(j * block, (j + 1) * block)
+            w[rows, cols] = q[rows, cols].float() * scale_inv[i, j].float()
+    return w
 
 
 def dequantized_state_dict(folder: Path) -> dict[str, torch.Tensor]:
@@ -56,8 +64,11 @@ def dequantized_state_dict(folder: Path) -> dict[str, torch.Tensor]:
             continue
         elif k.endswith(("weight_scale", "weight_shape")) and k[: k.rfind(".")] + ".weight_packed" in raw:
             continue
-        elif k + "_scale_inv" in raw:
-            out[k] = dequantize_fp8_tf(v, raw[k + "_scale_inv"]).float()
+        elif k.endswith("weight_scale") and raw[k[: -len("_scale")]].dtype == torch.float8_e4m3fn:
+            continue  # compressed-tensors' name for the same FP8 block multiplier
+        elif v.dtype == torch.float8_e4m3fn:
+            scale = raw[k + "_scale_inv"] if k + "_scale_inv" in raw else raw[k + "_scale"]
+            out[k] = dequantize_fp8_blocks(v, scale)
         else:
             out[k] = v.float()
     return out
