@@ -1,0 +1,591 @@
+"""Checkpoint reading and writing: layouts, laziness, dequantization, bad input, atomic output.
+
+Expected values are computed without quantkit's reader: files are read with safetensors (or
+raw bytes) directly, INT4 is dequantized with compressed-tensors and FP8 block by block.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import quantkit.checkpoint as ckmod
+from conftest import small_config, write_random
+from quantkit.arch import arch_from_config
+from quantkit.checkpoint import INDEX, Checkpoint, CheckpointWriter
+from quantkit.errors import CheckpointError, ConfigError, OutputError
+from quantkit.tiny import init_weights
+
+
+def header_of(path: Path) -> tuple[int, dict]:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return n, json.loads(raw[8:8 + n])
+
+
+def stored_bytes(path: Path, name: str) -> bytes:
+    n, h = header_of(path)
+    b, e = h[name]["data_offsets"]
+    with open(path, "rb") as f:
+        f.seek(8 + n + b)
+        return f.read(e - b)
+
+
+def read_raw(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out
+
+
+def dequantize_int4_ct(packed, scale, shape, group_size):
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size)
+    return dequantize(x_q=unpack_from_int32(packed, 4, torch.Size(shape.tolist())), scale=scale, zero_point=None, args=args)
+
+
+def dequantize_fp8_blocks(q, scale, block=128):
+    w = torch.empty(q.shape)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            rows, cols = slice(i * block, (i + 1) * block), slice(j * block, (j + 1) * block)
+            w[rows, cols] = q[rows, cols].float() * scale[i, j]
+    return w
+
+
+def expected_dequantized(folder: Path) -> dict[str, torch.Tensor]:
+    """Logical tensors of a write_random folder as float32, dequantized by upstream code."""
+    raw = read_raw(folder)
+    out = {}
+    for k, v in raw.items():
+        if k.endswith("weight_packed"):
+            base = k[: -len("weight_packed")]
+            out[base + "weight"] = dequantize_int4_ct(v, raw[base + "weight_scale"], raw[base + "weight_shape"], 32).float()
+        elif k.endswith(("weight_scale", "weight_shape", "weight_scale_inv")):
+            continue
+        elif k + "_scale_inv" in raw:
+            out[k] = dequantize_fp8_blocks(v, raw[k + "_scale_inv"])
+        else:
+            out[k] = v.float()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ds_weights() -> tuple[dict, dict[str, torch.Tensor]]:
+    cfg = small_config("deepseek_v3")
+    return cfg, init_weights(arch_from_config(cfg), torch.Generator().manual_seed(0))
+
+
+# ---- layouts ------------------------------------------------------------------------------------
+def test_single_file_and_sharded_read_the_same(tmp_path, ds_weights):
+    cfg, t = ds_weights
+    single = tmp_path / "single"
+    single.mkdir()
+    save_file({k: v.to(torch.bfloat16) for k, v in t.items()}, str(single / "model.safetensors"))
+    (single / "config.json").write_text(json.dumps(cfg))
+
+    sharded = tmp_path / "sharded"
+    w = CheckpointWriter(sharded, max_shard_bytes=200_000)
+    for k, v in sorted(t.items()):
+        w.add(k, v.to(torch.bfloat16))
+    w.finish(cfg)
+    files = sorted(p.name for p in sharded.glob("*.safetensors"))
+    assert len(files) > 3 and (sharded / INDEX).is_file()
+
+    a, b = Checkpoint(single), Checkpoint(sharded)
+    assert list(a.headers) == ["model.safetensors"] and len(b.headers) == len(files)
+    assert a.names() == b.names() == sorted(t)
+    for name in a.names():
+        expected = t[name].to(torch.bfloat16).float()
+        assert torch.equal(a.get(name), expected), name
+        assert torch.equal(b.get(name), expected), name
+
+
+def test_layer_spanning_two_shards(tmp_path, ds_weights):
+    cfg, t = ds_weights
+    arch = arch_from_config(cfg)
+    pre = arch.layer_prefix(1)
+    layer1 = sorted(k for k in t if k.startswith(pre))
+    w = CheckpointWriter(tmp_path / "m")
+    for k in sorted(k for k in t if not k.startswith(pre)):
+        w.add(k, t[k].to(torch.bfloat16))
+    half = len(layer1) // 2
+    for k in layer1[:half]:
+        w.add(k, t[k].to(torch.bfloat16))
+    w.flush()  # cut the shard in the middle of layer 1
+    for k in layer1[half:]:
+        w.add(k, t[k].to(torch.bfloat16))
+    folder = w.finish(cfg)
+
+    wm = json.loads((folder / INDEX).read_text())["weight_map"]
+    assert len({wm[k] for k in layer1}) == 2
+    ckpt = Checkpoint(folder)
+    got = ckpt.layer(1)
+    assert sorted(pre + k for k in got) == layer1
+    for k, v in got.items():
+        assert torch.equal(v, t[pre + k].to(torch.bfloat16).float()), k
+
+
+# ---- dequantization -----------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["bf16", "fp32", "fp8", "int4"])
+def test_get_dequantizes_like_upstream(tmp_path, ds_weights, fmt):
+    """Routed experts (and, for fp8, every Linear) in `fmt`; get() equals upstream dequantization."""
+    cfg, t = ds_weights
+    folder, _ = write_random(tmp_path / fmt, cfg, experts=fmt, linears="fp8" if fmt == "fp8" else "bf16", tensors=t)
+    ckpt = Checkpoint(folder)
+    expected = expected_dequantized(folder)
+    assert sorted(expected) == ckpt.names()
+    formats = {ckpt.tensors[n].format for n in ckpt.names()}
+    assert formats == {"bf16": {"dense"}, "fp32": {"dense"}, "fp8": {"dense", "fp8"}, "int4": {"dense", "int4"}}[fmt]
+    for name in ckpt.names():
+        got = ckpt.get(name)
+        assert got.dtype == torch.float32
+        assert torch.equal(got, expected[name]), name
+        # close to the generated weights (the storage is lossy but not wrong)
+        err = (got - t[name]).abs().max() / t[name].abs().max().clamp(min=1e-12)
+        assert err < {"bf16": 1e-2, "fp32": 1e-7, "fp8": 0.07, "int4": 0.2}[fmt] or ".mlp.experts." not in name, name
+    expert = f"{ckpt.arch.prefix}layers.1.mlp.experts.3.down_proj.weight"
+    assert ckpt.get(expert, torch.bfloat16).dtype == torch.bfloat16
+    if fmt == "int4":  # dequantization happens in the scale's dtype (bf16), as compressed-tensors does
+        st = ckpt.tensors[expert]
+        ref = dequantize_int4_ct(ckpt.raw(st.parts["weight_packed"]), ckpt.raw(st.parts["weight_scale"]),
+                                 ckpt.raw(st.parts["weight_shape"]), 32)
+        assert ref.dtype == torch.bfloat16 and torch.equal(ckpt.get(expert, torch.bfloat16), ref)
+
+
+def test_get_reads_asymmetric_int4(tmp_path, ds_weights):
+    """An INT4 weight with packed zero points reads as compressed-tensors decompresses it."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    from quantkit.inspect import storage_format
+
+    cfg, t = ds_weights
+    name = "model.layers.1.mlp.experts.2.down_proj.weight"  # [128, 128]: 4 groups of 32
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(-8, 8, (128, 128), generator=g, dtype=torch.int8)
+    zp = torch.randint(-8, 8, (128, 4), generator=g, dtype=torch.int8)
+    scale = (torch.rand(128, 4, generator=g) * 0.01 + 1e-4).to(torch.bfloat16)
+    stored = {"weight_packed": pack_to_int32(q, 4), "weight_scale": scale, "weight_shape": torch.tensor([128, 128], dtype=torch.int32),
+              "weight_zero_point": pack_to_int32(zp, 4, packed_dim=0)}
+    w = CheckpointWriter(tmp_path / "asym")
+    for k, v in t.items():
+        if k != name:
+            w.add(k, v.to(torch.bfloat16))
+    for suffix, v in stored.items():
+        w.add(name[: -len("weight")] + suffix, v)
+    ckpt = Checkpoint(w.finish(cfg))
+    assert ckpt.tensors[name].format == "int4" and storage_format(ckpt.tensors[name], ckpt) == "int4-g32-asym"
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=32)
+    theirs = PackedQuantizationCompressor.decompress(dict(stored), QuantizationScheme(targets=["Linear"], weights=args))["weight"]
+    assert torch.equal(ckpt.get(name, torch.bfloat16), theirs)
+    assert torch.equal(ckpt.get(name), theirs.float())
+
+
+def test_get_reads_fp16(tmp_path, ds_weights):
+    cfg, t = ds_weights
+    w = CheckpointWriter(tmp_path / "fp16")
+    for k, v in t.items():
+        w.add(k, v.to(torch.float16))
+    ckpt = Checkpoint(w.finish(cfg))
+    assert {st.dtype for st in ckpt.tensors.values()} == {"F16"}
+    for name in ckpt.names():
+        assert torch.equal(ckpt.get(name), t[name].half().float())
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_raw_returns_bytes_as_stored(tmp_path, ds_weights, fmt):
+    cfg, t = ds_weights
+    folder, _ = write_random(tmp_path / fmt, cfg, experts=fmt, linears=fmt, tensors=t)
+    ckpt = Checkpoint(folder)
+    raw_dtypes = set()
+    for name, file in ckpt.weight_map.items():
+        x = ckpt.raw(name)
+        _, h = header_of(folder / file)
+        assert ckmod._DTYPES[h[name]["dtype"]] == x.dtype and list(x.shape) == h[name]["shape"]
+        assert x.contiguous().view(torch.uint8).numpy().tobytes() == stored_bytes(folder / file, name), name
+        raw_dtypes.add(x.dtype)
+    assert {torch.int32, torch.bfloat16} <= raw_dtypes if fmt == "int4" else {torch.float8_e4m3fn, torch.float32} <= raw_dtypes
+
+
+# ---- laziness -----------------------------------------------------------------------------------
+class SpyOpen:
+    """Wraps safetensors.safe_open and records every tensor read."""
+
+    def __init__(self):
+        self.reads: list[str] = []
+
+    def __call__(self, *args, **kwargs):
+        handle = safe_open(*args, **kwargs)
+        spy = self
+
+        class Handle:
+            def get_tensor(self, name):
+                spy.reads.append(name)
+                return handle.get_tensor(name)
+
+            def __getattr__(self, attr):
+                return getattr(handle, attr)
+
+        return Handle()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4"])
+def test_open_reads_no_tensor_data(tmp_path, ds_weights, monkeypatch, fmt):
+    cfg, t = ds_weights
+    folder, _ = write_random(tmp_path / fmt, cfg, experts=fmt, tensors=t)
+    spy = SpyOpen()
+    monkeypatch.setattr(ckmod, "safe_open", spy)
+    ckpt = Checkpoint(folder)
+    # INT4 needs its tiny weight_shape tensors for the logical shape; nothing else is read
+    assert all(r.endswith("weight_shape") for r in spy.reads)
+    assert len(spy.reads) == (len([k for k in t if ".experts." in k]) if fmt == "int4" else 0)
+    spy.reads.clear()
+    name = f"{ckpt.arch.prefix}layers.2.mlp.experts.0.up_proj.weight"
+    ckpt.get(name)
+    assert spy.reads and all(r.startswith(name[: -len("weight")]) for r in spy.reads)  # the spy sees reads
+
+
+def _rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
+def test_open_does_not_load_a_large_shard(tmp_path):
+    """A 256 MiB embedding (a sparse file, so writing it is free): opening adds almost nothing to
+    RSS; materialising it adds the whole tensor (so the measurement can see a load)."""
+    cfg = small_config("deepseek_v3", vocab_size=131072, hidden_size=1024)
+    folder = tmp_path / "big"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    name = "model.embed_tokens.weight"
+    nbytes = 131072 * 1024 * 2
+    header = json.dumps({name: {"dtype": "BF16", "shape": [131072, 1024], "data_offsets": [0, nbytes]}}).encode()
+    header += b" " * (-len(header) % 8)
+    with open(folder / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.truncate(8 + len(header) + nbytes)
+    before = _rss()
+    ckpt = Checkpoint(folder)
+    opened = _rss()
+    assert opened - before < 32 * 2**20, f"opening grew RSS by {(opened - before) / 2**20:.0f} MiB"
+    x = ckpt.raw(name).clone()
+    assert _rss() - opened > nbytes // 2
+    assert x.shape == (131072, 1024)
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+# Each builder makes a damaged copy of a small valid checkpoint and returns
+# (folder, error type, file the message must name, tensor it must name or None, tensor to get() or None).
+SHARD = "model-00001-of-00002.safetensors"
+
+
+def _base(tmp: Path) -> Path:
+    cfg = small_config("deepseek_v3")
+    t = init_weights(arch_from_config(cfg), torch.Generator().manual_seed(1))
+    w = CheckpointWriter(tmp / "ok")
+    for k, v in sorted(t.items(), key=lambda kv: (kv[0].startswith("model.layers.2."), kv[0])):
+        if k == "model.layers.2.input_layernorm.weight":
+            w.flush()  # two shards: everything before layer 2, then layer 2
+        w.add(k, v.to(torch.bfloat16))
+    return w.finish(cfg)
+
+
+def _copy(tmp: Path, name: str) -> Path:
+    src = tmp / "ok"
+    if not src.exists():
+        _base(tmp)
+    dst = tmp / name
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _rewrite_header(path: Path, edit) -> None:
+    raw = path.read_bytes()
+    n, h = header_of(path)
+    hb = json.dumps(edit(h)).encode()
+    path.write_bytes(struct.pack("<Q", len(hb)) + hb + raw[8 + n:])
+
+
+def _index(folder: Path) -> tuple[Path, dict]:
+    return folder / INDEX, json.loads((folder / INDEX).read_text())
+
+
+def bad_truncated(tmp):
+    d = _copy(tmp, "truncated")
+    f = d / SHARD
+    _, h = header_of(f)
+    last = max(h, key=lambda k: h[k]["data_offsets"][1] if k != "__metadata__" else -1)
+    with open(f, "r+b") as fh:
+        fh.truncate(f.stat().st_size - 1000)
+    return d, CheckpointError, f, last, None
+
+
+def bad_corrupt_header(tmp):
+    d = _copy(tmp, "corrupt")
+    f = d / SHARD
+    raw = bytearray(f.read_bytes())
+    raw[8:24] = b"\x00\xff garbage \xfe\x01!!"
+    f.write_bytes(bytes(raw))
+    return d, CheckpointError, f, None, None
+
+
+def bad_header_entry(tmp):
+    """Valid JSON, but one entry's dtype does not fit its byte range (F32 needs twice the bytes)."""
+    d = _copy(tmp, "entry")
+    f = d / SHARD
+    name = "model.layers.0.self_attn.o_proj.weight"
+
+    def edit(h):
+        h[name]["dtype"] = "F32"
+        return h
+
+    _rewrite_header(f, edit)
+    return d, CheckpointError, f, name, None
+
+
+def bad_header_not_object(tmp):
+    d = _copy(tmp, "not_object")
+    f = d / SHARD
+    _rewrite_header(f, lambda h: [sorted(h)])
+    return d, CheckpointError, f, None, None
+
+
+def bad_missing_shard(tmp):
+    d = _copy(tmp, "missing")
+    path, idx = _index(d)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    idx["weight_map"][name] = "model-00009-of-00009.safetensors"
+    path.write_text(json.dumps(idx))
+    return d, CheckpointError, path, name, None
+
+
+def bad_outside(tmp):
+    d = _copy(tmp, "outside")
+    shutil.copy(d / SHARD, tmp / "x.safetensors")  # the file exists: only its place is wrong
+    path, idx = _index(d)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    idx["weight_map"][name] = "../x.safetensors"
+    path.write_text(json.dumps(idx))
+    return d, CheckpointError, path, name, None
+
+
+def bad_shape(tmp):
+    d = _copy(tmp, "shape")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["moe_intermediate_size"] = 64  # the experts were written with 128
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d, CheckpointError, d / SHARD, "model.layers.1.mlp.experts.0.down_proj.weight", None
+
+
+def _poison(tmp, label, value):
+    d = _copy(tmp, label)
+    f = d / "model-00002-of-00002.safetensors"
+    name = "model.layers.2.mlp.experts.5.gate_proj.weight"
+    with safe_open(str(f), framework="pt") as h:
+        t = {k: h.get_tensor(k) for k in h.keys()}
+    t[name][3, 7] = value
+    save_file(t, str(f), metadata={"format": "pt"})
+    return d, CheckpointError, f, name, name
+
+
+def bad_nan(tmp):
+    return _poison(tmp, "nan", float("nan"))
+
+
+def bad_inf(tmp):
+    return _poison(tmp, "inf", float("-inf"))
+
+
+def bad_model_type(tmp):
+    d = _copy(tmp, "model_type")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d, ConfigError, d / "config.json", None, None
+
+
+def bad_unclassifiable(tmp):
+    d = _copy(tmp, "unclassifiable")
+    f = d / SHARD
+    name = "model.layers.0.self_attn.rotary_emb.inv_freq"
+    with safe_open(str(f), framework="pt") as h:
+        t = {k: h.get_tensor(k) for k in h.keys()}
+    t[name] = torch.ones(8)
+    save_file(t, str(f), metadata={"format": "pt"})
+    path, idx = _index(d)
+    idx["weight_map"][name] = SHARD
+    path.write_text(json.dumps(idx))
+    return d, CheckpointError, f, name, None
+
+
+def bad_no_config(tmp):
+    d = _copy(tmp, "no_config")
+    (d / "config.json").unlink()
+    return d, ConfigError, d / "config.json", None, None
+
+
+BAD = {
+    "truncated": bad_truncated, "corrupt_header": bad_corrupt_header, "header_entry": bad_header_entry,
+    "header_not_object": bad_header_not_object,
+    "missing_shard": bad_missing_shard, "outside": bad_outside, "shape": bad_shape, "nan": bad_nan, "inf": bad_inf,
+    "model_type": bad_model_type, "unclassifiable": bad_unclassifiable, "no_config": bad_no_config,
+}
+
+
+def test_the_base_of_bad_cases_is_good(tmp_path):
+    ckpt = Checkpoint(_base(tmp_path))
+    assert len(ckpt.headers) == 2
+    for name in ckpt.names(2):
+        ckpt.get(name)
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_one_line_naming_file_and_tensor(tmp_path, case):
+    folder, exc, file, tensor, get = BAD[case](tmp_path)
+    if get is not None:
+        ckpt = Checkpoint(folder)  # lazy: the damage is found when the tensor is read
+        with pytest.raises(exc) as info:
+            ckpt.get(get)
+        assert torch.isnan(Checkpoint(folder, check_finite=False).get(get)).any() or case != "nan"
+    else:
+        with pytest.raises(exc) as info:
+            Checkpoint(folder)
+    msg = str(info.value)
+    assert "\n" not in msg and msg.strip() == msg
+    assert str(file) in msg, msg
+    if tensor is not None:
+        assert tensor in msg, msg
+        if isinstance(info.value, CheckpointError):
+            assert info.value.tensor == tensor
+
+
+def test_expert_beyond_config_is_an_error(tmp_path, ds_weights):
+    cfg, t = ds_weights
+    t = dict(t)
+    name = "model.layers.1.mlp.experts.8.up_proj.weight"  # n_routed_experts is 8
+    t[name] = t["model.layers.1.mlp.experts.7.up_proj.weight"]
+    folder, _ = write_random(tmp_path / "m", cfg, tensors=t)
+    with pytest.raises(CheckpointError, match=r"expert 8") as info:
+        Checkpoint(folder)
+    assert info.value.tensor == name and "model-00001-of-00001.safetensors" in str(info.value)
+
+
+def test_index_entries_may_be_symlinks(tmp_path, ds_weights):
+    """Shards symlinked into a blob store (the Hugging Face cache layout) are inside the folder."""
+    cfg, t = ds_weights
+    src, _ = write_random(tmp_path / "blobs", cfg, tensors=t)
+    snap = tmp_path / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    for f in src.iterdir():
+        (snap / f.name).symlink_to(Path("../..") / "blobs" / f.name)
+    assert Checkpoint(snap).names() == sorted(t)
+
+
+# ---- writer -------------------------------------------------------------------------------------
+def _tensors(n: int, numel: int = 250) -> dict[str, torch.Tensor]:
+    return {f"t.{i:02d}": torch.full((numel,), float(i)) for i in range(n)}  # 1000 bytes each
+
+
+def test_writer_is_atomic(tmp_path):
+    out = tmp_path / "out"
+    w = CheckpointWriter(out, max_shard_bytes=2500)
+    for k, v in _tensors(5).items():
+        w.add(k, v)
+        assert not out.exists()
+    w.flush()
+    assert not out.exists() and (tmp_path / "out.partial").is_dir()
+    assert list((tmp_path / "out.partial").glob("part-*.safetensors"))
+    assert w.finish({"model_type": "x"}, extra={"README.md": "hi"}) == out
+    assert out.is_dir() and not (tmp_path / "out.partial").exists()
+    assert json.loads((out / "config.json").read_text()) == {"model_type": "x"}
+    assert (out / "README.md").read_text() == "hi"
+    assert not list(out.glob("part-*")) and not list(out.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("digits", [5, 6])
+def test_writer_shard_names_index_and_split(tmp_path, digits):
+    t = _tensors(7)
+    out = tmp_path / "out"
+    w = CheckpointWriter(out, max_shard_bytes=2500, digits=digits)
+    for k, v in t.items():
+        w.add(k, v)
+    w.finish({})
+    names = sorted(p.name for p in out.glob("*.safetensors"))
+    # 1000-byte tensors under a 2500-byte limit: two per shard, 4 shards
+    expected = [f"model-{i:0{digits}d}-of-{4:0{digits}d}.safetensors" for i in range(1, 5)]
+    assert names == expected
+    assert names[0] == ("model-00001-of-00004.safetensors" if digits == 5 else "model-000001-of-000004.safetensors")
+    idx = json.loads((out / INDEX).read_text())
+    assert idx["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in t.values()) == 7000
+    assert idx["metadata"]["total_size"] == sum(
+        (out / f).stat().st_size - 8 - header_of(out / f)[0] for f in names
+    )
+    assert sorted(idx["weight_map"]) == sorted(t)
+    for k, f in idx["weight_map"].items():
+        with safe_open(str(out / f), framework="pt") as h:
+            assert torch.equal(h.get_tensor(k), t[k])
+    for f in names:
+        assert sum(1 for k in idx["weight_map"] if idx["weight_map"][k] == f) <= 2
+
+
+def test_writer_puts_an_oversized_tensor_alone(tmp_path):
+    w = CheckpointWriter(tmp_path / "out", max_shard_bytes=1500)
+    w.add("a", torch.zeros(100))  # 400 B
+    w.add("big", torch.zeros(1000))  # 4000 B > limit
+    w.add("c", torch.zeros(100))
+    w.finish({})
+    wm = json.loads((tmp_path / "out" / INDEX).read_text())["weight_map"]
+    assert len(set(wm.values())) == 3 and len({wm["a"], wm["big"], wm["c"]}) == 3
+
+
+def test_writer_refuses_existing_output(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(OutputError, match="already exists"):
+        CheckpointWriter(out)
+    assert (out / "keep.txt").read_text() == "mine" and not (tmp_path / "out.partial").exists()
+
+
+def test_writer_clears_a_stale_partial_unless_resuming(tmp_path):
+    stale = tmp_path / "out.partial"
+    stale.mkdir()
+    (stale / "part-000000.safetensors").write_bytes(b"junk")
+    w = CheckpointWriter(tmp_path / "out", resume=True)
+    assert w.num_parts == 1
+    CheckpointWriter(tmp_path / "out")
+    assert not (stale / "part-000000.safetensors").exists()
+
+
+def test_writer_rejects_a_tensor_added_twice(tmp_path):
+    w = CheckpointWriter(tmp_path / "out")
+    w.add("a", torch.zeros(2))
+    with pytest.raises(ValueError):
+        w.add("a", torch.zeros(2))
+
+
+def test_written_checkpoint_reads_back(tmp_path, ds_weights):
+    cfg, t = ds_weights
+    folder, _ = write_random(tmp_path / "m", cfg, experts="int4", linears="fp8", tensors=t)
+    ckpt = Checkpoint(folder)
+    assert math.isclose(
+        sum(ckpt.storage_bytes(n) for n in ckpt.names()),
+        json.loads((folder / INDEX).read_text())["metadata"]["total_size"],
+    )

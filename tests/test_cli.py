@@ -1,0 +1,93 @@
+"""The `quantkit` command through typer's CliRunner: help, inspect, and bad input as one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from quantkit.cli import app
+from test_checkpoint import BAD
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def no_debug(monkeypatch):
+    monkeypatch.delenv("QUANTKIT_DEBUG", raising=False)
+
+
+def test_help_lists_commands():
+    r = runner.invoke(app, ["--help"])
+    assert r.exit_code == 0, r.output
+    for cmd in ("inspect", "plan", "pull"):
+        assert cmd in r.output
+    assert "Usage" in r.output
+
+
+def test_no_args_shows_help():
+    r = runner.invoke(app, [])
+    assert "inspect" in r.output and "Usage" in r.output
+
+
+def test_inspect_glm_table(tiny_glm):
+    r = runner.invoke(app, ["inspect", "tiny:glm-5.2"])
+    assert r.exit_code == 0, r.output
+    assert "fp8-block128" in r.stdout and "routed_expert" in r.stdout and "glm_moe_dsa" in r.stdout
+    assert "int4" not in r.stdout
+
+
+def test_inspect_kimi_json(tiny_kimi):
+    r = runner.invoke(app, ["inspect", "tiny:kimi-k2.6", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert (d["model_type"], d["family"], d["layers"], d["mtp_layers"]) == ("kimi_k25", "kimi", 4, 0)
+    routed = d["classes"]["routed_expert"]
+    assert routed["formats"] == {"int4-g32": routed["tensors"]} and routed["tensors"] == 3 * 16 * 3
+    assert set(d["classes"]["vision"]["formats"]) == {"bf16"}
+    assert d["shards"] == 5 and d["bytes"] == sum(c["bytes"] for c in d["classes"].values())
+
+
+def test_inspect_folder_equals_tiny_id(tiny_glm):
+    a = json.loads(runner.invoke(app, ["inspect", str(tiny_glm), "--json"]).stdout)
+    b = json.loads(runner.invoke(app, ["inspect", "tiny:glm-5.2", "--json"]).stdout)
+    assert {k: v for k, v in a.items() if k != "path"} == {k: v for k, v in b.items() if k != "path"}
+
+
+def assert_one_line_error(r, *needles):
+    assert r.exit_code == 1, r.output
+    assert isinstance(r.exception, SystemExit)  # typer.Exit, not an escaped exception
+    assert "Traceback" not in r.output
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("error: ")
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    assert r.stdout == ""
+
+
+# NaN / Inf are found when a weight is read (test_checkpoint); inspect reads headers only.
+CLI_BAD = sorted(k for k in BAD if k not in ("nan", "inf"))
+
+
+@pytest.mark.parametrize("case", CLI_BAD)
+def test_inspect_bad_input(tmp_path, case):
+    folder, _, file, tensor, _ = BAD[case](tmp_path)
+    r = runner.invoke(app, ["inspect", str(folder)])
+    assert_one_line_error(r, str(file), *([tensor] if tensor else []))
+
+
+@pytest.mark.parametrize("spec,needle", [
+    ("no/such/folder", "not a folder"),
+    ("tiny:llama", "unknown tiny model"),
+    ("hf://org/repo", "pull it first"),
+])
+def test_inspect_bad_spec(spec, needle):
+    assert_one_line_error(runner.invoke(app, ["inspect", spec]), spec.split(":")[-1], needle)
+
+
+def test_debug_env_shows_the_traceback(tmp_path, monkeypatch):
+    monkeypatch.setenv("QUANTKIT_DEBUG", "1")
+    r = runner.invoke(app, ["inspect", str(tmp_path)])
+    assert r.exit_code != 0 and type(r.exception).__name__ == "ConfigError"
