@@ -58,18 +58,32 @@ class Stored:
         return self.info.name
 
 
-def _read_header(path: Path) -> dict:
-    """Parse a safetensors header and check the file is as long as the header says."""
+def _read_header(path: Path, remote=None) -> dict:
+    """Parse a safetensors header and check the file is as long as the header says.
+
+    With `remote` (a quantkit.hub.HubSource) the header comes from two ranged reads of the Hub
+    file, so a streamed conversion can plan every layer before downloading any shard.
+    """
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            raw = f.read(8)
+        if remote is not None:
+            name = path.name
+            size = remote.files[name].size
+            read = lambda off, n: remote.read_range(name, off, n)  # noqa: E731
+        else:
+            size = path.stat().st_size
+            f = open(path, "rb")
+            read = lambda off, n: (f.seek(off), f.read(n))[1]  # noqa: E731
+        try:
+            raw = read(0, 8) if size >= 8 else b""
             if len(raw) < 8:
                 raise CheckpointError("file is shorter than a safetensors header; re-download it", file=str(path))
             (n,) = struct.unpack("<Q", raw)
             if n > min(size - 8, 100 * 2**20):
                 raise CheckpointError("header length is past the end of the file; the shard is truncated or corrupt, re-download it", file=str(path))
-            header = json.loads(f.read(n))
+            header = json.loads(read(8, n))
+        finally:
+            if remote is None:
+                f.close()
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise CheckpointError("header is not valid JSON; the shard is corrupt, re-download it", file=str(path)) from None
     except FileNotFoundError:
@@ -113,13 +127,25 @@ def _entry_ok(v) -> bool:
 class Checkpoint:
     """A model folder opened for streaming: index validated, tensors classified, nothing loaded."""
 
-    def __init__(self, folder: str | Path, *, check_finite: bool = True):
+    def __init__(self, folder: str | Path, *, check_finite: bool = True, remote=None, release_consumed: bool = False):
+        """`remote`: a quantkit.hub.HubSource; shards are then fetched when first needed (and,
+        with `release_consumed`, deleted once every tensor in them has been read)."""
+        self.remote = remote
+        if remote is not None:
+            folder = remote.local_path("config.json").parent
+            for name in remote.files:  # config, index, tokenizer, ...: everything but weights
+                if not name.endswith(WEIGHT_FILES):
+                    remote.fetch(name)
         self.folder = Path(folder)
         self.arch: ModelArch = load_arch(self.folder)
         self.check_finite = check_finite
+        self.release_consumed = release_consumed
         self._handles: dict[str, object] = {}
         self.weight_map = self._weight_map()  # storage name -> file name
-        self.headers = {f: _read_header(self.folder / f) for f in sorted(set(self.weight_map.values()))}
+        self.headers = {f: _read_header(self.folder / f, remote) for f in sorted(set(self.weight_map.values()))}
+        self._unread: dict[str, set[str]] = defaultdict(set)  # file -> storage names not read yet
+        for name, f in self.weight_map.items():
+            self._unread[f].add(name)
         for name, f in self.weight_map.items():
             if name not in self.headers[f]:
                 raise CheckpointError(f"the index names tensor {name!r} but the shard does not hold it", file=str(self.folder / f))
@@ -145,7 +171,8 @@ class Checkpoint:
                 p = os.path.normpath(os.path.join(root, f)) if isinstance(f, str) else root
                 if p == root or not p.startswith(root.rstrip(os.sep) + os.sep):
                     raise CheckpointError(f"index points outside the model folder ({f!r})", file=str(index), tensor=name)
-                if not os.path.isfile(p):
+                present = f in self.remote.files if self.remote is not None else os.path.isfile(p)
+                if not present:
                     raise CheckpointError(f"index names missing shard {f!r}; re-download it", file=str(index), tensor=name)
             return dict(wm)
         single = self.folder / SINGLE
@@ -176,7 +203,10 @@ class Checkpoint:
                 missing = {"weight_scale", "weight_shape"} - p.keys()
                 if missing:
                     raise CheckpointError(f"pack-quantized tensor lacks {sorted(missing)}", file=file, tensor=logical)
-                shape = tuple(int(x) for x in self._raw(p["weight_shape"]).tolist())
+                # from the header (8 values per int32 word), so opening reads no tensor data;
+                # `get` checks it against the stored weight_shape
+                rows, words = hdr(p["weight_packed"])["shape"]
+                shape = (rows, words * 8)
                 out[logical] = Stored(info, "int4", p, hdr(p["weight_packed"])["dtype"], shape)
             elif "weight" in p and hdr(p["weight"])["dtype"].startswith("F8") and ("weight_scale_inv" in p or "weight_scale" in p):
                 # DeepSeek names the block multiplier `weight_scale_inv`, compressed-tensors `weight_scale`
@@ -201,8 +231,27 @@ class Checkpoint:
         f = self.weight_map[storage]
         h = self._handles.get(f)
         if h is None:
+            if self.remote is not None:
+                self.remote.fetch(f)
             h = self._handles[f] = safe_open(str(self.folder / f), framework="pt")
+        self._unread[f].discard(storage)
         return h.get_tensor(storage)
+
+    def release_finished(self) -> list[str]:
+        """Streamed source with `release_consumed`: delete the local copy of every shard all of whose
+        tensors have been read. The converter calls it between layers, so re-reads within a layer
+        are served locally."""
+        if not (self.release_consumed and self.remote is not None):
+            return []
+        done = [f for f, unread in self._unread.items() if not unread and f in self._handles]
+        for f in done:
+            del self._handles[f]
+            self.remote.release(f)
+        return done
+
+    def prefetch(self, layer: int) -> list[str]:
+        """Shard files a layer needs (for a streamed source, fetch them ahead in a thread)."""
+        return sorted({self.weight_map[s] for n in self.names(layer) for s in self.tensors[n].parts.values()})
 
     def raw(self, storage: str) -> torch.Tensor:
         """A stored tensor exactly as on disk (for byte-for-byte pass-through)."""
@@ -221,8 +270,12 @@ class Checkpoint:
         p = st.parts
         if st.format == "int4":
             zp = self._raw(p["weight_zero_point"]) if "weight_zero_point" in p else None
+            shape = tuple(int(x) for x in self._raw(p["weight_shape"]).tolist())
+            if len(shape) != 2 or shape[0] != st.shape[0] or not st.shape[1] - 8 < shape[1] <= st.shape[1]:
+                raise CheckpointError(f"weight_shape {shape} does not fit weight_packed {st.shape[0]}x{st.shape[1] // 8}",
+                                      file=str(self._file(p["weight_shape"])), tensor=name)
             try:
-                w = int4.dequantize(self._raw(p["weight_packed"]), self._raw(p["weight_scale"]), st.shape, zp)
+                w = int4.dequantize(self._raw(p["weight_packed"]), self._raw(p["weight_scale"]), shape, zp)
             except (ValueError, RuntimeError) as e:
                 raise CheckpointError(f"cannot unpack INT4 ({e})", file=str(self._file(p["weight_packed"])), tensor=name) from None
         elif st.format == "fp8":

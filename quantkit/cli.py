@@ -127,6 +127,7 @@ def convert(
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from its last completed layer.")] = False,
     no_validate: Annotated[bool, typer.Option("--no-validate", help="Skip validating the pair afterwards.")] = False,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow the tokenizer's own code to run.")] = False,
+    delete_source_after: Annotated[bool, typer.Option("--delete-source-after", help="hf:// sources: delete each shard once consumed.")] = False,
     json_out: Json = False,
 ):
     """Emit the FP8 prefill and INT4 decode checkpoints from one streaming pass, with calibrated per-expert GPTQ."""
@@ -136,11 +137,40 @@ def convert(
         raise typer.BadParameter("give --recipe or --preset, not both")
     result = run_convert(model, out, recipe=recipe or preset, method=method, calib=calib, num_samples=num_samples,
                          seq_len=seq_len, group_size=group_size, device=device, resume=resume,
-                         validate=not no_validate, progress=not json_out, trust_remote_code=trust_remote_code)
+                         validate=not no_validate, progress=not json_out, trust_remote_code=trust_remote_code,
+                         delete_source_after=delete_source_after)
     if json_out:
         emit_json(result.to_json())
     else:
         Console().print(result.table())
+
+
+@app.command()
+@user_errors
+def validate(
+    folder: Annotated[Path, typer.Argument(metavar="DIR", help="A convert output (prefill/, decode/, convert-report.json) or one checkpoint folder.")],
+    reference: Annotated[Optional[str], typer.Option(help="Model to compare with (default: the source in convert-report.json).")] = None,
+    eval_data: Annotated[Optional[str], typer.Option(help="Held-out data spec (default: the recipe's validate.dataset).")] = None,
+    num_samples: Annotated[Optional[int], typer.Option(help="Eval windows (default: the recipe's).")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(help="Tokens per eval window (default: the recipe's).")] = None,
+    gen_tokens: Annotated[Optional[int], typer.Option(help="Greedy tokens generated after each window (default: the recipe's).")] = None,
+    device: Device = "auto",
+    gate: Annotated[Optional[Path], typer.Option(help="YAML/JSON gates (kl_max: 0.05, top1_min: 0.9, ...); default: the recipe's.")] = None,
+    json_out: Json = False,
+):
+    """Measure the pair against its source layer by layer; write validation.json/.md/.png and model cards. Exit 3 if a gate fails."""
+    from quantkit.validate import GATES_FAILED_EXIT, validate as run_validate
+
+    result = run_validate(folder, reference=reference, eval_data=eval_data, num_samples=num_samples, seq_len=seq_len,
+                          gen_tokens=gen_tokens, device=device, gates=gate, progress=not json_out)
+    if json_out:
+        emit_json(result.to_json())
+    else:
+        Console().print(result.table())
+    if not result.passed:
+        failed = ", ".join(f"{g['gate']} on {g['row']} ({g['value']:.4g})" for g in result.failed_gates)
+        console.print(f"[red]validation failed:[/red] {failed}", highlight=False, soft_wrap=True)
+        raise typer.Exit(GATES_FAILED_EXIT)
 
 
 def main() -> None:  # pragma: no cover - console entry point

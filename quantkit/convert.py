@@ -142,6 +142,10 @@ def quantize_experts(
     g = recipe.gptq
     records, quantized = [], {}
     starved = [e for e in experts if len(tokens[e]) < g.min_tokens]
+    if method == "awq":  # activation-aware smoothing + clipping per expert (quantkit.awq), same contract
+        from quantkit.awq import quantize_experts_awq
+
+        return quantize_experts_awq(x, w, tokens, experts, recipe, group_size, layer)
     if method == "rtn":
         for e in experts:
             quantized[e] = {p: quantize_rtn(t, group_size) for p, t in zip(PROJS, expert_weights(w, e))}
@@ -307,6 +311,7 @@ def convert(
     validate: bool = True,
     progress: bool = True,
     trust_remote_code: bool = False,
+    delete_source_after: bool = False,
     dtype: torch.dtype = torch.float32,
     max_shard_bytes: int = 5 * 2**30,
 ) -> ConvertResult:
@@ -319,20 +324,22 @@ def convert(
             below override its fields when given.
         resume: continue an interrupted run from its last completed layer (byte-identical result).
         validate: run `quantkit.validate` on the pair afterwards.
+        delete_source_after: with an `hf://` source, delete each downloaded shard once every
+            tensor in it has been consumed (local disk then holds a few shards at a time).
 
     Example:
         >>> res = quantkit.convert("tiny:glm-5.2", "out/glm")
         >>> res.report["experts_summary"]
     """
     from quantkit.calib import load_tokens
-    from quantkit.models import resolve
+    from quantkit.models import open_checkpoint
     from quantkit.recipe import default_recipe, load_recipe, recipe_overrides
     from quantkit.reference import resolve_device
 
     t_start = time.time()
     out = Path(out)
-    src_path = resolve(model)
-    ckpt = Checkpoint(src_path)
+    ckpt = open_checkpoint(model, release_consumed=delete_source_after)
+    src_path = ckpt.folder
     arch = ckpt.arch
     rec = load_recipe(recipe) if recipe is not None else default_recipe(str(model), arch)
     rec = recipe_overrides(rec, method=method, group_size=group_size, num_samples=num_samples, seq_len=seq_len, calib=calib)
@@ -354,7 +361,7 @@ def convert(
     if needs_calibration:
         tokens = load_tokens(rec.calibration.dataset, tokenizer=src_path, num_samples=rec.calibration.num_samples,
                              seq_len=rec.calibration.seq_len, seed=rec.calibration.seed, trust_remote_code=trust_remote_code)
-    source_files = {p.name: _sha256(p) for p in sorted(src_path.iterdir()) if p.is_file()}
+    source_files = _source_identity(ckpt)
     fingerprint = hashlib.sha256(json.dumps(
         [source_files, rec.model_dump(mode="json"), tokens.sha256 if tokens else None, __version__]).encode()).hexdigest()
 
@@ -392,13 +399,14 @@ def convert(
     with bar:
         # 1. tensors outside the decoder layers: embeddings, final norm, head, vision
         if state.next_layer == -1:
-            for name in ckpt.names(layer=None):
-                pair.write_shared(name, decisions[name])
-            pair.flush()
             if tokens is not None:
                 from quantkit.forward import embed
 
                 h = embed(ckpt, ids, dev, dtype)
+            for name in ckpt.names(layer=None):
+                pair.write_shared(name, decisions[name])
+            pair.flush()
+            ckpt.release_finished()
             state.next_layer = 0
             state.prefill_parts, state.decode_parts = wp.num_parts, wd.num_parts
             _save_state(state_dir, state, h.cpu() if h is not None else None, topks)
@@ -408,8 +416,10 @@ def convert(
             topks = [saved[f"topk.{i}"].to(dev) if f"topk.{i}" in saved else None for i in range(len(topks))]
         bar.advance_to(state.next_layer)
 
-        # 2. the decoder layers, one at a time
+        # 2. the decoder layers, one at a time (a streamed source fetches the next layer's shards meanwhile)
+        fetcher = _Prefetcher(ckpt)
         for layer in range(state.next_layer, n_layers):
+            fetcher.ahead(layer + 1)
             t0 = time.time()
             pre = arch.layer_prefix(layer)
             mtp = layer >= arch.num_hidden_layers
@@ -443,7 +453,7 @@ def convert(
                 if to_quantize:
                     bar.experts(layer, len(to_quantize))
                     experts_q, records = quantize_experts(x if calibrate else None, w, tok, to_quantize, rec, G,
-                                                          "rtn" if method_here == "rtn" else "gptq", layer)
+                                                          method_here, layer)
                     if mtp:
                         for r in records:
                             r.fallback = "mtp: no calibration path (RTN)"
@@ -473,6 +483,7 @@ def convert(
             state.differ = pair.differ
             _save_state(state_dir, state, h.cpu() if h is not None else None, topks)
             del w
+            ckpt.release_finished()
             bar.layer_done(layer)
             if delay := float(os.environ.get("QUANTKIT_CONVERT_LAYER_DELAY", 0)):
                 time.sleep(delay)  # debug knob: widens the window for crash/resume tests
@@ -513,6 +524,36 @@ def _attention_half(h, w, ctx, layer, topks: list):
     h_mid = torch.cat(outs)
     x = rms_norm(h_mid, w["post_attention_layernorm.weight"], a.rms_norm_eps)
     return x.reshape(-1, x.shape[-1]), h_mid
+
+
+def _source_identity(ckpt: Checkpoint) -> dict[str, str]:
+    """sha256 per source file: from the Hub's LFS metadata for a streamed source (git blob id for
+    small files), hashed locally otherwise."""
+    if ckpt.remote is not None:
+        return {name: rf.sha256 or f"git-blob:{rf.blob_id}" for name, rf in sorted(ckpt.remote.files.items())}
+    return {p.name: _sha256(p) for p in sorted(ckpt.folder.iterdir()) if p.is_file()}
+
+
+class _Prefetcher:
+    """Downloads the shards of the next layer in a background thread (streamed sources only)."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt = ckpt
+        self.pool = None
+        if ckpt.remote is not None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prefetch")
+
+    def ahead(self, layer: int) -> None:
+        if self.pool is None or layer >= self.ckpt.arch.num_layers_with_mtp:
+            return
+        for f in self.ckpt.prefetch(layer):
+            self.pool.submit(self._fetch, f)
+
+    def _fetch(self, f: str) -> None:
+        if self.ckpt._unread[f]:  # not consumed (and so not released) yet
+            self.ckpt.remote.fetch(f)
 
 
 def _source_int4_group(arch) -> int | None:
@@ -562,13 +603,16 @@ def _check_disk(ckpt, decisions, out: Path, G: int) -> None:
 
 def _report(model, src_path, source_files, rec, tokens, state: State, ckpt, decisions, out: Path, t_start, G, block) -> dict:
     experts = state.experts
-    counts = {m: sum(1 for e in experts if e["method"] == m) for m in ("gptq", "rtn", "reused")}
+    counts = {m: sum(1 for e in experts if e["method"] == m) for m in ("gptq", "awq", "rtn", "reused")}
     fallbacks = [e for e in experts if e["fallback"]]
     sizes = {which: sum(p.stat().st_size for p in (out / which).glob("*.safetensors")) for which in ("prefill", "decode")}
     differ = sorted(state.differ)
     return {
         "quantkit_version": __version__,
         "source": {"spec": str(model), "path": str(Path(src_path).resolve()), "model_type": ckpt.arch.model_type,
+                   "repo": ckpt.remote.repo_id if ckpt.remote else None,
+                   "revision": ckpt.remote.revision if ckpt.remote else None,
+                   "commit": ckpt.remote.commit if ckpt.remote else None,
                    "files": source_files},
         "recipe": rec.model_dump(mode="json"),
         "method": rec.method,

@@ -875,6 +875,31 @@ class HubSource:
                 logger.info("%s: fetched %s (%s)", self._repo.label, filename, _human(n))
             return path
 
+    def read_range(self, filename: str, start: int, length: int) -> bytes:
+        """``length`` bytes of ``filename`` from ``start`` (a local complete copy if there is one, else one
+        ranged GET): how a streamed conversion reads every shard's safetensors header before fetching it."""
+        rf = self._file(filename)
+        local = self._layout.final(rf.name)
+        if local.is_file() and local.stat().st_size == rf.size:
+            with open(local, "rb") as f:
+                f.seek(start)
+                return f.read(length)
+        if length <= 0:
+            return b""
+        from huggingface_hub.utils import get_session
+
+        url = hf_hub_url(self.repo_id, rf.name, revision=self.commit, endpoint=self.endpoint)
+        headers = build_hf_headers(token=self._repo._token, headers={"Accept-Encoding": "identity", "Range": f"bytes={start}-{start + length - 1}"})
+        try:
+            r = get_session().get(url, headers=headers, follow_redirects=True)
+            r.raise_for_status()
+        except Exception as e:
+            raise self._repo.error(e, rf.name) from e
+        data = r.content
+        if r.status_code == 200:  # server ignored the range
+            data = data[start:start + length]
+        return data
+
     def release(self, filename: str) -> None:
         """Delete the local copy of ``filename`` (files used in place from the HF cache are left alone)."""
         rf = self._file(filename)

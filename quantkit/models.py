@@ -2,7 +2,9 @@
 
 - a folder with config.json and safetensors shards;
 - `tiny:kimi-k2.6` / `tiny:glm-5.2`: the embedded tiny models (built on first use);
-- `hf://org/repo@rev`: a Hugging Face repo (see quantkit.hub).
+- `hf://org/repo@rev`: a Hugging Face repo at a pinned commit, streamed: configs and tokenizer are
+  fetched at once, every shard's header with a ranged read, and each shard only when a tensor in
+  it is first needed (quantkit.hub.HubSource).
 """
 
 from __future__ import annotations
@@ -13,8 +15,12 @@ from quantkit.checkpoint import Checkpoint
 from quantkit.errors import ConfigError
 
 
-def is_tiny(spec: str) -> bool:
+def is_tiny(spec) -> bool:
     return isinstance(spec, str) and spec.startswith("tiny:")
+
+
+def is_hub(spec) -> bool:
+    return isinstance(spec, str) and spec.startswith("hf://")
 
 
 def resolve(spec: str | Path) -> Path:
@@ -23,13 +29,23 @@ def resolve(spec: str | Path) -> Path:
         from quantkit.tiny import tiny_path
 
         return tiny_path(spec[len("tiny:"):])
-    if isinstance(spec, str) and spec.startswith("hf://"):
-        raise ConfigError(f"{spec}: pull it first with `quantkit pull`, or pass the hf:// id to `quantkit convert`")
+    if is_hub(spec):
+        return hub_source(spec).local_path("config.json").parent
     path = Path(spec)
     if not path.is_dir():
-        raise ConfigError(f"{spec}: not a folder, a tiny:<name> id or an hf://org/repo id")
+        raise ConfigError(f"{spec}: not a folder, a tiny:<name> id or an hf://org/repo@rev id")
     return path
 
 
-def open_checkpoint(spec: str | Path) -> Checkpoint:
+def hub_source(spec: str, **kwargs):
+    """The HubSource for an `hf://org/repo@rev` spec, cached under the quantkit cache folder."""
+    from quantkit.hub import HubSource
+    from quantkit.tiny import cache_dir
+
+    return HubSource(spec, cache_dir=kwargs.pop("cache_dir", cache_dir()), **kwargs)
+
+
+def open_checkpoint(spec: str | Path, *, release_consumed: bool = False) -> Checkpoint:
+    if is_hub(spec):
+        return Checkpoint(None, remote=hub_source(spec), release_consumed=release_consumed)
     return Checkpoint(resolve(spec))
