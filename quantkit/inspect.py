@@ -84,10 +84,55 @@ def _human(n: int, unit: str) -> str:
     return f"{n:.3g}P{unit}"
 
 
-def inspect(model: str | Path) -> Inspection:
-    """Summarise a model folder or tiny id: family, layers, params and bytes per class, storage format."""
-    from quantkit.models import open_checkpoint
+def inspect_preset(name: str) -> Inspection:
+    """The same summary for a real model from its shipped config (quantkit.arch presets), without
+    weights: tensor shapes from the architecture, storage from its quantization_config."""
+    from quantkit.arch import arch_from_config, load_preset
+    from quantkit.plan import _source_format, _vision_params, tensor_inventory
 
+    cfg = load_preset(name)
+    a = arch_from_config(cfg, source=f"preset {name}")
+    fmt = _source_format(a)
+    vision = _vision_params(cfg) if a.family == "kimi" else 0
+    classes: dict[str, ClassSummary] = defaultdict(ClassSummary)
+    for spec in tensor_inventory(a, vision_params=vision, mtp_embed_copies=a.family == "deepseek_v3"):
+        c = classes[spec.klass.value]
+        c.tensors += spec.count
+        c.params += spec.params
+        c.bytes += fmt.bytes(spec)
+        label = _preset_label(spec, fmt)
+        c.formats[label] += spec.count
+    return Inspection(
+        path=f"preset:{name}", model_type=a.model_type, family=a.family, layers=a.num_hidden_layers,
+        mtp_layers=a.num_mtp_layers, routed_experts=a.n_routed_experts, shards=0,
+        params=sum(c.params for c in classes.values()), bytes=sum(c.bytes for c in classes.values()), classes=dict(classes),
+    )
+
+
+def _preset_label(spec, fmt) -> str:
+    b = fmt.bytes(spec)
+    if spec.role == "e_score_correction_bias":
+        return "f32"
+    if b == 2 * spec.params:
+        return "bf16"
+    if b < spec.params:
+        return f"int4-g{fmt.group_size}"
+    return "fp8-block128"
+
+
+def inspect(model: str | Path) -> Inspection:
+    """Summarise a model folder, tiny id, hf:// id (headers only) or preset name (kimi-k2.6,
+    glm-5.2, deepseek-v3: from the real config, no weights): family, layers, params and bytes per
+    class, storage format."""
+    from quantkit.arch import preset_names
+    from quantkit.models import is_hub, is_tiny, open_checkpoint
+
+    if isinstance(model, str) and model in preset_names() and not Path(model).is_dir():
+        return inspect_preset(model)
+    if not (is_tiny(model) or is_hub(model)) and not Path(model).is_dir():
+        from quantkit.errors import ConfigError
+
+        raise ConfigError(f"{model}: not a folder, a tiny:<name> or hf://org/repo id, or a preset ({', '.join(preset_names())})")
     ckpt = open_checkpoint(model)
     classes: dict[str, ClassSummary] = defaultdict(ClassSummary)
     for name, st in ckpt.tensors.items():
