@@ -394,16 +394,21 @@ class Plan:
                 f"{ck.weights_gib_per_gpu:,.1f}",
                 f"{ck.weights_gib_per_gpu * GiB / GB:,.1f}",
                 "yes" if ck.fits else "NO",
-                *[f"{ck.kv[d].tokens:,}" for d in kvd],
+                *[_tokens(ck.kv[d].tokens) for d in kvd],
                 *[f"{ck.kv[d].concurrent_requests}" for d in kvd],
-                ck.reason if not ck.fits else ck.description,
             ]
             for ck in self.checkpoints.values()
         ]
         ckpt = (
             f"{self.model}: checkpoints on {setup}",
-            ["kind", "GB", "GiB", "GiB/GPU", "GB/GPU", "fits", *[f"KV tok {d}" for d in kvd], *[f"req {d}" for d in kvd], "format / reason"],
+            ["kind", "GB", "GiB", "GiB/GPU", "GB/GPU", "fits", *[f"KV {d}" for d in kvd], *[f"req {d}" for d in kvd]],
             rows,
+        )
+        # the long text goes in its own two-column table, so the numbers fit an 80-column terminal
+        kinds = (
+            "checkpoint kinds",
+            ["kind", "format / reason"],
+            [[ck.kind, ck.reason if not ck.fits else ck.description] for ck in self.checkpoints.values()],
         )
         classes = sorted({c for ck in self.checkpoints.values() for c in ck.bytes_by_class}, key=[c.value for c in TensorClass].index)
         by_class = (
@@ -422,7 +427,7 @@ class Plan:
             ["total", "text", "MTP", "vision", "active/token"],
             [[f"{x / 1e9:,.2f}B" for x in (self.params_total, self.params_text, self.params_mtp, self.params_vision, self.params_active)]],
         )
-        out = [params, ckpt, by_class, kv]
+        out = [params, ckpt, kinds, by_class, kv]
         if self.article:
             out.append(
                 (
@@ -474,6 +479,11 @@ def _fmt(x: float, unit: str) -> str:
     if unit in ("tokens", "requests"):
         return f"{x:,.0f}"
     return f"{x:,.1f}"
+
+
+def _tokens(n: int) -> str:
+    """689K / 1.38M: compact enough for an 80-column terminal (exact counts are in --json)."""
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.0f}K" if n >= 1e3 else str(n)
 
 
 def render_plan(plan: Plan, console: Any) -> None:
