@@ -449,7 +449,7 @@ class Plan:
         for title, headers, rows in self.sections():
             t = Table(title=title, title_justify="left")
             for hdr in headers:
-                t.add_column(hdr, overflow="fold", justify="left" if hdr in ("kind", "class", "figure", "option", "meaning", "note", "format / reason", "source", "dtype") else "right")
+                t.add_column(hdr, overflow="fold", no_wrap=hdr in ("kind", "class"), justify="left" if hdr in ("kind", "class", "figure", "option", "meaning", "note", "format / reason", "source", "dtype") else "right")
             for r in rows:
                 t.add_row(*r, style="bold red" if "fits" in headers and r[headers.index("fits")] == "NO" else None)
             tables.append(t)
