@@ -392,7 +392,6 @@ class Plan:
                 f"{ck.total_gb:,.1f}",
                 gib(ck.total_bytes),
                 f"{ck.weights_gib_per_gpu:,.1f}",
-                f"{ck.weights_gib_per_gpu * GiB / GB:,.1f}",
                 "yes" if ck.fits else "NO",
                 *[_tokens(ck.kv[d].tokens) for d in kvd],
                 *[f"{ck.kv[d].concurrent_requests}" for d in kvd],
@@ -401,7 +400,7 @@ class Plan:
         ]
         ckpt = (
             f"{self.model}: checkpoints on {setup}",
-            ["kind", "GB", "GiB", "GiB/GPU", "GB/GPU", "fits", *[f"KV {d}" for d in kvd], *[f"req {d}" for d in kvd]],
+            ["kind", "GB", "GiB", "GiB/GPU", "fits", *[f"KV {d}" for d in kvd], *[f"req {d}" for d in kvd]],
             rows,
         )
         # the long text goes in its own two-column table, so the numbers fit an 80-column terminal
