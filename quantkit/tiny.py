@@ -300,15 +300,12 @@ def rtn_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     return qw.q, qw.scale
 
 
-def save_kimi(t: dict[str, torch.Tensor], arch: ModelArch, config: dict, out: Path) -> None:
-    """Kimi K2.6 layout: INT4 g32 routed experts, BF16 everything else, vision stubs, 6-digit shards."""
-    text = config["text_config"]
-    text["quantization_config"] = int4.quantization_config(INT4_GROUP, [
-        "lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
-        "re:.*vision_tower.*", "re:.*mm_projector.*",
-    ])
-    w = CheckpointWriter(out, digits=6)
-    for name, tensor in vision_stub(config["vision_config"], arch.hidden_size).items():
+def _save(t: dict[str, torch.Tensor], arch: ModelArch, config: dict, out: Path, *, digits: int,
+          store, extra: dict[str, torch.Tensor] | None = None) -> None:
+    """Write a tiny model shard by shard: non-layer tensors (and `extra`, e.g. the vision stub)
+    first, then one shard per decoder layer; `store(name, tensor)` gives the stored tensors."""
+    w = CheckpointWriter(out, digits=digits)
+    for name, tensor in (extra or {}).items():
         w.add(name, tensor)
     for name in (f"{arch.prefix}embed_tokens.weight", f"{arch.prefix}norm.weight", arch.head_name):
         w.add(name, t[name].to(torch.bfloat16))
@@ -316,25 +313,29 @@ def save_kimi(t: dict[str, torch.Tensor], arch: ModelArch, config: dict, out: Pa
     for L in range(arch.num_layers_with_mtp):
         p = arch.layer_prefix(L)
         for name in sorted(k for k in t if k.startswith(p)):
-            if ".mlp.experts." in name:
-                q, scale = rtn_int4(t[name], INT4_GROUP)
-                for suffix, tensor in int4.store(q, scale).items():
-                    w.add(name[: -len("weight")] + suffix, tensor)
-            elif name.endswith("e_score_correction_bias"):
+            if name.endswith("e_score_correction_bias"):
                 w.add(name, t[name].float())
-            else:
-                w.add(name, t[name].to(torch.bfloat16))
+                continue
+            for key, tensor in store(name, t[name]).items():
+                w.add(key, tensor)
         w.flush()
     w.finish(config, extra=_tokenizer_files())
 
 
-# Modules GLM-5.2-FP8 keeps in BF16 (`modules_to_not_convert`): everything not a Linear in FP8.
-def glm_keeps_bf16(name: str) -> bool:
-    return (
-        not name.endswith(("proj.weight", "proj_with_mqa.weight", "wq_b.weight", "wk.weight"))
-        or name.endswith(("mlp.gate.weight", "weights_proj.weight", "eh_proj.weight"))
-        or "embed_tokens" in name or "lm_head" in name
-    )
+def save_kimi(t: dict[str, torch.Tensor], arch: ModelArch, config: dict, out: Path) -> None:
+    """Kimi K2.6 layout: INT4 g32 routed experts, BF16 everything else, vision stubs, 6-digit shards."""
+    config["text_config"]["quantization_config"] = int4.quantization_config(INT4_GROUP, [
+        "lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
+        "re:.*vision_tower.*", "re:.*mm_projector.*",
+    ])
+
+    def store(name: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        if ".mlp.experts." not in name:
+            return {name: x.to(torch.bfloat16)}
+        q, scale = rtn_int4(x, INT4_GROUP)
+        return {name[: -len("weight")] + suffix: v for suffix, v in int4.store(q, scale).items()}
+
+    _save(t, arch, config, out, digits=6, store=store, extra=vision_stub(config["vision_config"], arch.hidden_size))
 
 
 def vision_stub(v: dict, text_hidden: int) -> dict[str, torch.Tensor]:
@@ -362,29 +363,29 @@ def vision_stub(v: dict, text_hidden: int) -> dict[str, torch.Tensor]:
     return {k: (torch.randn(*s, generator=gen) * 0.02).to(torch.bfloat16) for k, s in sorted(shapes.items())}
 
 
+# Modules GLM-5.2-FP8 keeps in BF16 (`modules_to_not_convert`): everything not a Linear in FP8.
+def glm_keeps_bf16(name: str) -> bool:
+    return (
+        not name.endswith(("proj.weight", "proj_with_mqa.weight", "wq_b.weight", "wk.weight"))
+        or name.endswith(("mlp.gate.weight", "weights_proj.weight", "eh_proj.weight"))
+        or "embed_tokens" in name or "lm_head" in name
+    )
+
+
 def save_glm(t: dict[str, torch.Tensor], arch: ModelArch, config: dict, out: Path) -> None:
     """GLM-5.2-FP8 layout: e4m3 + float32 `weight_scale_inv` per 128x128 block, BF16 rest, 5-digit shards."""
     config["quantization_config"] = {
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
         "modules_to_not_convert": sorted(n[: -len(".weight")] for n in t if glm_keeps_bf16(n) and n.endswith(".weight")),
     }
-    w = CheckpointWriter(out, digits=5)
-    for name in (f"{arch.prefix}embed_tokens.weight", f"{arch.prefix}norm.weight", arch.head_name):
-        w.add(name, t[name].to(torch.bfloat16))
-    w.flush()
-    for L in range(arch.num_layers_with_mtp):
-        p = arch.layer_prefix(L)
-        for name in sorted(k for k in t if k.startswith(p)):
-            if name.endswith("e_score_correction_bias"):
-                w.add(name, t[name].float())
-            elif glm_keeps_bf16(name):
-                w.add(name, t[name].to(torch.bfloat16))
-            else:
-                q, scale = fp8.quantize(t[name])
-                w.add(name, q)
-                w.add(name[: -len("weight")] + "weight_scale_inv", scale)
-        w.flush()
-    w.finish(config, extra=_tokenizer_files())
+
+    def store(name: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        if glm_keeps_bf16(name):
+            return {name: x.to(torch.bfloat16)}
+        q, scale = fp8.quantize(x)
+        return {name: q, name[: -len("weight")] + "weight_scale_inv": scale}
+
+    _save(t, arch, config, out, digits=5, store=store)
 
 
 def _tokenizer_files() -> dict[str, str]:
