@@ -1,0 +1,822 @@
+"""`quantkit validate`: the converted pair against its source, through quantkit's own forward pass.
+
+What is measured, on held-out tokens (eval data the calibration never saw):
+
+    prompt pass    every eval window through the reference, the FP8 prefill and the INT4 decode
+                   checkpoint: per layer ||h - h_ref|| / ||h_ref|| of the hidden state after that
+                   layer; on the final logits KL(ref || model) per token, top-1 agreement, perplexity
+    generation     from the end of each window, K greedy tokens (the incremental MLA-latent /
+                   DSA-index-key cache path): each checkpoint alone, and the cross-phase path the
+                   servers run (the prefill checkpoint writes the caches and picks the first token,
+                   the decode checkpoint decodes on top of those caches); agreement with the
+                   reference's continuation and, for cross-phase, with INT4-only decoding
+    decode steps   the reference's continuation fed to the cross-phase path and to INT4-only decoding
+                   (teacher forcing, so every step is comparable): KL, top-1 and per-layer error at
+                   the decode positions
+
+Lockstep, one layer at a time. Every model advances through its decoder layers together: layer i
+of the reference, then of the prefill checkpoint, then of the decode checkpoint, before any layer
+i+1. Each checkpoint's layer is loaded once per pass for every stream that uses it (the INT4 layer
+serves INT4-only and cross-phase decoding alike) and freed before the next is loaded, so peak memory
+is one layer's weights plus the streams' activations and caches, whatever the depth, and no
+per-layer hidden states are kept: errors are taken as the layer finishes.
+
+Gates (`kl_max`, `top1_min`, `ppl_delta_max`, `layer_rel_err_max`, `greedy_agree_min`, ...) are
+bounds on these metrics; an unscoped gate holds for every row that measures the metric, a scoped one
+(`cross_phase.greedy_agree_min`) for that row only. The recipe recorded in convert-report.json
+supplies the eval data, sizes and gates unless told otherwise.
+
+Writes DIR/validation.json (every number, the eval data's identity, device, dtype),
+DIR/validation.md, DIR/validation.png and, for a convert output, a model card README.md in each
+checkpoint folder (quantkit.card).
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantkit import __version__
+from quantkit.checkpoint import Checkpoint
+from quantkit.errors import ConfigError
+from quantkit.reference import Context, LayerCache, decoder_layer, head_weight_name, resolve_device, rms_norm
+
+__all__ = ["validate", "ValidationResult", "METRICS", "load_gates", "check_gates", "cross_phase_logits", "render_markdown"]
+
+# metric -> what it is; a gate is `<metric>_max` or `<metric>_min`, optionally `<row>.` in front
+METRICS = {
+    "kl": "mean per-token KL(reference || model), nats",
+    "top1": "fraction of positions whose argmax agrees with the reference",
+    "ppl": "perplexity on the eval windows",
+    "ppl_delta": "relative perplexity increase, model / reference - 1",
+    "layer_rel_err": "largest per-layer ||h - h_ref|| / ||h_ref||",
+    "greedy_agree": "mean fraction of the greedy continuation equal to the reference's (common prefix / K)",
+    "greedy_exact": "fraction of prompts whose whole greedy continuation equals the reference's",
+    "greedy_agree_decode": "cross-phase only: greedy_agree against INT4-only decoding instead of the reference",
+}
+PAIR_ROWS = ("prefill", "decode", "cross_phase")
+ROW_TITLES = {
+    "prefill": "prefill (FP8)",
+    "decode": "decode (INT4)",
+    "cross_phase": "cross-phase (FP8 cache -> INT4)",
+    "model": "model",
+}
+SHORT_TITLES = {"prefill": "prefill FP8", "decode": "decode INT4", "cross_phase": "cross-phase", "model": "model"}
+GATES_FAILED_EXIT = 3  # the CLI's exit code when a gate fails (1 is a usage/input error)
+
+
+# ---- what to validate ----------------------------------------------------------------------------
+@dataclass
+class Target:
+    """The folders under test: a convert output (prefill + decode + report) or one checkpoint."""
+
+    out: Path  # where validation.* are written
+    models: dict[str, Path]  # row -> checkpoint folder: {"prefill", "decode"} or {"model"}
+    report: dict | None  # convert-report.json
+    reference: str  # how the reference is named in reports: its spec, or the folder
+    reference_source: str | Path  # what to open: a folder, or a spec (tiny:, hf://) for models.open_checkpoint
+    reference_path: Path  # a local folder with its config.json and tokenizer
+
+    @property
+    def pair(self) -> bool:
+        return "decode" in self.models
+
+
+def _target(folder: str | Path, reference: str | Path | None) -> Target:
+    from quantkit.models import resolve
+
+    def is_hub(spec) -> bool:
+        return isinstance(spec, str) and spec.startswith("hf://")
+
+    out = Path(folder)
+    if not out.is_dir():
+        raise ConfigError(f"{out}: no such folder; pass a `quantkit convert` output or a checkpoint folder")
+    report = None
+    if (out / "convert-report.json").is_file():
+        try:
+            report = json.loads((out / "convert-report.json").read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{out / 'convert-report.json'}: not valid JSON ({e.msg}); rerun `quantkit convert`") from None
+    if (out / "prefill" / "config.json").is_file() and (out / "decode" / "config.json").is_file():
+        models = {"prefill": out / "prefill", "decode": out / "decode"}
+    elif (out / "config.json").is_file():
+        models = {"model": out}
+    else:
+        raise ConfigError(f"{out}: neither a convert output (prefill/ and decode/) nor a checkpoint folder (config.json)")
+
+    if reference is not None:
+        return Target(out, models, report, str(reference), reference, resolve(reference))
+    src = (report or {}).get("source") or {}
+    if not src.get("spec"):
+        raise ConfigError(f"{out}: no convert-report.json names the source; pass the reference with --reference")
+    if src.get("path") and (Path(src["path"]) / "config.json").is_file() and not is_hub(src["spec"]):
+        # the very folder convert read (tiny models: keyed by their content)
+        return Target(out, models, report, src["spec"], Path(src["path"]), Path(src["path"]))
+    try:
+        return Target(out, models, report, src["spec"], src["spec"], resolve(src["spec"]))
+    except ConfigError as e:
+        raise ConfigError(f"{out}: cannot open the source convert recorded ({e}); pass it with --reference") from None
+
+
+def _tiny_name(path: Path) -> str | None:
+    """`glm-5.2` when `path` is an embedded tiny model's cache folder."""
+    from quantkit.tiny import TINY_NAMES, cache_dir
+
+    try:
+        path.resolve().relative_to((cache_dir() / "tiny").resolve())
+    except ValueError:
+        return None
+    return next((n for n in TINY_NAMES if path.name.startswith(n + "-")), None)
+
+
+@dataclass
+class Settings:
+    dataset: str
+    num_samples: int
+    seq_len: int
+    gen_tokens: int
+    gates: dict[str, float]
+    gates_from: str  # where the gates came from: a file, the recipe, the call
+
+
+def _settings(t: Target, arch, eval_data, num_samples, seq_len, gen_tokens, gates) -> Settings:
+    """Explicit options, else the recipe recorded in the report, else the reference family's recipe."""
+    from quantkit.recipe import ValidateSettings, default_recipe
+
+    if t.report and isinstance(t.report.get("recipe"), dict) and "validate" in t.report["recipe"]:
+        base, base_from = ValidateSettings(**t.report["recipe"]["validate"]), f"recipe {t.report['recipe'].get('name')}"
+    else:
+        tiny = _tiny_name(t.reference_path)
+        try:
+            rec = default_recipe(f"tiny:{tiny}" if tiny else t.reference, arch)
+            base, base_from = rec.validate, f"recipe {rec.name}"
+        except ConfigError:
+            base, base_from = ValidateSettings(), "defaults"
+    dataset = eval_data or base.dataset
+    if not dataset:
+        raise ConfigError("no eval data: pass --eval-data (a held-out data spec, e.g. hf:org/name@test or a .jsonl file)")
+    calib = ((t.report or {}).get("recipe") or {}).get("calibration", {}).get("dataset")
+    if eval_data is None and calib and dataset.strip() == calib.strip():
+        raise ConfigError(f"{base_from}: validate.dataset {dataset} is the calibration data; pass held-out --eval-data")
+    if gates is None:
+        gate_map, gates_from = dict(base.gates), base_from
+    elif isinstance(gates, dict):
+        gate_map, gates_from = {str(k): _number(v, f"gate {k!r}") for k, v in gates.items()}, "argument"
+    else:
+        gate_map, gates_from = load_gates(gates), str(gates)
+    _check_gate_names(gate_map, gates_from)
+    for name, value in (("num_samples", num_samples), ("seq_len", seq_len), ("gen_tokens", gen_tokens)):
+        low = 0 if name == "gen_tokens" else (2 if name == "seq_len" else 1)
+        if value is not None and (not isinstance(value, int) or value < low):
+            raise ConfigError(f"--{name.replace('_', '-')}: must be an integer >= {low} (got {value!r})")
+    return Settings(
+        dataset=dataset,
+        num_samples=num_samples if num_samples is not None else base.num_samples,
+        seq_len=seq_len if seq_len is not None else base.seq_len,
+        gen_tokens=gen_tokens if gen_tokens is not None else base.gen_tokens,
+        gates=gate_map,
+        gates_from=gates_from,
+    )
+
+
+# ---- gates ---------------------------------------------------------------------------------------
+def load_gates(path: str | Path) -> dict[str, float]:
+    """Gates from a YAML or JSON file: `{kl_max: 0.05, top1_min: 0.9}`, optionally under `gates:`."""
+    import yaml
+
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+        data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the gate file ({e.strerror or e})") from None
+    except (yaml.YAMLError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: not valid {'JSON' if path.suffix.lower() == '.json' else 'YAML'} "
+                          f"({getattr(e, 'problem', None) or getattr(e, 'msg', None) or e}); write `kl_max: 0.05` lines") from None
+    if isinstance(data, dict) and isinstance(data.get("gates"), dict) and len(data) == 1:
+        data = data["gates"]
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a gate file is a mapping of gate names to numbers, e.g. `kl_max: 0.05`")
+    out = {}
+    for k, v in data.items():
+        out[str(k)] = _number(v, f"{path}: gate {k!r}")
+    _check_gate_names(out, str(path))
+    return out
+
+
+def _number(v, what: str) -> float:
+    """A finite float; YAML 1.1 reads `1e-3` as a string, so numeric strings count too."""
+    if isinstance(v, str):
+        try:
+            v = float(v)
+        except ValueError:
+            pass
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ConfigError(f"{what} must be a finite number (got {v!r})")
+    return float(v)
+
+
+def _split_gate(name: str) -> tuple[str | None, str, str]:
+    """`cross_phase.greedy_agree_min` -> ("cross_phase", "greedy_agree", "min")."""
+    row, _, rest = name.rpartition(".")
+    metric, _, bound = rest.rpartition("_")
+    return (row or None), metric, bound
+
+
+def _check_gate_names(gates: dict[str, float], where: str) -> None:
+    known = [f"{m}_{b}" for m in METRICS for b in ("max", "min")]
+    for name in gates:
+        row, metric, bound = _split_gate(name)
+        if bound not in ("max", "min") or metric not in METRICS or (row is not None and row not in (*PAIR_ROWS, "model")):
+            close = difflib.get_close_matches(name.rpartition(".")[2], known, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(f"{where}: unknown gate {name!r}; {hint}a gate is [row.]metric_max|_min with metric one of "
+                              f"{', '.join(METRICS)} and row one of {', '.join(PAIR_ROWS)}")
+
+
+def check_gates(gates: dict[str, float], rows: dict[str, dict]) -> list[dict]:
+    """One entry per (gate, row it applies to); `passed` None where no row measured the metric."""
+    results = []
+    for name, bound in gates.items():
+        scope, metric, kind = _split_gate(name)
+        applies = [r for r in rows if (scope is None or r == scope) and rows[r]["metrics"].get(metric) is not None]
+        if not applies:
+            results.append({"gate": name, "row": scope, "metric": metric, "bound": bound, "value": None, "passed": None,
+                            "note": "not measured (no such row, or gen_tokens too small)"})
+        for r in applies:
+            v = rows[r]["metrics"][metric]
+            ok = bool(v <= bound) if kind == "max" else bool(v >= bound)  # NaN fails both
+            results.append({"gate": name, "row": r, "metric": metric, "bound": bound, "value": v, "passed": ok})
+    return results
+
+
+# ---- lockstep streams ----------------------------------------------------------------------------
+@dataclass
+class Stream:
+    """One sequence of forward passes: whose weights it runs and the caches it extends."""
+
+    name: str
+    model: str  # key of the checkpoint whose weights it runs
+    caches: list[LayerCache]
+    ids: torch.Tensor | None = None  # (B, T) tokens fed at the current step
+    h: torch.Tensor | None = field(default=None, repr=False)  # (B, T, D)
+    ctx: Context | None = field(default=None, repr=False)
+    tokens: list[torch.Tensor] = field(default_factory=list, repr=False)  # generated, each (B,)
+
+
+def fork(caches: list[LayerCache]) -> list[LayerCache]:
+    """Caches that continue from the same prefix independently (appends make new tensors)."""
+    return [LayerCache(c.latent, c.k_rot, c.index_k) for c in caches]
+
+
+def _embed(ckpt: Checkpoint, streams: list[Stream], device, dtype) -> None:
+    table = ckpt.get(f"{ckpt.arch.prefix}embed_tokens.weight", dtype)
+    for s in streams:
+        s.h = torch.nn.functional.embedding(s.ids.cpu(), table).to(device)  # (B, T, D)
+
+
+def _heads(ckpt: Checkpoint, hs: list[torch.Tensor], dtype) -> list[torch.Tensor]:
+    """Logits (B, T, V) for each hidden state, the head weights loaded once."""
+    a = ckpt.arch
+    norm = ckpt.get(f"{a.prefix}norm.weight", dtype)
+    w = ckpt.get(head_weight_name(a), dtype)
+    return [torch.nn.functional.linear(rms_norm(h, norm.to(h.device), a.rms_norm_eps), w.to(h.device)) for h in hs]
+
+
+def step(ckpts: dict[str, Checkpoint], streams: list[Stream], device, dtype, on_layer=None, advance=None) -> None:
+    """One forward of every stream over its `ids`, in lockstep: layer i of every checkpoint runs
+    before layer i+1 of any; each checkpoint's layer is loaded once for all its streams, then freed.
+    Leaves each stream's final hidden state in `h`; `on_layer(layer, {name: h})` sees every layer."""
+    from quantkit.forward import layer_weights
+
+    groups = {m: [s for s in streams if s.model == m] for m in ckpts}
+    groups = {m: g for m, g in groups.items() if g}
+    for m, group in groups.items():
+        for s in group:
+            start = s.caches[0].length
+            s.ctx = Context.build(ckpts[m].arch, s.ids.shape[1], device, dtype, start=start, caches=s.caches)
+        _embed(ckpts[m], group, device, dtype)
+    for layer in range(next(iter(ckpts.values())).arch.num_hidden_layers):
+        for m, group in groups.items():
+            w = layer_weights(ckpts[m], layer, device, dtype)
+            for s in group:
+                s.h = decoder_layer(s.h, w, s.ctx, layer).hidden
+            del w
+            if advance:
+                advance()
+        if on_layer is not None:
+            on_layer(layer, {s.name: s.h for s in streams})
+
+
+def cross_phase_logits(prefill: Checkpoint, decode: Checkpoint, prompt: torch.Tensor, tokens: torch.Tensor, *,
+                       device="cpu", dtype=torch.float32) -> torch.Tensor:
+    """Logits (B, K, V) of decoding `tokens` (B, K) one at a time with the `decode` weights on top of
+    the caches the `prefill` weights wrote for `prompt` (B, P): the path `validate` measures."""
+    device = resolve_device(device)
+    ckpts = {"prefill": prefill, "decode": decode}
+    with torch.no_grad():
+        pre = Stream("prefill", "prefill", [LayerCache() for _ in range(prefill.arch.num_hidden_layers)], ids=prompt)
+        step(ckpts, [pre], device, dtype)
+        cross = Stream("cross_phase", "decode", fork(pre.caches))
+        out = []
+        for k in range(tokens.shape[1]):
+            cross.ids = tokens[:, k: k + 1]
+            step(ckpts, [cross], device, dtype)
+            out.append(_heads(decode, [cross.h], dtype)[0])
+        return torch.cat(out, dim=1)
+
+
+# ---- metrics -------------------------------------------------------------------------------------
+class _LayerErr:
+    """Per-layer sum of ||h - h_ref||^2 and ||h_ref||^2 (float64), over every step it is fed."""
+
+    def __init__(self, n_layers: int):
+        self.diff = [0.0] * n_layers
+        self.ref = [0.0] * n_layers
+
+    def add(self, layer: int, h: torch.Tensor, h_ref: torch.Tensor) -> None:
+        self.diff[layer] += float((h.double() - h_ref.double()).pow(2).sum())
+        self.ref[layer] += float(h_ref.double().pow(2).sum())
+
+    def rel(self) -> list[float]:
+        return [math.sqrt(d / r) if r > 0 else 0.0 for d, r in zip(self.diff, self.ref)]
+
+
+def _kl_top1(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[float, float, int]:
+    """(sum of per-position KL(ref || model), positions whose argmax agrees, positions) over (..., V)
+    logits; one sample at a time in float64, so a 160K vocabulary never needs more than (T, V) doubles."""
+    ref_logits, logits = ref_logits.reshape(-1, *ref_logits.shape[-2:]), logits.reshape(-1, *logits.shape[-2:])
+    kl = agree = 0.0
+    for r, m in zip(ref_logits, logits):  # (T, V)
+        lp_ref = torch.log_softmax(r.double(), -1)
+        kl += float((lp_ref.exp() * (lp_ref - torch.log_softmax(m.double(), -1))).sum())
+        agree += float((r.argmax(-1) == m.argmax(-1)).sum())
+    return kl, agree, ref_logits.shape[0] * ref_logits.shape[1]
+
+
+def _nll(logits: torch.Tensor, ids: torch.Tensor) -> float:
+    """Mean next-token negative log-likelihood over the windows (positions 0..T-2 predict 1..T-1)."""
+    total = 0.0
+    for lg, x in zip(logits, ids):  # (T, V), (T,)
+        lp = torch.log_softmax(lg[:-1].double(), -1)
+        total -= float(lp.gather(-1, x[1:, None].to(lp.device)).sum())
+    return total / (ids.shape[0] * (ids.shape[1] - 1))
+
+
+def _agreement(tokens: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(mean common-prefix fraction, exact-match fraction) of (B, K) continuations."""
+    same = (tokens == ref).long()
+    prefix = same.cumprod(dim=1).sum(dim=1).double() / tokens.shape[1]  # (B,)
+    return float(prefix.mean()), float((prefix == 1).double().mean())
+
+
+def _measure(ckpts: dict[str, Checkpoint], ids: torch.Tensor, K: int, pair: bool, device, dtype, bar) -> dict:
+    """Run every stream in lockstep and return the rows, per-layer curves and continuations."""
+    L = ckpts["reference"].arch.num_hidden_layers
+    models = [m for m in ckpts if m != "reference"]
+    new = lambda: [LayerCache() for _ in range(L)]  # noqa: E731
+
+    # 1. prompt pass: every eval window through every checkpoint
+    prompt = {m: Stream(m, m, new(), ids=ids) for m in ckpts}
+    errs = {m: _LayerErr(L) for m in models}
+
+    def on_prompt_layer(layer, hs):
+        for m in models:
+            errs[m].add(layer, hs[m], hs["reference"])
+
+    step(ckpts, list(prompt.values()), device, dtype, on_prompt_layer, bar.advance)
+    (ref_logits,) = _heads(ckpts["reference"], [prompt["reference"].h], dtype)
+    ref_nll = _nll(ref_logits, ids)
+    last = {"reference": ref_logits[:, -1]}
+    rows: dict[str, dict] = {}
+    for m in models:
+        (logits,) = _heads(ckpts[m], [prompt[m].h], dtype)
+        kl, agree, n = _kl_top1(ref_logits, logits)
+        nll = _nll(logits, ids)
+        curve = errs[m].rel()
+        rows[m] = {
+            "metrics": {"kl": kl / n, "top1": agree / n, "ppl": math.exp(nll),
+                        "ppl_delta": math.exp(nll - ref_nll) - 1, "layer_rel_err": max(curve)},
+            "layers": curve,
+            "measured_on": "eval windows (prompt pass)",
+        }
+        last[m] = logits[:, -1]
+        del logits
+    for s in prompt.values():
+        s.h = None
+    reference = {"ppl": math.exp(ref_nll)}
+    result = {"rows": rows, "reference": reference, "continuations": {}}
+    if K == 0:
+        return result
+
+    # 2. generation: free-running greedy streams, plus teacher-forced ones fed the reference's tokens
+    first = {m: last[m].argmax(-1).cpu() for m in last}  # the prompt pass picks the first token
+    free = {"reference": Stream("reference", "reference", prompt["reference"].caches, tokens=[first["reference"]])}
+    for m in models:
+        free[m] = Stream(m, m, prompt[m].caches, tokens=[first[m]])
+    forced: dict[str, Stream] = {}
+    if pair:
+        # the servers' path: the prefill pool writes the caches and samples token 1, the decode pool
+        # goes on from those caches (both cross-phase streams start from this one hand-over)
+        handed_over = prompt["prefill"].caches
+        free["cross_phase"] = Stream("cross_phase", "decode", fork(handed_over), tokens=[first["prefill"]])
+        forced = {"cross_phase": Stream("cross_phase@tf", "decode", fork(handed_over)),
+                  "int4_only": Stream("int4_only@tf", "decode", fork(prompt["decode"].caches))}
+    step_err = {k: _LayerErr(L) for k in forced}
+    kl_sum = {k: 0.0 for k in forced}
+    top1_sum = {k: 0.0 for k in forced}
+
+    def on_step_layer(layer, hs):
+        for k, s in forced.items():
+            step_err[k].add(layer, hs[s.name], hs["reference"])
+
+    for _ in range(K - 1):
+        for s in free.values():
+            s.ids = s.tokens[-1][:, None]
+        for s in forced.values():
+            s.ids = free["reference"].tokens[-1][:, None]
+        streams = list(free.values()) + list(forced.values())
+        step(ckpts, streams, device, dtype, on_step_layer, bar.advance)
+        logits = {}
+        for m, ck in ckpts.items():
+            group = [s for s in streams if s.model == m]
+            for s, lg in zip(group, _heads(ck, [s.h for s in group], dtype)):
+                logits[s.name] = lg[:, -1]  # (B, V)
+        for s in free.values():
+            s.tokens.append(logits[s.name].argmax(-1).cpu())
+        for k, s in forced.items():
+            kl, agree, _ = _kl_top1(logits["reference"][:, None], logits[s.name][:, None])
+            kl_sum[k] += kl
+            top1_sum[k] += agree
+
+    cont = {name: torch.stack(s.tokens, dim=1) for name, s in free.items()}  # (B, K)
+    for m in models:
+        agree, exact = _agreement(cont[m], cont["reference"])
+        rows[m]["metrics"].update(greedy_agree=agree, greedy_exact=exact)
+    if pair:
+        n = ids.shape[0] * (K - 1)
+        decode_steps = {}
+        for k in forced:
+            curve = step_err[k].rel()
+            decode_steps[k] = {"kl": kl_sum[k] / n if n else None, "top1": top1_sum[k] / n if n else None,
+                               "layer_rel_err": max(curve) if n else None, "layers": curve if n else []}
+        agree, exact = _agreement(cont["cross_phase"], cont["reference"])
+        agree_int4, _ = _agreement(cont["cross_phase"], cont["decode"])
+        c = decode_steps["cross_phase"]
+        rows["cross_phase"] = {
+            "metrics": {"kl": c["kl"], "top1": c["top1"], "layer_rel_err": c["layer_rel_err"], "greedy_agree": agree,
+                        "greedy_exact": exact, "greedy_agree_decode": agree_int4},
+            "layers": c["layers"],
+            "measured_on": f"{K - 1} decode steps after each eval window, fed the reference's continuation",
+            "int4_only": decode_steps["int4_only"],  # the same steps over INT4's own caches: the baseline
+        }
+    result["continuations"] = {name: t.tolist() for name, t in cont.items()}
+    return result
+
+
+# ---- the result ----------------------------------------------------------------------------------
+@dataclass
+class ValidationResult:
+    """What `validate` measured; `data` is validation.json."""
+
+    dir: Path
+    data: dict[str, Any]
+    files: dict[str, Path]
+
+    @property
+    def passed(self) -> bool:
+        return self.data["passed"]
+
+    @property
+    def failed_gates(self) -> list[dict]:
+        return [g for g in self.data["gates"] if g["passed"] is False]
+
+    def to_json(self) -> dict[str, Any]:
+        return self.data
+
+    def table(self):
+        from rich.table import Table
+
+        d = self.data
+        failed = {(g["row"], g["metric"]) for g in self.failed_gates}
+        t = Table(title=f"quantkit validate: {d['reference']['spec']} vs {d['dir']}")
+        t.add_column("path", no_wrap=True)
+        t.add_column("on", no_wrap=True)
+        cols = [("kl", "KL", "{:.3g}"), ("top1", "top-1", "{:.3f}"), ("ppl_delta", "ppl Δ", "{:+.2%}"),
+                ("layer_rel_err", "layer err", "{:.3g}"), ("greedy_agree", "greedy", "{:.3f}")]
+        for _, title, _ in cols:
+            t.add_column(title, justify="right", no_wrap=True)
+        for row, r in d["rows"].items():
+            cells = []
+            for key, _, fmt in cols:
+                v = r["metrics"].get(key)
+                text = "—" if v is None else fmt.format(v)
+                cells.append(f"[red]{text}[/red]" if (row, key) in failed else text)
+            t.add_row(SHORT_TITLES.get(row, row), "decode" if row == "cross_phase" else "prompts", *cells)
+        io = d["rows"].get("cross_phase", {}).get("int4_only")
+        if io and io["kl"] is not None:
+            t.add_row("INT4-only", "decode", f"{io['kl']:.3g}", f"{io['top1']:.3f}", "—",
+                      f"{io['layer_rel_err']:.3g}", "—", style="dim")
+        gates = d["gates"]
+        n_pass = sum(1 for g in gates if g["passed"])
+        verdict = "[green]PASSED[/green]" if d["passed"] else "[red]FAILED[/red]"
+        fails = "; ".join(f"{g['gate']} on {g['row']}: {g['value']:.4g}" for g in self.failed_gates)
+        e = d["eval_data"]
+        t.caption = (f"{verdict}: {n_pass}/{sum(1 for g in gates if g['passed'] is not None)} gate checks "
+                     f"({d['gates_from']}){': ' + fails if fails else ''}\n"
+                     f"reference ppl {d['reference_metrics']['ppl']:.3f}; eval {e['spec']} {e['num_samples']}x{e['seq_len']} "
+                     f"sha256 {e['sha256'][:12]}; {d['gen_tokens']} greedy tokens; {d['device']} {d['dtype']}; "
+                     f"{d['seconds']:.1f}s" + "".join(f"\nnote: {n}" for n in d["notes"]))
+        return t
+
+    def _repr_html_(self) -> str:
+        import io
+
+        from rich.console import Console
+
+        console = Console(record=True, width=120, file=io.StringIO())
+        console.print(self.table())
+        return console.export_html(inline_styles=True)
+
+
+def render_markdown(d: dict) -> str:
+    """validation.md: the numbers of validation.json as readable tables."""
+    e = d["eval_data"]
+    lines = [
+        f"# Validation: {d['reference']['spec']} vs `{d['dir']}`",
+        "",
+        f"**{'PASSED' if d['passed'] else 'FAILED'}** ({d['gates_from']} gates). quantkit {d['quantkit_version']}, "
+        f"{d['device']}, {d['dtype']}, {d['seconds']:.1f} s.",
+        "",
+        f"Eval data: `{e['spec']}`, {e['num_samples']} x {e['seq_len']} tokens, sha256 `{e['sha256']}`. "
+        f"Greedy continuation: {d['gen_tokens']} tokens after each window. "
+        f"Reference perplexity {d['reference_metrics']['ppl']:.4f}.",
+        "",
+        "| path | measured on | KL (nats) | top-1 | ppl | ppl delta | max layer err | greedy agree | greedy exact |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row, r in d["rows"].items():
+        m = r["metrics"]
+        lines.append(f"| {ROW_TITLES.get(row, row)} | {r['measured_on']} | {_f(m.get('kl'), '.4g')} | {_f(m.get('top1'), '.4f')} "
+                     f"| {_f(m.get('ppl'), '.4f')} | {_f(m.get('ppl_delta'), '+.3%')} | {_f(m.get('layer_rel_err'), '.4g')} "
+                     f"| {_f(m.get('greedy_agree'), '.3f')} | {_f(m.get('greedy_exact'), '.3f')} |")
+    cp = d["rows"].get("cross_phase")
+    if cp:
+        io = cp["int4_only"]
+        lines.append(f"| INT4-only decoding (baseline) | the same decode steps | {_f(io['kl'], '.4g')} | {_f(io['top1'], '.4f')} "
+                     f"| — | — | {_f(io['layer_rel_err'], '.4g')} | — | — |")
+        lines += ["", f"Cross-phase greedy continuation vs INT4-only decoding: agreement "
+                      f"{_f(cp['metrics']['greedy_agree_decode'], '.3f')}."]
+    lines += ["", "## Gates", "", "| gate | row | value | bound | result |", "|---|---|---:|---:|---|"]
+    for g in d["gates"]:
+        res = {True: "pass", False: "**FAIL**", None: g.get("note", "not measured")}[g["passed"]]
+        lines.append(f"| `{g['gate']}` | {g['row'] or '—'} | {_f(g['value'], '.4g')} | {g['bound']:g} | {res} |")
+    if not d["gates"]:
+        lines.append("| (none) | | | | |")
+    lines += ["", "## Per-layer relative error ||h - h_ref|| / ||h_ref||", ""]
+    curves = {ROW_TITLES.get(r, r): v["layers"] for r, v in d["rows"].items() if v["layers"]}
+    if cp and cp["int4_only"]["layers"]:
+        curves["INT4-only (decode steps)"] = cp["int4_only"]["layers"]
+    lines.append("| layer | " + " | ".join(curves) + " |")
+    lines.append("|---:|" + "---:|" * len(curves))
+    for i in range(d["num_layers"]):
+        lines.append(f"| {i} | " + " | ".join(_f(c[i], '.4g') for c in curves.values()) + " |")
+    for n in d["notes"]:
+        lines += ["", f"Note: {n}"]
+    lines += ["", "Metrics: " + "; ".join(f"`{k}` {v}" for k, v in METRICS.items()) + ".", ""]
+    return "\n".join(lines)
+
+
+def _f(v, fmt: str) -> str:
+    return "—" if v is None else format(v, fmt)
+
+
+# ---- the figure ----------------------------------------------------------------------------------
+def plot(d: dict, report: dict | None, path: Path) -> Path:
+    """validation.png: per-layer error curves (prompt pass, decode steps) and, from the convert
+    report, how many calibration tokens each routed expert saw."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6), constrained_layout=True)
+    layers = list(range(d["num_layers"]))
+
+    def curves(ax, series, title):
+        for label, ys, style, color in series:
+            ax.plot(layers, ys, style, label=label, lw=1.8, ms=5, color=color)
+        ax.set_ylim(bottom=-0.03 * max(ax.get_ylim()[1], 1e-12))  # a curve at exactly 0 stays visible
+        ax.set_title(title, fontsize=11)
+        ax.set_xlabel("decoder layer")
+        ax.set_ylabel("||h - h_ref|| / ||h_ref||")
+        ax.set_xticks(layers if len(layers) <= 16 else layers[:: max(1, len(layers) // 12)])
+        ax.grid(alpha=0.3)
+        if series:
+            ax.legend(fontsize=9)
+        else:
+            ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes, color="grey")
+
+    rows = d["rows"]
+    colors = {"prefill": "tab:blue", "decode": "tab:orange", "model": "tab:orange", "cross_phase": "tab:green"}
+    prompt_series = [(ROW_TITLES.get(r, r), rows[r]["layers"], "o-", colors[r]) for r in rows if r != "cross_phase"]
+    curves(axes[0], prompt_series, f"Prompt pass: {d['eval_data']['num_samples']}x{d['eval_data']['seq_len']} eval tokens")
+    step_series = []
+    cp = rows.get("cross_phase")
+    if cp and cp["layers"]:
+        step_series = [(ROW_TITLES["cross_phase"], cp["layers"], "s-", colors["cross_phase"]),
+                       ("INT4-only decoding", cp["int4_only"]["layers"], "^--", colors["decode"])]
+    curves(axes[1], step_series, f"Decode steps: {max(d['gen_tokens'] - 1, 0)} per window, teacher-forced")
+    _expert_histogram(axes[2], report)
+    verdict = "PASSED" if d["passed"] else "FAILED"
+    fig.suptitle(f"quantkit validate: {d['reference']['spec']} — {verdict}", fontsize=12,
+                 color="tab:green" if d["passed"] else "tab:red")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _expert_histogram(ax, report: dict | None) -> None:
+    ax.set_title("Calibration tokens per routed expert", fontsize=11)
+    experts = (report or {}).get("experts") or []
+    calibrated = [e for e in experts if e["method"] != "reused"]
+    if not calibrated:
+        reason = (f"{len(experts)} routed experts reused from the source's INT4\n(no calibration)" if experts
+                  else "no convert report")
+        ax.text(0.5, 0.5, reason, ha="center", va="center", transform=ax.transAxes, color="grey")
+        ax.set_xticks([])
+        ax.set_yticks([])
+        return
+    groups: dict[str, list[int]] = {}  # "gptq", "gptq: all_tokens", "rtn: mtp: no calibration path (RTN)", ...
+    for e in calibrated:
+        label = e["method"].upper() + (f", {e['fallback']}" if e["fallback"] else "")
+        groups.setdefault(label, []).append(e["tokens"])
+    groups = dict(sorted(groups.items(), key=lambda kv: -len(kv[1])))
+    top = max(max(v) for v in groups.values())
+    bins = torch.linspace(0, max(top, 1) * 1.02, 31).tolist()
+    palette = ["tab:blue", "tab:orange", "tab:purple", "tab:grey", "tab:brown"]
+    ax.hist(list(groups.values()), bins=bins, stacked=True, label=[f"{k} — {len(v)}" for k, v in groups.items()],
+            color=[palette[i % len(palette)] for i in range(len(groups))])
+    min_tokens = ((report.get("recipe") or {}).get("gptq") or {}).get("min_tokens")
+    if min_tokens is not None:
+        ax.axvline(min_tokens, color="tab:red", ls="--", lw=1.2, label=f"gptq.min_tokens = {min_tokens}")
+    ax.set_xlabel("tokens routed to the expert during calibration")
+    ax.set_ylabel("experts")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+
+
+# ---- the entry point -----------------------------------------------------------------------------
+def validate(
+    dir: str | Path,
+    *,
+    reference: str | Path | None = None,
+    eval_data: str | None = None,
+    num_samples: int | None = None,
+    seq_len: int | None = None,
+    gen_tokens: int | None = None,
+    device: str = "auto",
+    gates: str | Path | dict[str, float] | None = None,
+    progress: bool = True,
+    dtype: torch.dtype = torch.float32,
+    write: bool = True,
+) -> ValidationResult:
+    """Measure a converted pair (or one checkpoint) against its reference, layer by layer.
+
+    Args:
+        dir: a `quantkit convert` output (prefill/, decode/, convert-report.json) or a checkpoint folder.
+        reference: the model to compare with (default: the source recorded in convert-report.json).
+        eval_data: held-out data spec (default: the recorded recipe's `validate.dataset`).
+        num_samples, seq_len: eval windows and tokens per window (default: the recipe's).
+        gen_tokens: greedy tokens generated after each window (default: the recipe's).
+        gates: a YAML/JSON gate file or a dict (`{"kl_max": 0.05}`); default: the recipe's gates.
+        write: write validation.json/.md/.png and the model cards (convert outputs only).
+    Returns:
+        ValidationResult; `passed` is False when any gate fails (nothing is raised for that).
+
+    Example:
+        >>> res = quantkit.validate("out/glm")
+        >>> res.data["rows"]["decode"]["metrics"]["kl"], res.passed
+    """
+    from quantkit.calib import load_tokens
+    from quantkit.models import open_checkpoint
+
+    t0 = time.time()
+    t = _target(dir, reference)
+    ckpts = {"reference": open_checkpoint(t.reference_source)} | {row: Checkpoint(p) for row, p in t.models.items()}
+    _check_compatible(ckpts)
+    arch = ckpts["reference"].arch
+    s = _settings(t, arch, eval_data, num_samples, seq_len, gen_tokens, gates)
+    tokens = load_tokens(s.dataset, tokenizer=t.reference_path, num_samples=s.num_samples, seq_len=s.seq_len)
+    dev = resolve_device(device)
+    notes = _notes(t, tokens)
+
+    L = arch.num_hidden_layers
+    loads = len(ckpts) * L * (1 + max(s.gen_tokens - 1, 0))  # a pass loads each checkpoint's layers once
+    with _Bar(progress, loads) as bar, torch.no_grad():
+        m = _measure(ckpts, tokens.ids.to(dev), s.gen_tokens, t.pair, dev, dtype, bar)
+
+    gate_results = check_gates(s.gates, m["rows"])
+    data = {
+        "quantkit_version": __version__,
+        "dir": str(t.out),
+        "mode": "pair" if t.pair else "checkpoint",
+        "reference": {"spec": t.reference, "path": str(t.reference_path.resolve()),
+                      "config_sha256": _sha256(t.reference_path / "config.json")},
+        "models": {row: str(p) for row, p in t.models.items()},
+        "eval_data": {"spec": tokens.spec, "sha256": tokens.sha256, "num_samples": int(tokens.ids.shape[0]),
+                      "seq_len": int(tokens.ids.shape[1]), "source": tokens.source},
+        "gen_tokens": s.gen_tokens,
+        "device": str(dev) + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else ""),
+        "dtype": str(dtype).removeprefix("torch."),
+        "order": "lockstep: layer i of every checkpoint before layer i+1; one layer's weights in memory at a time",
+        "num_layers": L,
+        "reference_metrics": m["reference"],
+        "rows": m["rows"],
+        "continuations": m["continuations"],
+        "gates_from": s.gates_from,
+        "gates": gate_results,
+        "passed": all(g["passed"] is not False for g in gate_results),
+        "notes": notes,
+        "metrics": METRICS,
+        "seconds": round(time.time() - t0, 3),
+    }
+    result = ValidationResult(t.out, data, {})
+    if write:
+        result.files = _write(t, data)
+    return result
+
+
+def _write(t: Target, data: dict) -> dict[str, Path]:
+    files = {"json": t.out / "validation.json", "md": t.out / "validation.md", "png": t.out / "validation.png"}
+    files["json"].write_text(json.dumps(data, indent=2) + "\n")
+    files["md"].write_text(render_markdown(data))
+    plot(data, t.report, files["png"])
+    if t.pair and t.report is not None:
+        from quantkit.card import write_cards
+
+        for which, path in write_cards(t.out, t.report, data).items():
+            files[f"card_{which}"] = path
+    return files
+
+
+def _check_compatible(ckpts: dict[str, Checkpoint]) -> None:
+    ref = ckpts["reference"].arch
+    for row, ck in ckpts.items():
+        a = ck.arch
+        for attr in ("num_hidden_layers", "hidden_size", "vocab_size", "n_routed_experts", "kv_lora_rank"):
+            if getattr(a, attr) != getattr(ref, attr):
+                raise ConfigError(f"{row} ({ck.folder}): {attr} {getattr(a, attr)} differs from the reference's "
+                                  f"{getattr(ref, attr)}; is --reference the model this was converted from?")
+
+
+def _notes(t: Target, tokens) -> list[str]:
+    """Things a reader of the numbers should know: a reference that is not the converted source,
+    eval data that is the calibration data."""
+    notes = []
+    src = (t.report or {}).get("source") or {}
+    recorded = (src.get("files") or {}).get("config.json")
+    if recorded and recorded != _sha256(t.reference_path / "config.json"):
+        notes.append(f"the reference's config.json differs from the source convert recorded ({src.get('spec')})")
+    cal = (t.report or {}).get("calibration") or {}
+    cal_spec = cal.get("spec") or (((t.report or {}).get("recipe") or {}).get("calibration") or {}).get("dataset")
+    if (cal.get("sha256") and cal["sha256"] == tokens.sha256) or (cal_spec and cal_spec.strip() == tokens.spec):
+        notes.append(f"the eval data {tokens.spec} is the calibration data: the numbers flatter the checkpoint")
+    return notes
+
+
+def _sha256(path: Path) -> str | None:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+
+
+class _Bar:
+    """Rich progress over layer loads; silent when disabled."""
+
+    def __init__(self, enabled: bool, total: int):
+        self.enabled = enabled
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.p = Progress(TextColumn("validate: layers"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+            self.task = self.p.add_task("layers", total=total)
+
+    def __enter__(self):
+        if self.enabled:
+            self.p.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.p.__exit__(*exc)
+
+    def advance(self) -> None:
+        if self.enabled:
+            self.p.advance(self.task)
