@@ -81,10 +81,18 @@ def test_inspect_bad_input(tmp_path, case):
 @pytest.mark.parametrize("spec,needle", [
     ("no/such/folder", "not a folder"),
     ("tiny:llama", "unknown tiny model"),
-    ("hf://org/repo", "pull it first"),
 ])
 def test_inspect_bad_spec(spec, needle):
     assert_one_line_error(runner.invoke(app, ["inspect", spec]), spec.split(":")[-1], needle)
+
+
+def test_inspect_hub_id_offline_with_nothing_cached(tmp_path, monkeypatch):
+    """hf:// ids stream from the Hub; offline with nothing cached is a one-line error, no network."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "qk"))
+    r = runner.invoke(app, ["inspect", "hf://org/repo"])
+    assert_one_line_error(r, "org/repo", "HF_HUB_OFFLINE")
 
 
 def test_debug_env_shows_the_traceback(tmp_path, monkeypatch):
