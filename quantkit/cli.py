@@ -140,9 +140,13 @@ def convert(
                          validate=not no_validate, progress=not json_out, trust_remote_code=trust_remote_code,
                          delete_source_after=delete_source_after)
     if json_out:
-        emit_json(result.to_json())
+        emit_json(result.to_json() | ({"validation": result.validation.to_json()} if result.validation else {}))
     else:
         Console().print(result.table())
+        if result.validation:
+            Console().print(result.validation.table())
+    if result.validation and not result.validation.passed:
+        _gates_failed(result.validation)
 
 
 @app.command()
@@ -159,7 +163,7 @@ def validate(
     json_out: Json = False,
 ):
     """Measure the pair against its source layer by layer; write validation.json/.md/.png and model cards. Exit 3 if a gate fails."""
-    from quantkit.validate import GATES_FAILED_EXIT, validate as run_validate
+    from quantkit.validate import validate as run_validate
 
     result = run_validate(folder, reference=reference, eval_data=eval_data, num_samples=num_samples, seq_len=seq_len,
                           gen_tokens=gen_tokens, device=device, gates=gate, progress=not json_out)
@@ -168,9 +172,16 @@ def validate(
     else:
         Console().print(result.table())
     if not result.passed:
-        failed = ", ".join(f"{g['gate']} on {g['row']} ({g['value']:.4g})" for g in result.failed_gates)
-        console.print(f"[red]validation failed:[/red] {failed}", highlight=False, soft_wrap=True)
-        raise typer.Exit(GATES_FAILED_EXIT)
+        _gates_failed(result)
+
+
+def _gates_failed(result) -> None:
+    """A failed gate: say which, exit 3 (so a CI job refuses to publish the artifact)."""
+    from quantkit.validate import GATES_FAILED_EXIT
+
+    failed = ", ".join(f"{g['gate']} on {g['row']} ({g['value']:.4g})" for g in result.failed_gates)
+    console.print(f"[red]validation failed:[/red] {failed}", highlight=False, soft_wrap=True)
+    raise typer.Exit(GATES_FAILED_EXIT)
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -68,6 +68,7 @@ class ConvertResult:
     prefill: Path
     decode: Path
     report: dict[str, Any]
+    validation: Any = None  # quantkit.validate.ValidationResult when convert ran validate
 
     def to_json(self) -> dict[str, Any]:
         return self.report
@@ -503,7 +504,7 @@ def convert(
     if validate:
         from quantkit.validate import validate as run_validate
 
-        run_validate(out, device=device, progress=progress)
+        result.validation = run_validate(out, device=device, progress=progress)
     return result
 
 
