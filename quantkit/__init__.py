@@ -20,11 +20,11 @@ import importlib
 __version__ = "0.1.0"
 
 _API = {
-    "inspect": ("quantkit.inspect", "inspect"),
-    "plan": ("quantkit.plan", "plan"),
+    "inspect": ("quantkit.inspection", "inspect"),
+    "plan": ("quantkit.planner", "plan"),
     "logits": ("quantkit.forward", "logits"),
-    "convert": ("quantkit.convert", "convert"),
-    "validate": ("quantkit.validate", "validate"),
+    "convert": ("quantkit.conversion", "convert"),
+    "validate": ("quantkit.validation", "validate"),
     "pull": ("quantkit.hub", "pull"),
     "Checkpoint": ("quantkit.checkpoint", "Checkpoint"),
     "QuantkitError": ("quantkit.errors", "QuantkitError"),

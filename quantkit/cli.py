@@ -57,7 +57,7 @@ def emit_json(data) -> None:
 @user_errors
 def inspect(model: Model, json_out: Json = False):
     """Family, layers, parameters and bytes by tensor class, storage format per class, shard count."""
-    from quantkit.inspect import inspect as run_inspect
+    from quantkit.inspection import inspect as run_inspect
 
     result = run_inspect(model)
     if json_out:
@@ -81,7 +81,7 @@ def plan(
 ):
     """Checkpoint sizes, weight memory per GPU, KV cache per token and capacity, beside the article's figures."""
     from quantkit.models import is_tiny, resolve
-    from quantkit.plan import plan as run_plan, render_plan
+    from quantkit.planner import plan as run_plan, render_plan
 
     target = resolve(model) if is_tiny(model) else model
     result = run_plan(target, gpus=gpus, gpu=gpu, tp=tp, context=context, mem_fraction=mem_fraction,
@@ -131,7 +131,7 @@ def convert(
     json_out: Json = False,
 ):
     """Emit the FP8 prefill and INT4 decode checkpoints from one streaming pass, with calibrated per-expert GPTQ."""
-    from quantkit.convert import convert as run_convert
+    from quantkit.conversion import convert as run_convert
 
     if recipe and preset:
         raise typer.BadParameter("give --recipe or --preset, not both")
@@ -163,7 +163,7 @@ def validate(
     json_out: Json = False,
 ):
     """Measure the pair against its source layer by layer; write validation.json/.md/.png and model cards. Exit 3 if a gate fails."""
-    from quantkit.validate import validate as run_validate
+    from quantkit.validation import validate as run_validate
 
     result = run_validate(folder, reference=reference, eval_data=eval_data, num_samples=num_samples, seq_len=seq_len,
                           gen_tokens=gen_tokens, device=device, gates=gate, progress=not json_out)
@@ -177,7 +177,7 @@ def validate(
 
 def _gates_failed(result) -> None:
     """A failed gate: say which, exit 3 (so a CI job refuses to publish the artifact)."""
-    from quantkit.validate import GATES_FAILED_EXIT
+    from quantkit.validation import GATES_FAILED_EXIT
 
     failed = ", ".join(f"{g['gate']} on {g['row']} ({g['value']:.4g})" for g in result.failed_gates)
     console.print(f"[red]validation failed:[/red] {failed}", highlight=False, soft_wrap=True)

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from oracle import read_raw, transformers_model
 from quantkit.checkpoint import Checkpoint
-from quantkit.convert import convert
+from quantkit.conversion import convert
 from quantkit.errors import OutputError
 from quantkit.forward import logits, run
 from quantkit.tiny import batches

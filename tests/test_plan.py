@@ -8,7 +8,7 @@ import pytest
 
 from quantkit.arch import load_preset
 from quantkit.errors import ConfigError
-from quantkit.plan import ARTICLE_FIGURES, GB, GiB, plan, render_plan
+from quantkit.planner import ARTICLE_FIGURES, GB, GiB, plan, render_plan
 
 
 @pytest.fixture(scope="module")

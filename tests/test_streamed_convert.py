@@ -10,7 +10,7 @@ from huggingface_hub import constants as hf_constants
 
 from hub_server import FakeHub
 from quantkit.checkpoint import Checkpoint
-from quantkit.convert import convert
+from quantkit.conversion import convert
 from quantkit.models import hub_source, open_checkpoint
 
 REPO = "zai-org/GLM-5.2-tiny"

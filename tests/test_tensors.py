@@ -11,7 +11,7 @@ from conftest import small_config
 from quantkit.arch import arch_from_config
 from quantkit.checkpoint import Checkpoint
 from quantkit.errors import CheckpointError
-from quantkit.inspect import inspect, storage_format
+from quantkit.inspection import inspect, storage_format
 from quantkit.tensors import TensorClass, classify, logical_name
 
 C = TensorClass

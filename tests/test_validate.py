@@ -15,10 +15,10 @@ from typer.testing import CliRunner
 from quantkit.calib import load_tokens
 from quantkit.checkpoint import Checkpoint
 from quantkit.cli import app
-from quantkit.convert import convert
+from quantkit.conversion import convert
 from quantkit.forward import embed, head, layer_weights, run
 from quantkit.reference import Context, decoder_layer
-from quantkit.validate import GATES_FAILED_EXIT, cross_phase_logits, validate
+from quantkit.validation import GATES_FAILED_EXIT, cross_phase_logits, validate
 
 runner = CliRunner()
 DAMAGED_LAYER = 2  # an MoE layer of the tiny GLM (layer 0 is dense), with an indexer (DSA)

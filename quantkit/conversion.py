@@ -68,7 +68,7 @@ class ConvertResult:
     prefill: Path
     decode: Path
     report: dict[str, Any]
-    validation: Any = None  # quantkit.validate.ValidationResult when convert ran validate
+    validation: Any = None  # quantkit.validation.ValidationResult when convert ran validate
 
     def to_json(self) -> dict[str, Any]:
         return self.report
@@ -324,12 +324,12 @@ def convert(
         recipe: a recipe file or name (default: the model family's recipe); the keyword options
             below override its fields when given.
         resume: continue an interrupted run from its last completed layer (byte-identical result).
-        validate: run `quantkit.validate` on the pair afterwards.
+        validate: run `quantkit.validation` on the pair afterwards.
         delete_source_after: with an `hf://` source, delete each downloaded shard once every
             tensor in it has been consumed (local disk then holds a few shards at a time).
 
     Example:
-        >>> res = quantkit.convert("tiny:glm-5.2", "out/glm")
+        >>> res = quantkit.conversion("tiny:glm-5.2", "out/glm")
         >>> res.report["experts_summary"]
     """
     from quantkit.calib import load_tokens
@@ -502,7 +502,7 @@ def convert(
     shutil.rmtree(state_dir, ignore_errors=True)
     result = ConvertResult(out, out / "prefill", out / "decode", report)
     if validate:
-        from quantkit.validate import validate as run_validate
+        from quantkit.validation import validate as run_validate
 
         result.validation = run_validate(out, device=device, progress=progress)
     return result

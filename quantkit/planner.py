@@ -803,7 +803,7 @@ def _layer_of(name: str) -> int:
     return int(m.group(1)) if m else -1
 
 
-if __name__ == "__main__":  # python -m quantkit.plan [preset]
+if __name__ == "__main__":  # python -m quantkit.planner [preset]
     import sys
 
     from rich.console import Console

@@ -88,7 +88,7 @@ def inspect_preset(name: str) -> Inspection:
     """The same summary for a real model from its shipped config (quantkit.arch presets), without
     weights: tensor shapes from the architecture, storage from its quantization_config."""
     from quantkit.arch import arch_from_config, load_preset
-    from quantkit.plan import _source_format, _vision_params, tensor_inventory
+    from quantkit.planner import _source_format, _vision_params, tensor_inventory
 
     cfg = load_preset(name)
     a = arch_from_config(cfg, source=f"preset {name}")
