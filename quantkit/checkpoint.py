@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from quantkit.arch import ModelArch, load_arch
 from quantkit.errors import CheckpointError, OutputError
 from quantkit.formats import fp8, int4
-from quantkit.tensors import QUANT_SUFFIXES, TensorClass, TensorInfo, classify, logical_name
+from quantkit.tensors import QUANT_SUFFIXES, TensorClass, TensorInfo, classify
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

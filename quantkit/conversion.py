@@ -43,6 +43,7 @@ from quantkit.precision import (
     BF16, FP8, INT4, PASS, REUSE_INT4, Decision, decide, decode_quantization_config, precision_summary,
     prefill_quantization_config, set_quantization_config,
 )
+from quantkit.progress import LayerProgress
 from quantkit.reference import Context, mla_attention, rms_norm, route, swiglu
 from quantkit.tensors import TensorClass
 
@@ -388,7 +389,7 @@ def convert(
     pair.differ = list(state.differ)
 
     n_layers = arch.num_layers_with_mtp
-    bar = _Progress(progress, n_layers)
+    bar = LayerProgress(progress, n_layers, "layers")
     h = None
     ctx = None
     topks: list = []
@@ -415,7 +416,7 @@ def convert(
             saved = load_file(str(state_dir / "hidden.safetensors"))
             h = saved["h"].to(dev)
             topks = [saved[f"topk.{i}"].to(dev) if f"topk.{i}" in saved else None for i in range(len(topks))]
-        bar.advance_to(state.next_layer)
+        bar.update(state.next_layer)
 
         # 2. the decoder layers, one at a time (a streamed source fetches the next layer's shards meanwhile)
         fetcher = _Prefetcher(ckpt)
@@ -452,7 +453,7 @@ def convert(
                     tok = {e: torch.empty(0, dtype=torch.long) for e in experts}
                 method_here = rec.method if (calibrate and to_quantize) else "rtn"
                 if to_quantize:
-                    bar.experts(layer, len(to_quantize))
+                    bar.update(note=f"layer {layer}: quantizing {len(to_quantize)} experts")
                     experts_q, records = quantize_experts(x if calibrate else None, w, tok, to_quantize, rec, G,
                                                           method_here, layer)
                     if mtp:
@@ -485,7 +486,7 @@ def convert(
             _save_state(state_dir, state, h.cpu() if h is not None else None, topks)
             del w
             ckpt.release_finished()
-            bar.layer_done(layer)
+            bar.update(layer + 1)
             if delay := float(os.environ.get("QUANTKIT_CONVERT_LAYER_DELAY", 0)):
                 time.sleep(delay)  # debug knob: widens the window for crash/resume tests
 
@@ -645,38 +646,3 @@ def _report(model, src_path, source_files, rec, tokens, state: State, ckpt, deci
         "seconds": round(time.time() - t_start, 3),
         "peak_rss_bytes": _peak_rss(),
     }
-
-
-class _Progress:
-    """Rich progress over layers (and the experts of the current layer); silent when disabled."""
-
-    def __init__(self, enabled: bool, n_layers: int):
-        self.enabled = enabled
-        self.n_layers = n_layers
-        if enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-            self.p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                              TimeElapsedColumn(), TimeRemainingColumn(), transient=False)
-            self.task = self.p.add_task("layers", total=n_layers)
-
-    def __enter__(self):
-        if self.enabled:
-            self.p.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.enabled:
-            self.p.__exit__(*exc)
-
-    def advance_to(self, layer: int) -> None:
-        if self.enabled:
-            self.p.update(self.task, completed=max(layer, 0))
-
-    def experts(self, layer: int, n: int) -> None:
-        if self.enabled:
-            self.p.update(self.task, description=f"layer {layer}: quantizing {n} experts")
-
-    def layer_done(self, layer: int) -> None:
-        if self.enabled:
-            self.p.update(self.task, completed=layer + 1, description="layers")

@@ -47,6 +47,7 @@ import torch
 from quantkit import __version__
 from quantkit.checkpoint import Checkpoint
 from quantkit.errors import ConfigError
+from quantkit.progress import LayerProgress
 from quantkit.reference import Context, LayerCache, decoder_layer, head_weight_name, resolve_device, rms_norm
 
 __all__ = ["validate", "ValidationResult", "METRICS", "load_gates", "check_gates", "cross_phase_logits", "render_markdown"]
@@ -721,7 +722,7 @@ def validate(
 
     L = arch.num_hidden_layers
     loads = len(ckpts) * L * (1 + max(s.gen_tokens - 1, 0))  # a pass loads each checkpoint's layers once
-    with _Bar(progress, loads) as bar, torch.no_grad():
+    with LayerProgress(progress, loads, "validate: layers") as bar, torch.no_grad():
         m = _measure(ckpts, tokens.ids.to(dev), s.gen_tokens, t.pair, dev, dtype, bar)
 
     gate_results = check_gates(s.gates, m["rows"])
@@ -795,28 +796,3 @@ def _notes(t: Target, tokens) -> list[str]:
 
 def _sha256(path: Path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
-
-
-class _Bar:
-    """Rich progress over layer loads; silent when disabled."""
-
-    def __init__(self, enabled: bool, total: int):
-        self.enabled = enabled
-        if enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.p = Progress(TextColumn("validate: layers"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-            self.task = self.p.add_task("layers", total=total)
-
-    def __enter__(self):
-        if self.enabled:
-            self.p.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.enabled:
-            self.p.__exit__(*exc)
-
-    def advance(self) -> None:
-        if self.enabled:
-            self.p.advance(self.task)
