@@ -43,7 +43,7 @@ from quantkit.precision import (
     BF16, FP8, INT4, PASS, REUSE_INT4, Decision, decide, decode_quantization_config, precision_summary,
     prefill_quantization_config, set_quantization_config,
 )
-from quantkit.progress import LayerProgress
+from quantkit.progress import LayerProgress, rich_html
 from quantkit.reference import Context, mla_attention, rms_norm, route, swiglu
 from quantkit.tensors import TensorClass
 
@@ -93,11 +93,7 @@ class ConvertResult:
         return t
 
     def _repr_html_(self) -> str:
-        from rich.console import Console
-
-        console = Console(record=True, width=110)
-        console.print(self.table())
-        return console.export_html(inline_styles=True)
+        return rich_html(self.table())
 
 
 def _gb(n: int) -> str:
@@ -380,7 +376,7 @@ def convert(
     state_dir.mkdir(exist_ok=True)
     _check_disk(ckpt, decisions, out, G)
 
-    digits = _shard_digits(src_path)
+    digits = _shard_digits(ckpt)
     wp = CheckpointWriter(out / "prefill", digits=digits, resume=resume, max_shard_bytes=max_shard_bytes)
     wd = CheckpointWriter(out / "decode", digits=digits, resume=resume, max_shard_bytes=max_shard_bytes)
     wp.truncate_parts(state.prefill_parts)
@@ -569,10 +565,12 @@ def _source_int4_group(arch) -> int | None:
     return None
 
 
-def _shard_digits(folder: Path) -> int:
-    """Keep the source's shard-name style (Kimi: six digits, GLM: five)."""
-    for p in folder.glob("model-*-of-*.safetensors"):
-        return len(p.stem.rsplit("-of-", 1)[1])
+def _shard_digits(ckpt: Checkpoint) -> int:
+    """Keep the source's shard-name style (Kimi: six digits, GLM: five), from the index's names
+    (a streamed source has not downloaded its shards yet)."""
+    for f in sorted(set(ckpt.weight_map.values())):
+        if "-of-" in f:
+            return len(f.rsplit("-of-", 1)[1].split(".")[0])
     return 5
 
 

@@ -37,3 +37,15 @@ class LayerProgress:
     def advance(self) -> None:
         if self.enabled:
             self.p.advance(self.task)
+
+
+def rich_html(renderable, width: int = 110) -> str:
+    """A rich renderable as an HTML fragment for Jupyter's `_repr_html_` (recorded off-screen, so
+    the notebook shows it once)."""
+    import io
+
+    from rich.console import Console
+
+    console = Console(record=True, width=width, file=io.StringIO(), force_jupyter=False)
+    console.print(renderable)
+    return console.export_html(inline_styles=True, code_format="<pre style=\"font-family:monospace\">{code}</pre>")

@@ -47,7 +47,7 @@ import torch
 from quantkit import __version__
 from quantkit.checkpoint import Checkpoint
 from quantkit.errors import ConfigError
-from quantkit.progress import LayerProgress
+from quantkit.progress import LayerProgress, rich_html
 from quantkit.reference import Context, LayerCache, decoder_layer, head_weight_name, resolve_device, rms_norm
 
 __all__ = ["validate", "ValidationResult", "METRICS", "load_gates", "check_gates", "cross_phase_logits", "render_markdown"]
@@ -539,13 +539,7 @@ class ValidationResult:
         return t
 
     def _repr_html_(self) -> str:
-        import io
-
-        from rich.console import Console
-
-        console = Console(record=True, width=120, file=io.StringIO())
-        console.print(self.table())
-        return console.export_html(inline_styles=True)
+        return rich_html(self.table(), width=120)
 
 
 def render_markdown(d: dict) -> str:
