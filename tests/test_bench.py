@@ -1,0 +1,94 @@
+"""scripts/bench_convert.py: the pieces its fairness rests on (fast), and one whole run (opt-in).
+
+The fast tests check that the copy llm-compressor starts from has exactly the source's values, that
+splicing quantkit's INT4 experts into it reproduces quantkit's decode model, that per-child peak RSS
+is that child's own, and that the table renders. The whole benchmark takes minutes; it runs only
+with QUANTKIT_BENCH=1.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import small_config, write_random
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_convert", ROOT / "scripts" / "bench_convert.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_measured_reports_each_child_alone(bench, tmp_path):
+    big = bench.measured([sys.executable, "-c", "b = bytearray(300 * 2**20); b[::4096] = b'x' * len(b[::4096])"],
+                         tmp_path / "big.log")
+    small = bench.measured([sys.executable, "-c", "pass"], tmp_path / "small.log")
+    assert big["peak_rss_bytes"] > 300 * 2**20
+    assert small["peak_rss_bytes"] < 100 * 2**20  # not the maximum over all children so far
+    assert small["wall_s"] > 0 and small["cpu_s"] >= 0
+    with pytest.raises(RuntimeError, match="exited 3"):
+        bench.measured([sys.executable, "-c", "import sys; sys.exit(3)"], tmp_path / "fail.log")
+
+
+def test_reference_copy_is_exact_and_splice_reproduces_decode(bench, tmp_path):
+    from quantkit.forward import logits
+
+    src, _ = write_random(tmp_path / "src", small_config("glm"), linears="fp8", experts="fp8")
+    ref = bench.reference_copy(src, tmp_path / "ref", "float32")
+    ids = torch.tensor([[1, 5, 9, 13, 40, 41, 42, 7, 8, 100, 101, 3]])
+    assert torch.equal(logits(src, ids, device="cpu"), logits(ref, ids, device="cpu"))
+
+    # an RTN pair needs no calibration; FP8 linears pass through, so decode differs only in experts
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    m = bench.quantkit_convert(src, tmp_path / "qk", "rtn", _args(), "tiny-glm-5.2", tmp_path / "logs", env)
+    assert m["report"]["experts_summary"]["rtn"] > 0
+    spliced = bench.splice_experts(ref, tmp_path / "qk" / "decode", tmp_path / "spliced")
+    a, b = logits(tmp_path / "qk" / "decode", ids, device="cpu"), logits(spliced, ids, device="cpu")
+    assert ((a - b).abs().max() / a.abs().max()).item() < 1e-5
+    assert not torch.equal(a, logits(ref, ids, device="cpu"))  # the experts really changed
+
+
+def test_compare_and_paired(bench):
+    ref = torch.randn(4, 8, 16).log_softmax(-1)
+    same = bench.compare(ref, ref)
+    assert same["kl"] == 0 and same["top1"] == 1
+    other = bench.compare(ref, (ref + 0.1 * torch.randn_like(ref)).log_softmax(-1))
+    assert other["kl"] > 0 and other["kl_se"] > 0
+    p = bench.paired(other, same)
+    assert p["diff"] == pytest.approx(other["kl"])
+
+
+def test_render(bench):
+    run = {"wall_s": 1.0, "cpu_s": 0.5, "peak_rss_bytes": 300 * 2**20}
+    q = {"kl": 0.001, "kl_se": 0.0001, "top1": 0.99}
+    res = {"model": "tiny:glm-5.2", "model_type": "glm_moe_dsa", "calibration": "c", "group_size": 128, "eval": "e",
+           "threads": 1, "runs": {"a": run}, "labels": {"a": "run a", "b": "row without a run"},
+           "quality": {"vs_source": {"a": q, "b": q}, "experts_only": {"a": q}},
+           "ratios": {"wall time": bench._ratio(0.4, 0.5), "CPU time": bench._ratio(0.3) | {"diff": 0.1, "diff_se": 0.01}}}
+    out = bench.render(res)
+    assert "run a" in out and "row without a run" in out and "met" in out and "paired KL difference" in out
+
+
+def _args(**kw):
+    import argparse
+
+    return argparse.Namespace(**{"num_samples": 8, "seq_len": 32, "group_size": 128, **kw})
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("QUANTKIT_BENCH"), reason="minutes; set QUANTKIT_BENCH=1 to run the benchmark")
+def test_whole_benchmark_runs(bench, tmp_path, capsys):
+    assert bench.main(["--num-samples", "16", "--eval-samples", "8", "--no-depth", "--no-llmc-routed",
+                       "--no-scaled-calib", "--out", str(tmp_path / "w")]) == 0
+    out = capsys.readouterr().out
+    assert "llm-compressor GPTQ" in out and "quantkit GPTQ" in out
