@@ -238,15 +238,15 @@ class Checkpoint:
         return h.get_tensor(storage)
 
     def release_finished(self) -> list[str]:
-        """Streamed source with `release_consumed`: delete the local copy of every shard all of whose
-        tensors have been read. The converter calls it between layers, so re-reads within a layer
-        are served locally."""
-        if not (self.release_consumed and self.remote is not None):
-            return []
+        """Close every shard all of whose tensors have been read, and with a streamed source and
+        `release_consumed`, delete its local copy. The converter calls it between layers (so
+        re-reads within a layer stay local): an open memory map keeps the pages it touched
+        resident, which would make peak RSS grow with depth."""
         done = [f for f, unread in self._unread.items() if not unread and f in self._handles]
         for f in done:
             del self._handles[f]
-            self.remote.release(f)
+            if self.release_consumed and self.remote is not None:
+                self.remote.release(f)
         return done
 
     def prefetch(self, layer: int) -> list[str]:
