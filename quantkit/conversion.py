@@ -86,9 +86,10 @@ class ConvertResult:
             t.add_row(cls, r["outputs"]["prefill"]["precision"].get(cls, ""), r["outputs"]["decode"]["precision"].get(cls, ""))
         t.add_row("size", _gb(r["outputs"]["prefill"]["bytes"]), _gb(r["outputs"]["decode"]["bytes"]), style="bold")
         e = r["experts_summary"]
+        methods = ", ".join(f"{e[m]} {m.upper() if m != 'reused' else m}" for m in ("gptq", "awq", "rtn", "reused") if e.get(m))
         t.caption = (
-            f"{e['total']} routed experts: {e['gptq']} GPTQ, {e['rtn']} RTN, {e['reused']} reused, "
-            f"{e['fallbacks']} fallbacks; {r['seconds']:.1f}s, peak RSS {_gb(r['peak_rss_bytes'])}"
+            f"{e['total']} routed experts: {methods}; {e['fallbacks']} fallbacks; "
+            f"{r['seconds']:.1f}s, peak RSS {_gb(r['peak_rss_bytes'])}"
         )
         return t
 
