@@ -200,18 +200,53 @@ def routed_tokens(x: torch.Tensor, w: dict[str, torch.Tensor], arch) -> dict[int
     return {e: (topk_idx == e).nonzero(as_tuple=True)[0] for e in range(arch.n_routed_experts)}
 
 
-def moe_forward(x: torch.Tensor, w: dict[str, torch.Tensor], arch, experts_w: dict[int, tuple]) -> torch.Tensor:
-    """MoE output (N, D) with the given (dequantized) expert weights."""
-    topk_idx, topk_weight = route(x, w, arch)
-    out = torch.zeros_like(x)
-    for e in torch.unique(topk_idx).tolist():
-        tok, slot = (topk_idx == e).nonzero(as_tuple=True)
-        gate, up, down = experts_w[e]
-        out.index_add_(0, tok, swiglu(x[tok], gate, up, down) * topk_weight[tok, slot, None].to(x.dtype))
-    if arch.n_shared_experts:
-        p = "mlp.shared_experts."
-        out = out + swiglu(x, w[p + "gate_proj.weight"], w[p + "up_proj.weight"], w[p + "down_proj.weight"])
-    return out
+EXPERT_CHUNK = 16  # routed experts in memory at once (dequantized source + quantized), per layer
+
+
+def convert_experts(ckpt: Checkpoint, pair: "PairWriter", decisions: dict[str, Decision], layer: int,
+                    x: torch.Tensor | None, w: dict[str, torch.Tensor], tokens: dict[int, torch.Tensor],
+                    recipe, group_size: int, method: str, dtype, dev, bar) -> tuple[torch.Tensor | None, list[ExpertRecord]]:
+    """The routed experts of one MoE layer, EXPERT_CHUNK at a time: load them (dequantized),
+    quantize those the decode output needs in INT4, write both outputs, and when calibrating
+    (x given) add their output under the *decode* weights to the routed MoE sum. Never the whole
+    layer's experts in memory: for Kimi K2.6 that would be 17G parameters.
+
+    Returns (routed-expert output (N, D) or None, one ExpertRecord per expert).
+    """
+    a = ckpt.arch
+    pre = a.layer_prefix(layer)
+    by_expert: dict[int, list[str]] = {}
+    for name in ckpt.names(layer, TensorClass.ROUTED_EXPERT):
+        by_expert.setdefault(ckpt.tensors[name].info.expert, []).append(name)
+    experts = sorted(by_expert)
+    int4 = [e for e in experts if decisions[f"{pre}mlp.experts.{e}.down_proj.weight"].decode == INT4]
+    routed = None
+    if x is not None:
+        topk_idx, topk_weight = route(x, w, a)
+        routed = torch.zeros_like(x)
+    records: list[ExpertRecord] = []
+    for start in range(0, len(experts), EXPERT_CHUNK):
+        chunk = experts[start:start + EXPERT_CHUNK]
+        need = [e for e in chunk if e in int4]
+        ew: dict[str, torch.Tensor] = {}
+        if need or x is not None:
+            ew = {n[len(pre):]: ckpt.get(n, dtype).to(dev) for e in chunk for n in by_expert[e]}
+        quantized: dict[int, dict[str, QuantizedWeight]] = {}
+        if need:
+            bar.update(note=f"layer {layer}: quantizing experts {need[0]}-{need[-1]} of {len(experts)}")
+            quantized, recs = quantize_experts(x, ew, tokens, need, recipe, group_size, method, layer)
+            records += recs
+        records += [ExpertRecord(layer, e, len(tokens.get(e, ())), "reused") for e in chunk if e not in need]
+        for e in chunk:
+            for name in by_expert[e]:
+                pair.write_expert(name, decisions[name], quantized.get(e, {}).get(ckpt.tensors[name].info.proj))
+            if x is not None:
+                tok, slot = (topk_idx == e).nonzero(as_tuple=True)
+                if len(tok):
+                    we = tuple(quantized[e][p].dequantize(dtype).to(dev) for p in PROJS) if e in quantized else expert_weights(ew, e)
+                    routed.index_add_(0, tok, swiglu(x[tok], *we) * topk_weight[tok, slot, None].to(x.dtype))
+        del ew, quantized
+    return routed, sorted(records, key=lambda r: r.expert)
 
 
 # ---- writing -----------------------------------------------------------------------------------
@@ -423,8 +458,6 @@ def convert(
             pre = arch.layer_prefix(layer)
             mtp = layer >= arch.num_hidden_layers
             w: dict[str, torch.Tensor] = {}
-            experts_q: dict[int, dict[str, QuantizedWeight]] = {}
-            records: list[ExpertRecord] = []
 
             # shared tensors first: their stored form is also what we compute with
             for name in ckpt.names(layer):
@@ -433,50 +466,32 @@ def convert(
                 parts = pair.write_shared(name, decisions[name])
                 w[name[len(pre):]] = compute_weight(parts, ckpt.tensors[name], dtype).to(dev)
 
-            expert_names = ckpt.names(layer, TensorClass.ROUTED_EXPERT)
-            experts = sorted({ckpt.tensors[n].info.expert for n in expert_names})
-            for name in expert_names:
-                w[name[len(pre):]] = ckpt.get(name, dtype).to(dev)
-
             calibrate = h is not None and not mtp
             if calibrate:
                 x, h_mid = _attention_half(h, w, ctx, layer, topks)
-            if experts:
-                to_quantize = [e for e in experts if decisions[f"{pre}mlp.experts.{e}.down_proj.weight"].decode == INT4]
-                reused = [e for e in experts if e not in to_quantize]
-                if calibrate:
-                    tok = routed_tokens(x, w, arch)
-                else:
-                    tok = {e: torch.empty(0, dtype=torch.long) for e in experts}
-                method_here = rec.method if (calibrate and to_quantize) else "rtn"
-                if to_quantize:
-                    bar.update(note=f"layer {layer}: quantizing {len(to_quantize)} experts")
-                    experts_q, records = quantize_experts(x if calibrate else None, w, tok, to_quantize, rec, G,
-                                                          method_here, layer)
-                    if mtp:
-                        for r in records:
+            records: list[ExpertRecord] = []
+            if arch.is_moe(layer):
+                tok = routed_tokens(x, w, arch) if calibrate else {e: torch.empty(0, dtype=torch.long) for e in range(arch.n_routed_experts)}
+                routed, records = convert_experts(ckpt, pair, decisions, layer, x if calibrate else None, w, tok, rec,
+                                                  G, rec.method if calibrate else "rtn", dtype, dev, bar)
+                if mtp:
+                    for r in records:
+                        if r.method != "reused":
                             r.fallback = "mtp: no calibration path (RTN)"
-                records += [ExpertRecord(layer, e, int(len(tok.get(e, ()))), "reused") for e in reused]
-                records.sort(key=lambda r: r.expert)
-                for name in expert_names:
-                    info = ckpt.tensors[name].info
-                    pair.write_expert(name, decisions[name], experts_q.get(info.expert, {}).get(info.proj))
             pair.flush()
 
             if calibrate:
                 if arch.is_moe(layer):
-                    decode_experts = {
-                        e: tuple(experts_q[e][p].dequantize(dtype).to(dev) for p in PROJS) if e in experts_q else expert_weights(w, e)
-                        for e in experts
-                    }
-                    moe_out = moe_forward(x, w, arch, decode_experts)
+                    p = "mlp.shared_experts."
+                    moe_out = routed if not arch.n_shared_experts else routed + swiglu(
+                        x, w[p + "gate_proj.weight"], w[p + "up_proj.weight"], w[p + "down_proj.weight"])
                 else:
                     moe_out = swiglu(x, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
                 h = h_mid + moe_out.view_as(h_mid)
 
             state.experts += [vars(r) for r in records]
             state.layers.append({"layer": layer, "kind": "mtp" if mtp else ("moe" if arch.is_moe(layer) else "dense"),
-                                 "seconds": round(time.time() - t0, 3), "calibrated": calibrate and bool(experts)})
+                                 "seconds": round(time.time() - t0, 3), "calibrated": calibrate and arch.is_moe(layer)})
             state.next_layer = layer + 1
             state.prefill_parts, state.decode_parts = wp.num_parts, wd.num_parts
             state.differ = pair.differ
