@@ -119,7 +119,7 @@ def convert(
     recipe: Annotated[Optional[str], typer.Option(help="Recipe file or name (default: the model family's).")] = None,
     preset: Annotated[Optional[str], typer.Option(help="Alias of --recipe: a shipped recipe name (kimi-k2.6, glm-5.2, ...).")] = None,
     method: Annotated[Optional[str], typer.Option(help="gptq (calibrated), awq, or rtn (data-free baseline).")] = None,
-    calib: Annotated[Optional[str], typer.Option(help="Calibration data: hf:org/name[@split], a .jsonl/.txt/.parquet/.npy file, or synthetic.")] = None,
+    calib: Annotated[Optional[str], typer.Option(help="Calibration data: hf:org/name@split, a .jsonl/.txt/.parquet/.npy/.safetensors file, or synthetic:train.")] = None,
     num_samples: Annotated[Optional[int], typer.Option(help="Calibration samples.")] = None,
     seq_len: Annotated[Optional[int], typer.Option(help="Tokens per calibration sample.")] = None,
     group_size: Annotated[Optional[int], typer.Option(help="INT4 group size: 32, 64 or 128.")] = None,
@@ -130,7 +130,7 @@ def convert(
     delete_source_after: Annotated[bool, typer.Option("--delete-source-after", help="hf:// sources: delete each shard once consumed.")] = False,
     json_out: Json = False,
 ):
-    """Emit the FP8 prefill and INT4 decode checkpoints from one streaming pass, with calibrated per-expert GPTQ."""
+    """Emit the FP8 prefill and INT4 decode checkpoints from one streaming pass, with calibrated per-expert GPTQ or AWQ."""
     from quantkit.conversion import convert as run_convert
 
     if recipe and preset:
