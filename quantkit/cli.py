@@ -95,7 +95,7 @@ def plan(
 @app.command()
 @user_errors
 def pull(
-    repo: Annotated[str, typer.Argument(help="org/repo[@rev] or hf://org/repo[@rev].")],
+    repo: Annotated[str, typer.Argument(help="org/repo, org/repo@rev or hf://org/repo@rev.")],
     out: Annotated[Path, typer.Option("--out", help="Folder to download into.")],
     include: Annotated[Optional[list[str]], typer.Option(help="Only files matching this pattern (repeatable).")] = None,
     workers: Annotated[int, typer.Option(help="Parallel downloads.")] = 8,
