@@ -5,7 +5,7 @@ One invocation measures, each in its own process (wall time, CPU time and peak R
 alone, via os.wait4 in a small launcher), with the same thread count (--threads, default 1):
 
   1. quantkit GPTQ   `python -m quantkit.cli convert MODEL --method gptq --no-validate --json`
-  2. quantkit RTN    the same with `--method rtn`
+  2. quantkit RTN    the same with `--method rtn`, and quantkit AWQ with `--method awq`
      (and quantkit GPTQ with num_samples x experts/experts-per-token, the tokens per expert
      llm-compressor's all-experts calibration sees; --no-scaled-calib skips it)
   3. llm-compressor  `oneshot` with a GPTQModifier on the routed expert Linears only (W4A16,
@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 1-2. quantkit, same calibration; 3. llm-compressor on a dequantized copy of the same weights
     scale = arch.n_routed_experts // arch.num_experts_per_tok
-    runs = [("qk-gptq", "gptq", args.num_samples), ("qk-rtn", "rtn", args.num_samples)]
+    runs = [("qk-gptq", "gptq", args.num_samples), ("qk-awq", "awq", args.num_samples), ("qk-rtn", "rtn", args.num_samples)]
     if not args.no_scaled_calib:
         runs.append(("qk-gptq-scaled", "gptq", args.num_samples * scale))
     for key, method, n in runs:
@@ -443,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     res["labels"] = {
         "qk-gptq": f"quantkit GPTQ g{G} (decode)",
         "qk-rtn": f"quantkit RTN g{G} (decode)",
+        "qk-awq": f"quantkit AWQ+GPTQ g{G} (decode)",
         **({"qk-gptq-scaled": f"quantkit GPTQ g{G}, {scale}x calib samples"} if "qk-gptq-scaled" in qk_keys else {}),
         "llmc": f"llm-compressor GPTQ g{G} (all-experts calib)",
         **({"llmc-routed": f"llm-compressor GPTQ g{G} (routed-only calib)"} if "llmc-routed" in variants else {}),
@@ -462,6 +463,9 @@ def main(argv: list[str] | None = None) -> int:
         "KL vs source": _ratio(qs["qk-gptq"]["kl"] / qs["llmc"]["kl"], TARGETS["kl"]),
         "KL experts-only": _ratio(qe["qk-gptq"]["kl"] / qe["llmc"]["kl"], TARGETS["kl"]) | paired(qe["qk-gptq"], qe["llmc"]),
     }
+    res["ratios"]["KL experts-only, quantkit AWQ"] = (
+        _ratio(qe["qk-awq"]["kl"] / qe["llmc"]["kl"], TARGETS["kl"]) | paired(qe["qk-awq"], qe["llmc"]))
+    res["ratios"]["wall time, quantkit AWQ"] = _ratio(res["runs"]["qk-awq"]["wall_s"] / lc["wall_s"], TARGETS["wall"])
     if "llmc-routed" in variants:
         res["ratios"]["KL experts-only vs llm-compressor routed-only"] = (
             _ratio(qe["qk-gptq"]["kl"] / qe["llmc-routed"]["kl"]) | paired(qe["qk-gptq"], qe["llmc-routed"]))
