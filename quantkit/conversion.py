@@ -7,12 +7,12 @@ activations, whatever the depth):
     for each layer:
         load the layer from the shards (dequantized on the fly)
         decide each tensor's storage in both outputs (quantkit.precision)
-        run attention with the weights both outputs will hold          -> h_mid
-        MoE layers: route h_mid's tokens; per routed expert, build GPTQ Hessians from the tokens the
+        run attention with the weights both outputs will hold          h += attention(h)
+        MoE layers: route the normed h's tokens; per routed expert, build GPTQ Hessians from the tokens the
                     router actually sends it (gate and up share one; down's from the quantized
                     gate/up's output); starved experts take the recipe's fallback, counted
         quantize the experts (batched), write both outputs' tensors, flush a shard per layer
-        h = h_mid + MoE/MLP output computed with the *decode* weights
+        h += MoE/MLP output computed with the *decode* weights
         save h and the progress (so --resume restarts exactly here)
 
 Calibration choice: each layer is calibrated on the hidden states the quantized decode model
@@ -321,12 +321,32 @@ class State:
 
 
 def _save_state(folder: Path, state: State, h: torch.Tensor | None, topks: list) -> None:
+    """Progress after a layer, written atomically. The hidden states (the largest thing here: tokens
+    x hidden floats) go to disk as raw bytes straight from the tensor's memory, with no second copy
+    in RAM; the small DSA selections as safetensors."""
     if h is not None:
-        tensors = {"h": h.contiguous()} | {f"topk.{i}": t.cpu().contiguous() for i, t in enumerate(topks) if t is not None}
-        save_file(tensors, str(folder / "hidden.tmp"))
-        os.replace(folder / "hidden.tmp", folder / "hidden.safetensors")
-    (folder / "state.tmp").write_text(json.dumps(vars(state)))
+        h.cpu().contiguous().numpy().tofile(folder / "hidden.tmp")
+        os.replace(folder / "hidden.tmp", folder / "hidden.f32")
+        state_h = {"shape": list(h.shape), "dtype": str(h.dtype)}
+        topk = {f"topk.{i}": t.cpu().contiguous() for i, t in enumerate(topks) if t is not None}
+        if topk:
+            save_file(topk, str(folder / "topk.tmp"))
+            os.replace(folder / "topk.tmp", folder / "topk.safetensors")
+    else:
+        state_h = None
+    (folder / "state.tmp").write_text(json.dumps(vars(state) | {"hidden": state_h}))
     os.replace(folder / "state.tmp", folder / "state.json")
+
+
+def _load_hidden(folder: Path, n_topks: int, dev) -> tuple[torch.Tensor, list]:
+    import numpy as np
+
+    meta = json.loads((folder / "state.json").read_text())["hidden"]
+    dtype = getattr(torch, meta["dtype"].removeprefix("torch."))
+    h = torch.from_numpy(np.fromfile(folder / "hidden.f32", dtype=torch.empty(0, dtype=dtype).numpy().dtype))
+    h = h.view(meta["shape"]).to(dev)
+    topk = load_file(str(folder / "topk.safetensors")) if (folder / "topk.safetensors").is_file() else {}
+    return h, [topk[f"topk.{i}"].to(dev) if f"topk.{i}" in topk else None for i in range(n_topks)]
 
 
 # ---- the conversion ----------------------------------------------------------------------------
@@ -402,7 +422,9 @@ def convert(
     out.mkdir(parents=True, exist_ok=True)
     state = State(fingerprint)
     if resume and (state_dir / "state.json").is_file():
-        state = State(**json.loads((state_dir / "state.json").read_text()))
+        saved = json.loads((state_dir / "state.json").read_text())
+        saved.pop("hidden", None)
+        state = State(**saved)
         if state.fingerprint != fingerprint:
             raise OutputError(f"{state_dir}: the interrupted run used another source, recipe or calibration; "
                               "rerun without --resume (or restore them)")
@@ -445,9 +467,7 @@ def convert(
             state.prefill_parts, state.decode_parts = wp.num_parts, wd.num_parts
             _save_state(state_dir, state, h.cpu() if h is not None else None, topks)
         elif tokens is not None:
-            saved = load_file(str(state_dir / "hidden.safetensors"))
-            h = saved["h"].to(dev)
-            topks = [saved[f"topk.{i}"].to(dev) if f"topk.{i}" in saved else None for i in range(len(topks))]
+            h, topks = _load_hidden(state_dir, len(topks), dev)
         bar.update(state.next_layer)
 
         # 2. the decoder layers, one at a time (a streamed source fetches the next layer's shards meanwhile)
@@ -468,7 +488,7 @@ def convert(
 
             calibrate = h is not None and not mtp
             if calibrate:
-                x, h_mid = _attention_half(h, w, ctx, layer, topks)
+                x = _attention_half(h, w, ctx, layer, topks)  # h now holds h + attention
             records: list[ExpertRecord] = []
             if arch.is_moe(layer):
                 tok = routed_tokens(x, w, arch) if calibrate else {e: torch.empty(0, dtype=torch.long) for e in range(arch.n_routed_experts)}
@@ -487,7 +507,8 @@ def convert(
                         x, w[p + "gate_proj.weight"], w[p + "up_proj.weight"], w[p + "down_proj.weight"])
                 else:
                     moe_out = swiglu(x, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
-                h = h_mid + moe_out.view_as(h_mid)
+                h += moe_out.view_as(h)
+                del x, moe_out
 
             state.experts += [vars(r) for r in records]
             state.layers.append({"layer": layer, "kind": "mtp" if mtp else ("moe" if arch.is_moe(layer) else "dense"),
@@ -524,20 +545,20 @@ def convert(
 MICRO_BATCH = 8
 
 
-def _attention_half(h, w, ctx, layer, topks: list):
-    """Attention and the post-attention norm: (MoE/MLP input x (N*T, D), residual stream h_mid (N, T, D)).
+def _attention_half(h, w, ctx, layer, topks: list) -> torch.Tensor:
+    """Attention added into the residual stream h (N, T, D) *in place*, then the post-attention
+    norm: returns the MoE/MLP input x (N*T, D). In place because h is the largest activation
+    (every calibration token's hidden state); a second copy would double it.
 
     Samples go through attention MICRO_BATCH at a time, bounding the (B, heads, T, T) scores;
     `topks` carries each micro-batch's DSA selection to the next layer (IndexShare)."""
     a = ctx.arch
-    outs = []
-    for i, hb in enumerate(h.split(MICRO_BATCH)):
+    for i, hb in enumerate(h.split(MICRO_BATCH)):  # views of h
         ctx.topk = topks[i]
-        outs.append(hb + mla_attention(rms_norm(hb, w["input_layernorm.weight"], a.rms_norm_eps), w, ctx, layer))
+        hb += mla_attention(rms_norm(hb, w["input_layernorm.weight"], a.rms_norm_eps), w, ctx, layer)
         topks[i] = ctx.topk
-    h_mid = torch.cat(outs)
-    x = rms_norm(h_mid, w["post_attention_layernorm.weight"], a.rms_norm_eps)
-    return x.reshape(-1, x.shape[-1]), h_mid
+    x = rms_norm(h, w["post_attention_layernorm.weight"], a.rms_norm_eps)
+    return x.reshape(-1, x.shape[-1])
 
 
 def _source_identity(ckpt: Checkpoint) -> dict[str, str]:
