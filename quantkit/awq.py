@@ -73,7 +73,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from quantkit.gptq import HessianError, QuantizedWeight, gptq, quantize_rtn
+from quantkit.gptq import QuantizedWeight, quantize_rtn
 
 __all__ = [
     "activation_means",
@@ -89,7 +89,6 @@ __all__ = [
     "quantize_experts_awq",
 ]
 
-PROJS = ("gate_proj", "up_proj", "down_proj")
 MAX_SHRINK = 0.5  # auto-clip tries ranges down to (1 - MAX_SHRINK) x max|w|, as llm-awq
 
 
@@ -316,7 +315,7 @@ def quantize_experts_awq(
     "rtn" rounds to nearest (method "rtn", fallback "rtn"). ExpertRecord.loss is the final mean
     squared expert-output error per calibration token vs the float expert (not GPTQ's units).
     """
-    from quantkit.conversion import ExpertRecord, expert_weights  # conversion imports this module lazily
+    from quantkit.conversion import PROJS, ExpertRecord, _gptq, expert_weights  # conversion imports this module lazily
 
     g, a = recipe.gptq, recipe.awq
     records, quantized = [], {}
@@ -374,12 +373,3 @@ def quantize_experts_awq(
             records.append(ExpertRecord(layer, e, len(tokens[e]), "awq", "all_tokens" if e in starved else None, err))
     records.sort(key=lambda r: r.expert)
     return quantized, records
-
-
-def _gptq(W, H, group_size, g, layer, experts) -> QuantizedWeight:
-    from quantkit.errors import OutputError
-
-    try:
-        return gptq(W, H, group_size, block_size=g.block_size, dampening=g.dampening, actorder=g.actorder)
-    except HessianError as e:
-        raise OutputError(f"layer {layer}, experts {experts}: {e}; raise gptq.dampening in the recipe") from None
