@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from quantkit import __version__
@@ -162,20 +163,18 @@ def quantize_experts(
             quantized[e] = {p: quantize_rtn(t, group_size) for p, t in zip(PROJS, expert_weights(w, e))}
             records.append(ExpertRecord(layer, e, len(tokens[e]), "rtn", fallback="rtn"))
 
-    batch = getattr(recipe.gptq, "expert_batch", 16)  # experts per batched GPTQ call (memory: batch x D^2 floats)
-    for chunk_start in range(0, len(run), batch):
-        chunk = run[chunk_start: chunk_start + batch]
+    if run:  # one batched GPTQ call; the caller bounds how many experts that is (EXPERT_CHUNK)
         # gate and up: one Hessian per expert, shared by both projections
-        H = torch.stack([hessian_from_inputs(inputs[e].float()) for e in chunk])  # (C, D, D)
-        Wgu = torch.stack([torch.stack(expert_weights(w, e)[:2]) for e in chunk]).float()  # (C, 2, I, D)
-        qgu = _gptq(Wgu, H[:, None].expand(-1, 2, -1, -1), group_size, g, layer, chunk)
+        H = torch.stack([hessian_from_inputs(inputs[e].float()) for e in run])  # (C, D, D)
+        Wgu = torch.stack([torch.stack(expert_weights(w, e)[:2]) for e in run]).float()  # (C, 2, I, D)
+        qgu = _gptq(Wgu, H[:, None].expand(-1, 2, -1, -1), group_size, g, layer, run)
         # down: inputs are what the quantized gate/up produce on the same tokens
         gu_hat = qgu.dequantize(torch.float32)  # (C, 2, I, D)
-        Z = [torch.nn.functional.silu(inputs[e].float() @ gu_hat[i, 0].T) * (inputs[e].float() @ gu_hat[i, 1].T) for i, e in enumerate(chunk)]
+        Z = [F.silu(inputs[e].float() @ gu_hat[i, 0].T) * (inputs[e].float() @ gu_hat[i, 1].T) for i, e in enumerate(run)]
         Hd = torch.stack([hessian_from_inputs(z) for z in Z])  # (C, I, I)
-        Wd = torch.stack([expert_weights(w, e)[2] for e in chunk]).float()  # (C, D, I)
-        qd = _gptq(Wd, Hd, group_size, g, layer, chunk)
-        for i, e in enumerate(chunk):
+        Wd = torch.stack([expert_weights(w, e)[2] for e in run]).float()  # (C, D, I)
+        qd = _gptq(Wd, Hd, group_size, g, layer, run)
+        for i, e in enumerate(run):
             quantized[e] = {
                 "gate_proj": QuantizedWeight(qgu.q[i, 0], qgu.scale[i, 0]),
                 "up_proj": QuantizedWeight(qgu.q[i, 1], qgu.scale[i, 1]),
