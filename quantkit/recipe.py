@@ -61,7 +61,7 @@ class GPTQSettings(_Section):
     fallback: Literal["all_tokens", "rtn"] = "all_tokens"
 
 
-class AWQSettings(_Section):  # placeholders until AWQ lands
+class AWQSettings(_Section):  # method: awq (quantkit.awq)
     grid: int = Field(20, ge=1)
     duo_scaling: bool = True
 
