@@ -67,3 +67,21 @@ def write_random(folder: Path, config: dict, *, experts: str = "bf16", linears: 
         else:
             w.add(name, x.to(torch.float32 if fmt == "fp32" else torch.bfloat16))
     return w.finish(config), t
+
+
+def starve_expert(src: Path, dst: Path, layer: int, expert: int) -> None:
+    """Copy checkpoint `src` to `dst` with one expert's correction bias so low the router never picks it."""
+    import json
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    name = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
+    shard = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"][name]
+    tensors = load_file(str(dst / shard))
+    tensors[name][expert] = -100.0
+    with safe_open(str(dst / shard), framework="pt") as f:
+        meta = f.metadata()
+    save_file(tensors, str(dst / shard), metadata=meta)

@@ -5,13 +5,11 @@ beat RTN on held-out KL, and report starved experts like GPTQ does."""
 from __future__ import annotations
 
 import json
-import shutil
-from pathlib import Path
 
 import pytest
+
+from conftest import starve_expert
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
 from quantkit import awq
 from quantkit.calib import load_tokens
@@ -298,20 +296,8 @@ def test_cli_convert_method_awq(runs):
     assert report["experts_summary"]["awq"] == 3 * 16  # 3 MoE layers x 16 experts, none reused at g128
 
 
-def _starve(src: Path, dst: Path, layer: int, expert: int) -> None:
-    """Copy `src` with one expert's correction bias so low the router never picks it."""
-    shutil.copytree(src, dst)
-    name = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
-    shard = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"][name]
-    tensors = load_file(str(dst / shard))
-    tensors[name][expert] = -100.0
-    with safe_open(str(dst / shard), framework="pt") as f:
-        meta = f.metadata()
-    save_file(tensors, str(dst / shard), metadata=meta)
-
-
 def test_starved_expert_takes_fallback_and_is_reported(tiny_glm, tmp_path):
-    _starve(tiny_glm, tmp_path / "src", layer=2, expert=3)
+    starve_expert(tiny_glm, tmp_path / "src", layer=2, expert=3)
     res = convert(tmp_path / "src", tmp_path / "out", recipe="tiny-glm-5.2", method="awq", num_samples=16,
                   validate=False, progress=False)  # 16 x 64 tokens: ~250 per expert, enough to tell starved apart
     rec = next(e for e in res.report["experts"] if e["layer"] == 2 and e["expert"] == 3)

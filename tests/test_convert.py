@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
+from conftest import starve_expert
 from oracle import read_raw, transformers_model
 from quantkit.checkpoint import Checkpoint
 from quantkit.conversion import convert
@@ -178,22 +177,8 @@ def test_report(pairs, tiny_glm):
     assert r["outputs"]["decode"]["bytes"] < r["outputs"]["prefill"]["bytes"]
 
 
-def _starve(src: Path, dst: Path, layer: int, expert: int) -> None:
-    """Copy `src` with one expert's correction bias so low the router never picks it."""
-    import shutil
-
-    shutil.copytree(src, dst)
-    name = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
-    shard = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"][name]
-    tensors = load_file(str(dst / shard))
-    tensors[name][expert] = -100.0
-    with safe_open(str(dst / shard), framework="pt") as f:
-        meta = f.metadata()
-    save_file(tensors, str(dst / shard), metadata=meta)
-
-
 def test_starved_expert_takes_fallback_and_is_reported(tiny_glm, tmp_path):
-    _starve(tiny_glm, tmp_path / "src", layer=2, expert=3)
+    starve_expert(tiny_glm, tmp_path / "src", layer=2, expert=3)
     res = convert(tmp_path / "src", tmp_path / "out", recipe="tiny-glm-5.2", validate=False, progress=False)
     rec = next(e for e in res.report["experts"] if e["layer"] == 2 and e["expert"] == 3)
     assert rec["tokens"] == 0 and rec["fallback"] == "all_tokens" and rec["method"] == "gptq"

@@ -9,7 +9,6 @@ import pytest
 from huggingface_hub import constants as hf_constants
 
 from hub_server import FakeHub
-from quantkit.checkpoint import Checkpoint
 from quantkit.conversion import convert
 from quantkit.models import hub_source, open_checkpoint
 
