@@ -376,12 +376,12 @@ def convert(
         recipe: a recipe file or name (default: the model family's recipe); the keyword options
             below override its fields when given.
         resume: continue an interrupted run from its last completed layer (byte-identical result).
-        validate: run `quantkit.validation` on the pair afterwards.
+        validate: run `quantkit.validate` on the pair afterwards.
         delete_source_after: with an `hf://` source, delete each downloaded shard once every
             tensor in it has been consumed (local disk then holds a few shards at a time).
 
     Example:
-        >>> res = quantkit.conversion("tiny:glm-5.2", "out/glm")
+        >>> res = quantkit.convert("tiny:glm-5.2", "out/glm")
         >>> res.report["experts_summary"]
     """
     from quantkit.calib import load_tokens

@@ -698,7 +698,7 @@ def validate(
         ValidationResult; `passed` is False when any gate fails (nothing is raised for that).
 
     Example:
-        >>> res = quantkit.validation("out/glm")
+        >>> res = quantkit.validate("out/glm")
         >>> res.data["rows"]["decode"]["metrics"]["kl"], res.passed
     """
     from quantkit.calib import load_tokens
