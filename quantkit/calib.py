@@ -38,6 +38,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from quantkit.checkpoint import file_sha256
 from quantkit.errors import ConfigError
 
 __all__ = ["TokenData", "load_tokens", "parse_spec", "HELDOUT_SEED"]
@@ -227,7 +228,7 @@ def _token_file(s: Spec, n: int, L: int, seed: int) -> tuple[torch.Tensor, dict]
             f"lower num_samples or seq_len, or save more tokens")
     pick = torch.tensor(random.Random(seed).sample(range(windows), n))
     out = stream[: windows * L].view(windows, L)[pick]
-    return out, {"kind": "file", "path": str(path), "sha256": _file_sha256(path), "format": path.suffix.lower()[1:],
+    return out, {"kind": "file", "path": str(path), "sha256": file_sha256(path), "format": path.suffix.lower()[1:],
                  "windows_available": windows}
 
 
@@ -259,7 +260,7 @@ def _text_file(s: Spec) -> tuple[list, dict]:
         docs = [_document(row, f"{path}: row {i}") for i, row in enumerate(rows)]
     if not docs:
         raise ConfigError(f"{path}: no documents; add text (blank lines separate .txt documents)")
-    return docs, {"kind": "file", "path": str(path), "sha256": _file_sha256(path), "format": suffix[1:]}
+    return docs, {"kind": "file", "path": str(path), "sha256": file_sha256(path), "format": suffix[1:]}
 
 
 def _document(row: Any, where: str) -> dict:
@@ -412,14 +413,6 @@ def _check_vocab(ids: torch.Tensor, folder: Path, spec: str) -> None:
     if vocab and int(ids.max()) >= vocab:
         raise ConfigError(f"{spec}: token id {int(ids.max())} >= the model's vocab_size {vocab}; "
                           "tokenize the data with this model's tokenizer")
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _first_line(e: BaseException) -> str:

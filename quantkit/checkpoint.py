@@ -430,5 +430,16 @@ class CheckpointWriter:
         return self.out
 
 
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, read in 16 MiB chunks (source identity, data identity)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def iter_layers(ckpt: Checkpoint) -> Iterator[int]:
     return iter(range(ckpt.arch.num_layers_with_mtp))

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from quantkit import __version__
-from quantkit.checkpoint import Checkpoint, CheckpointWriter
+from quantkit.checkpoint import Checkpoint, CheckpointWriter, file_sha256
 from quantkit.errors import OutputError
 from quantkit.formats import fp8, int4
 from quantkit.gptq import HessianError, QuantizedWeight, gptq, hessian_from_inputs, quantize_rtn
@@ -106,14 +106,6 @@ def _peak_rss() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ---- per-layer pieces --------------------------------------------------------------------------
@@ -565,7 +557,7 @@ def _source_identity(ckpt: Checkpoint) -> dict[str, str]:
     small files), hashed locally otherwise."""
     if ckpt.remote is not None:
         return {name: rf.sha256 or f"git-blob:{rf.blob_id}" for name, rf in sorted(ckpt.remote.files.items())}
-    return {p.name: _sha256(p) for p in sorted(ckpt.folder.iterdir()) if p.is_file()}
+    return {p.name: file_sha256(p) for p in sorted(ckpt.folder.iterdir()) if p.is_file()}
 
 
 class _Prefetcher:

@@ -34,7 +34,6 @@ checkpoint folder (quantkit.card).
 from __future__ import annotations
 
 import difflib
-import hashlib
 import json
 import math
 import time
@@ -45,7 +44,7 @@ from typing import Any
 import torch
 
 from quantkit import __version__
-from quantkit.checkpoint import Checkpoint
+from quantkit.checkpoint import Checkpoint, file_sha256
 from quantkit.errors import ConfigError
 from quantkit.progress import LayerProgress, rich_html
 from quantkit.reference import Context, LayerCache, decoder_layer, head_weight_name, resolve_device, rms_norm
@@ -725,7 +724,7 @@ def validate(
         "dir": str(t.out),
         "mode": "pair" if t.pair else "checkpoint",
         "reference": {"spec": t.reference, "path": str(t.reference_path.resolve()),
-                      "config_sha256": _sha256(t.reference_path / "config.json")},
+                      "config_sha256": _config_sha256(t.reference_path)},
         "models": {row: str(p) for row, p in t.models.items()},
         "eval_data": {"spec": tokens.spec, "sha256": tokens.sha256, "num_samples": int(tokens.ids.shape[0]),
                       "seq_len": int(tokens.ids.shape[1]), "source": tokens.source},
@@ -779,7 +778,7 @@ def _notes(t: Target, tokens) -> list[str]:
     notes = []
     src = (t.report or {}).get("source") or {}
     recorded = (src.get("files") or {}).get("config.json")
-    if recorded and recorded != _sha256(t.reference_path / "config.json"):
+    if recorded and recorded != _config_sha256(t.reference_path):
         notes.append(f"the reference's config.json differs from the source convert recorded ({src.get('spec')})")
     cal = (t.report or {}).get("calibration") or {}
     cal_spec = cal.get("spec") or (((t.report or {}).get("recipe") or {}).get("calibration") or {}).get("dataset")
@@ -788,5 +787,6 @@ def _notes(t: Target, tokens) -> list[str]:
     return notes
 
 
-def _sha256(path: Path) -> str | None:
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+def _config_sha256(folder: Path) -> str | None:
+    config = folder / "config.json"
+    return file_sha256(config) if config.is_file() else None

@@ -355,6 +355,15 @@ class _Handler(BaseHTTPRequestHandler):
                         return self._body(e, {"Accept-Ranges": "bytes", "ETag": f'"{sha256}"'})
         self._error(404, None, "No such blob")
 
+    def _head(self, status: int, headers: dict[str, str], length: int) -> None:
+        """Status line and headers of a file response (the body, if any, follows)."""
+        self._req.status = status
+        self.send_response(status)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(length))
+        self.end_headers()
+
     def _body(self, entry: FileEntry, headers: dict[str, str]) -> None:
         data = entry.data
         if entry.name in self.hub._corrupt:
@@ -374,25 +383,14 @@ class _Handler(BaseHTTPRequestHandler):
         headers.setdefault("Content-Type", "application/octet-stream")
         body = data[start : end + 1]
         if self.command == "HEAD":
-            self._req.status = status
-            self.send_response(status)
-            for k, v in headers.items():
-                self.send_header(k, v)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            return
+            return self._head(status, headers, len(body))
         fault = self.hub._next_fault(entry.name)
         if fault is not None and fault[0] == "status":
             return self._error(fault[1], None, "Injected failure")
         limit = len(body)
         if fault is not None and fault[0] == "drop":
             limit = min(limit, fault[1])
-        self._req.status = status
-        self.send_response(status)
-        for k, v in headers.items():
-            self.send_header(k, v)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
+        self._head(status, headers, len(body))
         sent = 0
         try:
             while sent < limit:
