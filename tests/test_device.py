@@ -15,7 +15,7 @@ The device. With a CUDA build of torch (with or without a GPU) the fake tensors 
 A CPU-only build can't index a fake CUDA tensor: the Python bindings of indexing, `.contiguous()`,
 `.to()` and `.nonzero()` take a CUDA device guard, which a CPU build lacks (FakeTensorMode
 installs a no-op guard only in CUDA builds without a GPU; torch 2.13). There the stand-in is
-`lazy:0`, the non-CPU device whose guard every CPU build registers and which FakeTensorMode
+`lazy:0`, a non-CPU device whose guard every CPU build registers and which FakeTensorMode
 treats like any accelerator. (`meta` is not like an accelerator: `torch.tensor(c, device="meta")`
 inside the mode makes a real meta tensor, so valid code would fail.) The property tested is the
 same on both: no CPU tensor meets one on the device.
@@ -34,8 +34,8 @@ What is left, because it needs values on the host, which a fake run does not hav
   - reference.moe's expert loop, `torch.unique(topk_idx).tolist()`: the test runs each of its
     parts (above), with the loop over all experts instead.
   - conversion.convert_experts and convert(), forward.run, validation: they read checkpoint
-    bytes and write shards. Their device steps are `.to(dev)` after a CPU read and
-    safetensors' own move to the CPU when writing.
+    bytes (and convert writes shards), which fake tensors do not have. Their device steps are
+    `.to(dev)` after each CPU read, and safetensors' own move to the CPU when writing.
   - gptq's HessianError branch: it runs only after torch has raised on a failed Cholesky
     factorization, which a fake run never does (tests/test_gptq.py covers it on the CPU).
   - the embedding lookup (forward.embed, convert) runs on the CPU on purpose, as do the rope tables
