@@ -152,7 +152,7 @@ def quantize_experts(
                 "up_proj": QuantizedWeight(qgu.q[i, 1], qgu.scale[i, 1]),
                 "down_proj": QuantizedWeight(qd.q[i], qd.scale[i]),
             }
-            loss = float(qgu.loss[i].sum() + qd.loss[i]) if qgu.loss is not None else None
+            loss = (qgu.loss[i].sum() + qd.loss[i]).item() if qgu.loss is not None else None
             records.append(ExpertRecord(layer, e, len(tokens[e]), "gptq", fallback[e], loss))
     records.sort(key=lambda r: r.expert)
     return quantized, records
@@ -460,7 +460,7 @@ def convert(
                 x = _attention_half(h, w, ctx, layer, topks)  # h now holds h + attention
             records: list[ExpertRecord] = []
             if arch.is_moe(layer):
-                tok = routed_tokens(x, w, arch) if calibrate else {e: torch.empty(0, dtype=torch.long) for e in range(arch.n_routed_experts)}
+                tok = routed_tokens(x, w, arch) if calibrate else {e: torch.empty(0, dtype=torch.long, device=dev) for e in range(arch.n_routed_experts)}
                 routed, records = convert_experts(ckpt, pair, decisions, layer, x if calibrate else None, w, tok, rec,
                                                   G, rec.method if calibrate else "rtn", dtype, dev, bar)
                 if mtp:
