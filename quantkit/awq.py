@@ -277,6 +277,12 @@ def awq_smooth_scales(
 
 
 # ---- one MoE layer ------------------------------------------------------------------------------
+def _expert(qgu: QuantizedWeight, qd: QuantizedWeight, i: int) -> dict[str, QuantizedWeight]:
+    return {"gate_proj": QuantizedWeight(qgu.q[i, 0], qgu.scale[i, 0]),
+            "up_proj": QuantizedWeight(qgu.q[i, 1], qgu.scale[i, 1]),
+            "down_proj": QuantizedWeight(qd.q[i], qd.scale[i])}
+
+
 def _quantize_smoothed(X, Wg, Wu, Wd, s, Y, group_size, quantizer, g, a, layer, chunk):
     """Fold s into up/down, quantize gate, up' and down' (down' against what the quantized gate/up'
     really produce); returns (gate/up QuantizedWeight (C, 2, ...), down's, final mean squared
@@ -313,6 +319,7 @@ def quantize_experts_awq(
     layer: int,
     *,
     quantizer: Literal["gptq", "rtn"] = "gptq",
+    alternatives: dict | None = None,
 ):
     """AWQ for the given routed experts of one layer; the contract of `conversion.quantize_experts`.
 
@@ -337,8 +344,9 @@ def quantize_experts_awq(
       3. for the searched s and for s = 1: fold (up / s, down * s), quantize gate and up' (no
          smoothing on their input: it is the shared norm output), then down' against
          z_hat' = silu(gate_q x) * (up'_q x) on the same tokens, with `quantizer`;
-      4. per expert keep the s whose *final* stored weights have the lower output error
-         (ExpertRecord.awq_scales says which): the search's RTN proxy can disagree with GPTQ.
+      4. with `alternatives` (a dict, filled per expert), the s = 1 result too ("awq-s1"): the
+         caller's held-out guard keeps whichever of AWQ, AWQ with s = 1 and RTN has the lowest
+         error on tokens neither was fitted on, since the search's RTN proxy can disagree with GPTQ.
 
     Which tokens are fitted and what starved experts get is quantkit.experts' policy, shared with
     GPTQ. ExpertRecord.loss is the final mean squared expert-output error per fit token vs the
@@ -365,21 +373,17 @@ def quantize_experts_awq(
         Hz = torch.stack([_second_moment(z) for z in Z])  # (C, I, I)
 
         # 2. smoothing scales (searched with RTN, as AWQ), then 3-4 with the quantizer that writes the
-        #    weights, for the searched s and for s = 1; per expert the lower *final* error is kept, so
-        #    smoothing never makes what is stored worse on the calibration objective
+        #    weights; the same for s = 1 as an alternative the caller's held-out guard may keep
+        #    (quantkit.experts.guard_against_rtn): the search's RTN proxy can disagree with GPTQ
         s, _, _ = awq_smooth_scales(Wd, z_mean, Hz, group_size, a.grid, a.duo_scaling)  # (C, I)
         Y = [z @ Wd[i].T for i, z in enumerate(Z)]  # C x (n, D): the float experts' outputs
-        searched = _quantize_smoothed(X, Wg, Wu, Wd, s, Y, group_size, quantizer, g, a, layer, chunk)
-        identity = _quantize_smoothed(X, Wg, Wu, Wd, torch.ones_like(s), Y, group_size, quantizer, g, a, layer, chunk)
-
+        qgu, qd, err = _quantize_smoothed(X, Wg, Wu, Wd, s, Y, group_size, quantizer, g, a, layer, chunk)
+        if alternatives is not None:
+            qgu1, qd1, _ = _quantize_smoothed(X, Wg, Wu, Wd, torch.ones_like(s), Y, group_size, quantizer, g, a, layer, chunk)
         for i, e in enumerate(chunk):
-            best, kind = (searched, "searched") if searched[2][i] <= identity[2][i] else (identity, "identity")
-            qgu, qd, err = best
-            quantized[e] = {
-                "gate_proj": QuantizedWeight(qgu.q[i, 0], qgu.scale[i, 0]),
-                "up_proj": QuantizedWeight(qgu.q[i, 1], qgu.scale[i, 1]),
-                "down_proj": QuantizedWeight(qd.q[i], qd.scale[i]),
-            }
-            records.append(ExpertRecord(layer, e, len(tokens[e]), "awq", fallback[e], float(err[i]), awq_scales=kind))
+            quantized[e] = _expert(qgu, qd, i)
+            if alternatives is not None:
+                alternatives[e] = {"awq-s1": _expert(qgu1, qd1, i)}
+            records.append(ExpertRecord(layer, e, len(tokens[e]), "awq", fallback[e], err[i].item()))
     records.sort(key=lambda r: r.expert)
     return quantized, records

@@ -110,6 +110,7 @@ def quantize_experts(
     group_size: int,
     method: str,
     layer: int,
+    alternatives: dict | None = None,
 ) -> tuple[dict[int, dict[str, QuantizedWeight]], list[ExpertRecord]]:
     """GPTQ, AWQ or RTN for the given routed experts of one layer, batched across experts.
 
@@ -117,11 +118,12 @@ def quantize_experts(
     Which tokens an expert is fitted on, and what a starved one gets, is quantkit.experts' one
     policy (held-out tokens never enter a Hessian). GPTQ: gate and up share the Hessian of their
     input; down's Hessian comes from the *quantized* gate/up output on the same tokens.
+    `alternatives`, when a dict, receives other candidates per expert for the held-out guard (AWQ: s = 1).
     """
     if method == "awq":  # activation-aware smoothing + clipping per expert (quantkit.awq), same contract
         from quantkit.awq import quantize_experts_awq
 
-        return quantize_experts_awq(x, w, tokens, experts, recipe, group_size, layer)
+        return quantize_experts_awq(x, w, tokens, experts, recipe, group_size, layer, alternatives=alternatives)
     if method == "rtn":
         return ({e: rtn_expert(w, e, group_size) for e in experts},
                 [ExpertRecord(layer, e, len(tokens[e]), "rtn") for e in experts])
@@ -198,12 +200,14 @@ def convert_experts(ckpt: Checkpoint, pair: "PairWriter", decisions: dict[str, D
         quantized: dict[int, dict[str, QuantizedWeight]] = {}
         if need:
             bar.update(note=f"layer {layer}: quantizing experts {need[0]}-{need[-1]} of {len(experts)}")
-            quantized, recs = quantize_experts(x, ew, tokens, need, recipe, group_size, method, layer)
+            alternatives: dict = {}
+            quantized, recs = quantize_experts(x, ew, tokens, need, recipe, group_size, method, layer, alternatives)
             if method != "rtn":  # never worse than RTN on held-out routed tokens (quantkit.experts)
                 for r in recs:
                     if r.method != "rtn":
                         quantized[r.expert] = guard_against_rtn(heldout_inputs(x, tokens[r.expert]), ew, r.expert,
-                                                                quantized[r.expert], group_size, r)
+                                                                quantized[r.expert], group_size, r,
+                                                                alternatives.get(r.expert))
             records += recs
         records += [ExpertRecord(layer, e, len(tokens.get(e, ())), "reused") for e in chunk if e not in need]
         for e in chunk:
@@ -634,7 +638,7 @@ def _report(model, src_path, source_files, rec, tokens, state: State, ckpt, deci
                             "starved": sum(1 for e in experts if e["fallback"] == "all_tokens" or e["fallback"] == "rtn"),
                             "guarded": sum(1 for e in experts if e.get("heldout")),
                             "guard_kept_rtn": sum(1 for e in experts if e.get("guard") == "rtn"),
-                            "awq_kept_identity": sum(1 for e in experts if e.get("awq_scales") == "identity")},
+                            "awq_kept_s1": sum(1 for e in experts if e.get("guard") == "awq-s1")},
         "guard": "each calibrated expert is compared with RTN on its held-out routed tokens (every "
                  f"{HOLDOUT}th calibration token, never fitted on); the lower output error is stored",
         "outputs": {

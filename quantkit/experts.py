@@ -44,11 +44,10 @@ class ExpertRecord:
     method: str  # what is stored: gptq | awq | rtn | reused
     fallback: str | None = None  # why this expert did not get its own Hessian
     loss: float | None = None
-    guard: str | None = None  # "rtn" when RTN beat the calibrated weights on held-out tokens
+    guard: str | None = None  # what the held-out guard stored instead: "rtn", or an alternative's name
     heldout: int = 0  # tokens the guard judged on
     err: float | None = None  # mean squared expert-output error per held-out token, calibrated weights
     err_rtn: float | None = None  # the same for RTN
-    awq_scales: str | None = None  # AWQ: "searched", or "identity" when s = 1 gave the lower final error
 
 
 def expert_weights(w: dict[str, torch.Tensor], e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -57,9 +56,13 @@ def expert_weights(w: dict[str, torch.Tensor], e: int) -> tuple[torch.Tensor, to
 
 
 def split_heldout(tok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token indices -> (fit, held out): held out are those at positions = HOLDOUT - 1 mod HOLDOUT."""
-    held = tok % HOLDOUT == HOLDOUT - 1
-    return tok[~held], tok[held]
+    """Token indices (n,) -> (fit, held out): every HOLDOUT-th entry (positions HOLDOUT-1, 2*HOLDOUT-1,
+    ...) is held out. By position, with slices and views only, so the sizes follow from n alone
+    (no data-dependent shapes: the same code runs under torch's FakeTensorMode, tests/test_device.py)."""
+    n = len(tok)
+    m = n - n % HOLDOUT
+    fit = torch.cat([tok[:m].view(-1, HOLDOUT)[:, : HOLDOUT - 1].flatten(), tok[m:]])  # (n - n // HOLDOUT,)
+    return fit, tok[HOLDOUT - 1 :: HOLDOUT]
 
 
 def calibration_inputs(x: torch.Tensor, routed: torch.Tensor, g) -> tuple[torch.Tensor | None, str | None]:
@@ -104,16 +107,23 @@ def _output_error(x: torch.Tensor, ref: torch.Tensor, q: dict[str, QuantizedWeig
 
 
 def guard_against_rtn(x_held: torch.Tensor, w: dict[str, torch.Tensor], e: int, q: dict[str, QuantizedWeight],
-                      group_size: int, record: ExpertRecord) -> dict[str, QuantizedWeight]:
-    """Keep q or RTN for expert e, whichever has the lower output error on x_held (float32);
-    fills the record's guard fields and returns what is stored."""
+                      group_size: int, record: ExpertRecord,
+                      alternatives: dict[str, dict[str, QuantizedWeight]] | None = None) -> dict[str, QuantizedWeight]:
+    """Keep q, one of its `alternatives` (e.g. AWQ with s = 1) or RTN for expert e, whichever has the
+    lowest output error on x_held (float32); fills the record's guard fields, returns what is stored.
+    record.err is q's error, record.err_rtn RTN's; record.guard names the winner when it is not q."""
     x = x_held.float()
-    W = tuple(t.float() for t in expert_weights(w, e))
-    ref = swiglu(x, *W)
+    ref = swiglu(x, *(t.float() for t in expert_weights(w, e)))
     rtn = {p: quantize_rtn(t, group_size) for p, t in zip(PROJS, expert_weights(w, e))}
     record.heldout = len(x)
     record.err, record.err_rtn = _output_error(x, ref, q), _output_error(x, ref, rtn)
-    if record.err_rtn < record.err:
+    best, best_err, name = q, record.err, None
+    for alt, qa in (alternatives or {}).items():
+        err = _output_error(x, ref, qa)
+        if err < best_err:
+            best, best_err, name = qa, err, alt
+    if record.err_rtn < best_err:
         record.guard, record.method = "rtn", "rtn"
         return rtn
-    return q
+    record.guard = name
+    return best

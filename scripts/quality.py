@@ -42,7 +42,7 @@ def main() -> None:
             res = qk.convert(args.model, Path(d) / m, method=m, group_size=args.group_size, validate=False, progress=False)
             kl[m] = token_kl(ref, logits(res.decode, ids))
             s = res.report["experts_summary"]
-            guard[m] = {"guarded": s["guarded"], "kept_rtn": s["guard_kept_rtn"], "awq_identity": s["awq_kept_identity"]}
+            guard[m] = {"guarded": s["guarded"], "kept_rtn": s["guard_kept_rtn"], "awq_kept_s1": s["awq_kept_s1"]}
     out = {
         "model": args.model, "tiny_seed": tiny_seed(), "tokens": int(ids.numel()),
         "kl": {m: kl[m].mean().item() for m in methods}, "guard": guard,

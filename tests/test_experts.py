@@ -46,11 +46,22 @@ def test_gptq_with_min_tokens_zero_never_zeroes_an_expert():
     x, w = _layer()
     rec = load_recipe("tiny-glm-5.2")
     rec.gptq.min_tokens = 0
-    tokens = {0: torch.arange(200), 1: torch.empty(0, dtype=torch.long), 2: torch.tensor([7])}  # 2: one held-out token
+    tokens = {0: torch.arange(200), 1: torch.empty(0, dtype=torch.long), 2: torch.tensor([7])}
     q, records = quantize_experts(x, w, tokens, [0, 1, 2], rec, 32, "gptq", 1)
     for e in (1, 2):
         assert all(q[e][p].dequantize().abs().sum() > 0 for p in PROJS)
-        assert records[e].fallback == "all_tokens"
+    assert records[1].fallback == "all_tokens" and records[2].fallback is None  # one token is something to fit
+
+
+def test_guard_picks_the_best_alternative():
+    x, w = _layer()
+    xh = heldout_inputs(x, torch.arange(200))
+    rtn = {p: quantize_rtn(w[f"mlp.experts.0.{p}.weight"], 32) for p in PROJS}
+    bad = {p: quantize_rtn(-w[f"mlp.experts.0.{p}.weight"], 32) for p in PROJS}
+    fine = {p: quantize_rtn(w[f"mlp.experts.0.{p}.weight"], 16) for p in PROJS}  # finer groups beat RTN g32
+    r = ExpertRecord(1, 0, 200, "awq")
+    kept = guard_against_rtn(xh, w, 0, bad, 32, r, {"awq-s1": fine})
+    assert kept is fine and r.guard == "awq-s1" and r.method == "awq"
 
 
 def test_guard_keeps_whichever_is_better_on_heldout_tokens():
