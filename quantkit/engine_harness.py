@@ -56,6 +56,7 @@ REAL = {
         "sglang.srt.layers.quantization.base_config",
         "sglang.srt.models.deepseek_common.utils",
         "sglang.srt.layers.parameter",
+        "sglang.srt.layers.moe.utils",
     ),
     "vllm": (
         "vllm.model_executor.layers.quantization.compressed_tensors",
@@ -131,7 +132,7 @@ class _Value:
 class _MoeConfig(_Value):
     """vLLM's FusedMoEConfig for a DeepSeek MoE at TP 1: SwiGLU (gate and up fused), no bias."""
 
-    is_act_and_mul = True
+    is_act_and_mul = is_gated = True
     w13_num_shards = 2
     has_bias = False
 
@@ -329,7 +330,9 @@ def _layer(engine: str, cls_name: str, attrs: dict):
     layer.moe_tp_size = 1
     layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name = "gate_proj", "up_proj", "down_proj"
     layer.use_triton_kernels = layer.use_flashinfer_trtllm_moe = False
-    layer.moe_config = _MoeConfig()
+    layer.moe_config = _MoeConfig()  # vLLM's FusedMoEConfig
+    layer.moe_runner_config = _MoeConfig()  # SGLang's MoeRunnerConfig (is_gated)
+    layer.tp_group = None  # SGLang: no TP group means TP 1
     return layer
 
 

@@ -38,6 +38,7 @@ EXTRACT = {
         "sglang/srt/layers/quantization/utils.py",
         "sglang/srt/layers/quantization/base_config.py",
         "sglang/srt/layers/parameter.py",
+        "sglang/srt/layers/moe/utils.py",
         "sglang/srt/models/deepseek_common/utils.py",
     ),
     "vllm": (
@@ -73,7 +74,7 @@ def engine_source(engine: str, *, download: bool = True, timeout: float = 600) -
         raise QuantkitError(f"unknown engine {engine!r}; choose from {', '.join(PINNED)}")
     version = PINNED[engine]
     final = cache_root() / f"{engine}-{version}"
-    if (final / "files.json").is_file():
+    if _complete(final, engine):
         return EngineSource(engine, version, final)
     if not download:
         raise EngineUnavailable(f"{engine} {version}: not in {cache_root()} and downloading is off")
@@ -91,11 +92,22 @@ def engine_source(engine: str, *, download: bool = True, timeout: float = 600) -
             raise EngineUnavailable(f"{engine} {version}: pip download failed: {last}")
         partial = Path(tmp) / "extracted"
         files = extract(wheels[0], engine, partial)
-        (partial / "files.json").write_text(json.dumps({"wheel": wheels[0].name, "files": files}, indent=1))
-        if final.exists():  # another process finished first
+        (partial / "files.json").write_text(json.dumps(
+            {"wheel": wheels[0].name, "extract": list(EXTRACT[engine]), "files": files}, indent=1))
+        if _complete(final, engine):  # another process finished first
             return EngineSource(engine, version, final)
+        if final.exists():  # extracted for an older EXTRACT list
+            shutil.rmtree(final)
         shutil.move(str(partial), final)
     return EngineSource(engine, version, final)
+
+
+def _complete(folder: Path, engine: str) -> bool:
+    """The folder was extracted for today's EXTRACT list (an older quantkit may have taken fewer files)."""
+    try:
+        return json.loads((folder / "files.json").read_text()).get("extract") == list(EXTRACT[engine])
+    except (OSError, json.JSONDecodeError):
+        return False
 
 
 def extract(wheel: Path, engine: str, dest: Path) -> list[str]:

@@ -48,6 +48,17 @@ def _fp8_or_pass(st: Stored) -> str:
 
 def decide(st: Stored, recipe, group_size: int, source_group: int | None) -> Decision:
     """Where one source tensor goes in each output; pure, so a dry run can check every name."""
+    d = _decide_both(st, recipe, group_size, source_group)
+    info = st.info
+    linear = info.is_linear and info.klass in (TensorClass.ATTENTION, TensorClass.INDEXER, TensorClass.SHARED_EXPERT,
+                                               TensorClass.DENSE_MLP) and info.proj != "weights_proj"
+    if linear and recipe.decode.rest == "bf16" and stored_as(d.decode, st) != "dense":
+        # decode.rest: bf16 (Kimi's official look): the decode pool's non-expert weights differ from prefill's
+        return Decision(d.prefill, BF16, "recipe decode.rest: bf16")
+    return d
+
+
+def _decide_both(st: Stored, recipe, group_size: int, source_group: int | None) -> Decision:
     info = st.info
     k = info.klass
     if k == TensorClass.ROUTED_EXPERT:

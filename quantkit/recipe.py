@@ -38,6 +38,7 @@ _OVERRIDES = {
     "seq_len": ("calibration", "seq_len"),
     "calib": ("calibration", "dataset"),
     "seed": ("calibration", "seed"),
+    "decode_rest": ("decode", "rest"),
 }
 
 
@@ -87,6 +88,9 @@ class PrefillSettings(_Section):
 
 class DecodeSettings(_Section):
     reuse_source_int4: bool = True  # copy source INT4 experts bit for bit when already in the target scheme
+    # everything but the routed experts: "prefill" = the prefill checkpoint's bytes (FP8 blocks, shared
+    # KV-producing weights); "bf16" = BF16 (Kimi's official INT4 look; the pools' attention then differs)
+    rest: Literal["prefill", "bf16"] = "prefill"
 
 
 class ValidateSettings(_Section):

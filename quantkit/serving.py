@@ -72,6 +72,8 @@ class Row:
     scheme: str  # the engine's method/scheme, e.g. "CompressedTensorsW8A8Fp8 block [128, 128]"
     ok: bool
     problem: str | None = None
+    params_checked: bool = False  # the stored tensors were compared with what create_weights registered
+    note: str | None = None  # why they were not (create_weights could not run on CPU)
 
 
 @dataclass
@@ -159,14 +161,16 @@ def inventory(st: _Stored, engine: str) -> list[Module]:
             return None  # int4: the real shape is stored as a tensor; create sizes come from fp8/bf16 peers
         return shape(m)
 
-    def linear(runtime, klass, shards):
+    def linear(runtime, klass, shards, single=False):
         shards = [s for s in shards if shape(s) is not None]
         if not shards:
             return
         fmts = {_format(st, s) for s in shards}
         sizes = [true_shape(s) for s in shards]
-        create = ({"input_size": sizes[0][1], "output_sizes": [s[0] for s in sizes]}
-                  if all(sizes) else None)
+        create = None
+        if all(sizes):
+            outs = [s[0] for s in sizes]
+            create = {"input_size": sizes[0][1], "output_sizes": [sum(outs)] if single else outs}
         mods.append(Module(runtime, klass, "linear", shards, fmts.pop() if len(fmts) == 1 else "mixed", create))
 
     for layer in range(n_layers + n_mtp):
@@ -176,8 +180,9 @@ def inventory(st: _Stored, engine: str) -> list[Module]:
         else:
             rp = sp
         a = "self_attn."
-        if engine == "sglang":
-            linear(rp + a + "fused_qkv_a_proj_with_mqa", "ReplicatedLinear", [sp + a + "q_a_proj", sp + a + "kv_a_proj_with_mqa"])
+        if engine == "sglang":  # one ReplicatedLinear of q_lora + kv_lora + rope rows, shards concatenated on load
+            linear(rp + a + "fused_qkv_a_proj_with_mqa", "ReplicatedLinear", [sp + a + "q_a_proj", sp + a + "kv_a_proj_with_mqa"],
+                   single=True)
         else:
             linear(rp + a + "fused_qkv_a_proj", "MergedColumnParallelLinear", [sp + a + "q_a_proj", sp + a + "kv_a_proj_with_mqa"])
         linear(rp + a + "q_b_proj", "ColumnParallelLinear", [sp + a + "q_b_proj"])
@@ -348,7 +353,8 @@ def _verdict(engine: str, version: str, st: _Stored, mods: list[Module], ans: di
         return rep
     for m, a in zip(mods, ans["modules"]):
         problem = _judge(m, a, st)
-        rep.rows.append(Row(m.name, m.stored, _scheme_label(a), problem is None, problem))
+        rep.rows.append(Row(m.name, m.stored, _scheme_label(a), problem is None, problem,
+                            params_checked=bool(a.get("params")), note=a.get("params_error")))
         if problem:
             rep.problems.append(f"{m.name}: {problem}")
     if engine == "sglang" and any(m.stored == "fp8" for m in mods):
@@ -435,3 +441,29 @@ def serving_folders(path: str | Path) -> list[Path]:
     if all((p / "config.json").is_file() for p in pair):
         return pair
     raise ConfigError(f"{path}: neither a checkpoint folder (config.json) nor a convert output (prefill/, decode/)")
+
+
+def render(report: ServingReport):
+    """Rich tables, one per engine: every module, what the checkpoint stores, the scheme the engine picks."""
+    from rich.console import Group
+    from rich.table import Table
+
+    tables = []
+    for e in report.engines:
+        verdict = "loads" if e.loads else "REFUSES"
+        how = "its own code" if e.source == "engine code" else "re-stated rules (engine code unavailable)"
+        t = Table(title=f"{report.folder}: {e.engine} {e.version} {verdict} (checked with {how})")
+        t.add_column("module")
+        t.add_column("stored")
+        t.add_column("scheme")
+        t.add_column("tensors vs create_weights")
+        for r in e.rows:
+            checked = "match" if r.params_checked and r.ok else ("-" if not r.params_checked else "")
+            scheme = r.scheme if r.ok else f"[red]{r.scheme}: {r.problem}[/red]"
+            t.add_row(r.module, r.stored, scheme, checked)
+        notes = [f"launch with {' '.join(f for f in e.flags if not f.startswith('#'))}"] if any(
+            not f.startswith("#") for f in e.flags) else []
+        notes += [p for p in e.problems if not any(p.startswith(r.module + ":") for r in e.rows)]
+        t.caption = "; ".join(notes) or None
+        tables.append(t)
+    return Group(*tables)
