@@ -305,21 +305,31 @@ def _check_params(m: Module, params: dict, st: _Stored) -> str | None:
     return None
 
 
-def _fusion_flag(engine: str, st: _Stored, mods: list[Module], wint4_linear: bool | None) -> list[str]:
-    """SGLang's shared-expert fusion gate (cited in the module docstring) for this checkpoint."""
-    if engine != "sglang":
-        return []
-    arch = (st.config.get("architectures") or [""])[0]
-    text = st.text
+def sglang_fusion_flags(config: dict, routed: str, shared: str, linear_int4: bool | None = None) -> list[str]:
+    """`["--disable-shared-experts-fusion"]` when SGLang would fuse this checkpoint's shared expert into
+    the routed MoE while the two are stored differently (the gate is cited in the module docstring).
+
+    `linear_int4`: what SGLang's `is_wint4afp8_or_wint4a16_config` answers (check-serving runs it);
+    None re-states it from the config (the group targeting `Linear` is INT4 weight-only).
+    """
+    text = config.get("text_config", config)
+    arch = (config.get("architectures") or [""])[0]
     if FUSION_ARCHS.get(arch) != text.get("n_routed_experts") or text.get("n_shared_experts") != 1:
         return []
-    if wint4_linear:
-        return []  # SGLang turns fusion off itself
+    if linear_int4 is None:
+        qc = config.get("quantization_config") or text.get("quantization_config") or {}
+        linear_int4 = _linear_group_is_int4(qc)
+    if linear_int4 or not routed or not shared or routed == shared:
+        return []  # SGLang turns fusion off itself, or there is nothing to mis-load
+    return ["--disable-shared-experts-fusion"]
+
+
+def _fusion_flag(engine: str, st: _Stored, mods: list[Module], wint4_linear: bool | None) -> list[str]:
+    if engine != "sglang":
+        return []
     routed = {m.stored for m in mods if m.kind == "moe"}
     shared = {m.stored for m in mods if ".shared_experts." in m.name}
-    if routed and shared and routed != shared:
-        return ["--disable-shared-experts-fusion"]
-    return []
+    return sglang_fusion_flags(st.config, ",".join(sorted(routed)), ",".join(sorted(shared)), bool(wint4_linear))
 
 
 PACKED = {  # the model classes' packed_modules_mapping (deepseek_v2.py DeepseekV2ForCausalLM.__init__)
