@@ -255,13 +255,16 @@ def _judge(m: Module, ans: dict, st: _Stored) -> str | None:
 
 def _check_params(m: Module, params: dict, st: _Stored) -> str | None:
     """The stored tensors against what create_weights registered (TP 1)."""
-    if m.kind == "moe":
-        for proj, prefix in (("gate_proj", "w13_"), ("up_proj", "w13_"), ("down_proj", "w2_")):
-            base = m.shards[0].rsplit(".", 1)[0] + "." + proj
-            for name, (dtype, shape) in st.tensors.items():
-                if not name.startswith(base + "."):
+    if m.kind == "moe":  # every expert's tensors against the per-expert slice of the fused parameters
+        prefix_of = {"gate_proj": "w13_", "up_proj": "w13_", "down_proj": "w2_"}
+        for shard in m.shards:
+            proj = shard.rsplit(".", 1)[1]
+            prefix = prefix_of[proj]
+            for suffix in ("weight", "weight_packed", "weight_scale", "weight_scale_inv", "weight_shape", "weight_zero_point"):
+                name = f"{shard}.{suffix}"
+                if name not in st.tensors:
                     continue
-                suffix = name[len(base) + 1:]
+                dtype, shape = st.tensors[name]
                 p = params.get(prefix + suffix)
                 if p is None:
                     return f"{name}: the engine registers no {prefix + suffix} for it"
