@@ -214,7 +214,7 @@ def default_recipe(model_spec: str, arch) -> Recipe:
 
 
 def recipe_overrides(recipe: Recipe, **cli_options: Any) -> Recipe:
-    """`recipe` with CLI options applied: method, group_size, num_samples, seq_len, calib, seed.
+    """`recipe` with CLI options applied: method, group_size, num_samples, seq_len, calib, seed, decode_rest.
 
     None keeps the recipe's value. The result is validated again (e.g. a new group_size must still
     divide gptq.block_size); errors name the CLI option.
