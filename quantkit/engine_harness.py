@@ -17,22 +17,36 @@ simulated GPU must not leak into the caller, hence the process boundary.
 What runs for real (the engine's code, unmodified):
   - SGLang: `srt/layers/quantization/compressed_tensors/` (config parsing, `find_matched_target`,
     `should_ignore_layer`, `get_linear_scheme`, `get_moe_scheme`, the scheme classes'
-    constructors and `CompressedTensorsWNA16MoE.create_weights`), `srt/layers/quantization/fp8.py`
-    (`Fp8Config.from_config`, `get_quant_method`), `srt/layers/quantization/utils.py`
-    (`is_layer_skipped`), `srt/models/deepseek_common/utils.py`
+    constructors and `create_weights`), `srt/layers/quantization/fp8.py` (`Fp8Config.from_config`,
+    `get_quant_method`, `Fp8LinearMethod` / `Fp8MoEMethod.create_weights`),
+    `srt/layers/quantization/utils.py` (`is_layer_skipped`), `srt/layers/parameter.py`,
+    `srt/layers/moe/utils.py` (`get_moe_weight_sizes`), `srt/models/deepseek_common/utils.py`
     (`is_wint4afp8_or_wint4a16_config`, the shared-experts fusion gate's quantization test).
   - vLLM: `model_executor/layers/quantization/compressed_tensors/` (config parsing, matching,
-    `get_scheme`, `CompressedTensorsMoEMethod.get_moe_method`, scheme constructors),
-    `model_executor/layers/quantization/fp8.py` (`Fp8Config`), `.../quantization/utils/`.
+    `get_scheme`, `CompressedTensorsMoEMethod.get_moe_method`, scheme and MoE-method constructors
+    and `create_weights`), `model_executor/layers/quantization/fp8.py` (`Fp8Config`,
+    `Fp8LinearMethod` / `Fp8MoEMethod`), `.../quantization/utils/{quant_utils,config_utils,fp8_utils}.py`,
+    `model_executor/parameter.py`.
 
 What is stubbed (and why): every other engine module is a `_StubModule` whose attributes are
-inert classes (kernels, distributed state, loggers, model runner flags); the base classes the
-dispatch tests with `isinstance` (`LinearBase`, `FusedMoE`, `RoutedExperts`, `ParallelLMHead`)
-are stubs too, and we build our layers from them under the engine's real class names. The
-device is simulated as an sm90 GPU (H100/H200): `torch.cuda.get_device_capability` as the
-engine modules see it, vLLM's `current_platform`, SGLang's `is_cuda()`. `set_weight_attrs`
-(SGLang `srt/utils/common.py`, vLLM `model_executor/utils.py`) is the three-line setattr loop
-it is upstream.
+inert classes (kernels, distributed state, loggers, model runner flags), and third-party kernel
+packages this machine lacks (flashinfer, sgl_kernel, triton, ...) likewise. The base classes the
+dispatch tests with `isinstance` (`LinearBase`, `FusedMoE` / `RoutedExperts`, `ParallelLMHead`) are
+stubs too, and our stand-in layers derive from them under the engine's real class names. Explicit
+stand-ins, where an inert value would take another code path:
+  - the device: an sm90 GPU (H100/H200), as `torch.cuda.get_device_capability` inside engine
+    modules, vLLM's `current_platform`, SGLang's `is_cuda()` (`is_hip`/`is_npu`/`is_xpu` false);
+  - TP 1: `get_tensor_model_parallel_world_size() == 1`, SGLang `layer.tp_group = None`;
+  - the MoE layer's config: gated SwiGLU, no bias (vLLM `FusedMoEConfig.is_act_and_mul`, SGLang
+    `MoeRunnerConfig.is_gated`), and vLLM's `FusedMoEMethodBase.__init__` keeping it as `self.moe`
+    (fused_moe/fused_moe_method_base.py);
+  - vLLM's kernel-backend oracles, which pick a GPU kernel, not a format:
+    `select_wna16_moe_backend` (fused_moe/oracle/int_wna16.py) -> Marlin,
+    `select_fp8_moe_backend` / `resolve_fp8_moe_weight_block_shape` (fused_moe/oracle/fp8.py) ->
+    the checkpoint's block shape at TP 1;
+  - `set_weight_attrs` (SGLang srt/utils/common.py, vLLM model_executor/utils.py): the setattr loop
+    it is upstream.
+`create_weights` runs with `params_dtype=bfloat16`, the models' `torch_dtype`.
 """
 
 from __future__ import annotations
