@@ -46,7 +46,7 @@ stand-ins, where an inert value would take another code path:
     the checkpoint's block shape at TP 1;
   - `set_weight_attrs` (SGLang srt/utils/common.py, vLLM model_executor/utils.py): the setattr loop
     it is upstream.
-`create_weights` runs with `params_dtype=bfloat16`, the models' `torch_dtype`.
+`create_weights` runs with `params_dtype=bfloat16` (the models' `torch_dtype`) on the meta device.
 """
 
 from __future__ import annotations
@@ -371,7 +371,14 @@ def _create(method, layer, m: dict) -> None:
     if not c:
         return
     target = getattr(layer, "scheme", None) or method
-    if m["kind"] == "moe":
+    with torch.device("meta"):  # shapes and dtypes only: a real Kimi MoE layer would allocate gigabytes
+        _create_on(target, layer, m["kind"], c)
+
+
+def _create_on(target, layer, kind: str, c: dict) -> None:
+    import torch
+
+    if kind == "moe":
         target.create_weights(layer, num_experts=c["num_experts"], hidden_size=c["hidden_size"],
                               intermediate_size_per_partition=c["intermediate_size"], params_dtype=torch.bfloat16,
                               weight_loader=_Value())

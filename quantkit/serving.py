@@ -466,9 +466,9 @@ def render(report: ServingReport):
         verdict = "loads" if e.loads else "REFUSES"
         how = "its own code" if e.source == "engine code" else "re-stated rules (engine code unavailable)"
         t = Table(title=f"{report.folder}: {e.engine} {e.version} {verdict} (checked with {how})")
-        t.add_column("module")
+        t.add_column("module", overflow="fold")
         t.add_column("stored")
-        t.add_column("scheme")
+        t.add_column("scheme", overflow="fold")
         t.add_column("tensors vs create_weights")
         for r in e.rows:
             checked = "match" if r.params_checked and r.ok else ("-" if not r.params_checked else "")
