@@ -142,7 +142,9 @@ def engine_names(modules: list[str], arch: ModelArch) -> list[str]:
             if leaf == shards[0] and all(f"{parent}.{s}" in listed for s in shards):
                 out |= {f"{parent}.{f}" for f in fused}
     for m in list(out):
-        hit = re.match(rf"^(.*?)layers\.(\d+)\.(.*)$", m)
+        if not m.startswith(arch.prefix):
+            continue  # vision towers and the head: no MTP naming
+        hit = re.match(r"^(.*?)layers\.(\d+)\.(.*)$", m)
         if hit and int(hit.group(2)) >= arch.num_hidden_layers:
             rest = hit.group(3)
             out.add(f"{hit.group(1)}{rest}" if rest.startswith(MTP_EXTRAS) else f"{hit.group(1)}decoder.{rest}")

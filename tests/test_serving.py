@@ -65,6 +65,17 @@ def variants(outputs, tmp_path_factory):
     rest = convert("tiny:glm-5.2", root / "rest-bf16", method="rtn", decode_rest="bf16", validate=False, progress=False)
     out["rest-bf16"] = rest.decode
     out["rest-bf16-result"] = rest
+    # BF16 shared experts beside FP8 attention: SGLang checks `ignore` against the fused gate_up_proj
+    # name itself (gate_up_proj is not in its packed-modules map), so quantkit lists that name too
+    import yaml
+
+    from quantkit.recipe import load_recipe
+
+    rec = load_recipe("tiny-kimi-k2.6").to_dict()  # Kimi: BF16 shared experts in the source (GLM's are FP8)
+    rec["prefill"]["shared_experts"] = "bf16"
+    (root / "shared-bf16.yaml").write_text(yaml.safe_dump(rec))
+    out["shared-bf16"] = convert("tiny:kimi-k2.6", root / "shared-bf16", recipe=root / "shared-bf16.yaml",
+                                 validate=False, progress=False).decode
     return out
 
 
@@ -193,6 +204,13 @@ def test_offline_falls_back_to_the_restated_rules(outputs, variants, tmp_path, m
     good, bad = check_serving_many([outputs["glm"].decode, variants["legacy"]], ("sglang",), download=False)
     assert good.engines[0].source == "rules" and good.loads
     assert not bad.loads and "rule 1" in " ".join(bad.engines[0].problems)
+
+
+def test_bf16_shared_experts_stay_unquantized_under_their_fused_name(reports):
+    for engine, rep in reports["shared-bf16"].items():
+        assert rep.loads, rep.problems
+        fused = [r for r in rep.rows if r.module.endswith("shared_experts.gate_up_proj")]
+        assert fused and all(r.stored == "bf16" and r.scheme == "UnquantizedLinearMethod" for r in fused), fused
 
 
 def test_decode_rest_bf16(reports, variants):
