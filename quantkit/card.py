@@ -77,10 +77,10 @@ def render_card(which: str, report: dict, validation: dict, *, license: dict[str
         f"One half of a matched pair for disaggregated serving. This folder is the **{which}** checkpoint, for "
         f"{pool}: {storage}. `../{other}` is the {ROLE[other][0]}, for {ROLE[other][1]}. The two hold identical "
         f"bytes for every tensor except the {', '.join(report['shared_tensors']['differ_classes']) or 'none'} tensors "
-        f"({report['shared_tensors']['identical']} identical, {report['shared_tensors']['differ']} differ), "
-        + ("so the decode pool attends over KV that the prefill pool computed with the same attention weights."
+        f"({report['shared_tensors']['identical']} identical, {report['shared_tensors']['differ']} differ)"
+        + (", so the decode pool attends over KV that the prefill pool computed with the same attention weights."
            if "attention" not in report["shared_tensors"]["differ_classes"] else
-           "**including the attention weights** (recipe `decode.rest: bf16`): the decode pool attends over KV the "
+           ". The attention weights are among them (recipe `decode.rest: bf16`): the decode pool attends over KV the "
            "prefill pool computed with its FP8 attention, while its own new tokens use BF16 attention; the cross-phase "
            "row below measures that hand-over."),
         "",

@@ -199,6 +199,15 @@ def test_glm_shared_expert_fusion_needs_the_flag(reports):
     assert reports["e256"]["sglang"].loads  # a flag to pass, not a refusal
 
 
+def test_card_asks_for_the_fusion_flag_when_sglang_would_fuse(outputs, variants):
+    from quantkit.card import _serving
+
+    report = outputs["glm"].report
+    for folder, flag in ((outputs["glm"].decode, False), (variants["e256"], True)):
+        text = "\n".join(_serving("decode", report, "glm", json.loads((folder / "config.json").read_text())))
+        assert ("--page-size 64 \\\n  --disable-shared-experts-fusion" in text) == flag, text
+
+
 def test_offline_falls_back_to_the_restated_rules(outputs, variants, tmp_path, monkeypatch):
     monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "empty"))
     good, bad = check_serving_many([outputs["glm"].decode, variants["legacy"]], ("sglang",), download=False)
