@@ -237,3 +237,54 @@ def test_decode_rest_bf16(reports, variants):
         assert not e.flags  # SGLang sees an INT4 Linear group and turns shared-expert fusion off itself
         assert not [r for r in e.rows if r.stored == "fp8"]
         assert [r for r in e.rows if r.stored == "bf16" and "fused_qkv_a" in r.module]
+
+
+def _real_dims(folder, preset: str):
+    """The tiny checkpoint's tensor table with the real model's dimensions (same names, formats and
+    quantization config; headers only, nothing allocated): the engines' shape checks on 576-row
+    kv_a_proj_with_mqa, 2624-row fused projections and real expert widths."""
+    from quantkit.arch import arch_from_config, load_preset
+    from quantkit.serving import _read
+
+    st = _read(folder)
+    a = arch_from_config(load_preset(preset))
+    h, heads = a.hidden_size, a.num_attention_heads
+    dims = {"q_a_proj": (a.q_lora_rank, h), "q_b_proj": (heads * a.qk_head_dim, a.q_lora_rank),
+            "kv_a_proj_with_mqa": (a.kv_cache_width, h), "kv_b_proj": (heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank),
+            "o_proj": (h, heads * a.v_head_dim)}
+    if a.has_dsa:
+        dims |= {"wq_b": (a.index_n_heads * a.index_head_dim, a.q_lora_rank), "wk": (a.index_head_dim, h)}
+    group = next((g["weights"].get("group_size") for g in st.qc.get("config_groups", {}).values()
+                  if g["weights"]["num_bits"] == 4), 128)
+    tensors = {}
+    for name, (dtype, shape) in st.tensors.items():
+        module, _, suffix = name.rpartition(".")
+        proj = module.rsplit(".", 1)[-1]
+        width = a.moe_intermediate_size * (a.n_shared_experts if ".shared_experts." in module else 1)
+        if ".mlp." in module and proj in ("gate_proj", "up_proj", "down_proj"):
+            inter = a.intermediate_size if ".experts." not in module and ".shared_experts." not in module else width
+            out, inp = (inter, h) if proj != "down_proj" else (h, inter)
+        elif proj in dims:
+            out, inp = dims[proj]
+        else:
+            tensors[name] = (dtype, shape)
+            continue
+        tensors[name] = (dtype, {
+            "weight": [out, inp], "weight_packed": [out, inp // 8], "weight_shape": [2],
+            "weight_scale": [out, inp // group] if f"{module}.weight_packed" in st.tensors  # INT4 groups
+            else [-(-out // 128), -(-inp // 128)],  # FP8 blocks (compressed-tensors' name)
+            "weight_scale_inv": [-(-out // 128), -(-inp // 128)]}[suffix])
+    return type(st)(st.config, st.text, st.qc, tensors)
+
+
+def test_real_dimensions_load(outputs, engines_available):
+    from quantkit.serving import _engine_reports
+
+    for model, preset in (("glm", "glm-5.2"), ("kimi", "kimi-k2.6")):
+        stored = [_real_dims(getattr(outputs[model], w), preset) for w in ("prefill", "decode")]
+        for engine in ENGINES:
+            for which, rep in zip(("prefill", "decode"), _engine_reports(engine, stored, download=False)):
+                assert rep.loads, (model, which, engine, rep.problems)
+                assert all(r.params_checked for r in rep.rows if r.stored != "bf16")
+                kv_a = [r for r in rep.rows if "fused_qkv_a" in r.module]
+                assert kv_a and all(r.stored == ("bf16" if model == "kimi" else "fp8") for r in kv_a)
