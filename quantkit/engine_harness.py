@@ -394,7 +394,9 @@ def _quant_config(engine: str, qc: dict, packed: dict):
     qc = dict(qc, packed_modules_mapping=packed)
     if engine == "sglang":
         if method == "compressed-tensors":
-            from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig as C
+            from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import (
+                CompressedTensorsConfig as C,
+            )
         elif method == "fp8":
             from sglang.srt.layers.quantization.fp8 import Fp8Config as C
         else:
@@ -403,7 +405,9 @@ def _quant_config(engine: str, qc: dict, packed: dict):
         cfg.packed_modules_mapping = dict(packed)  # the model class's update_packed_modules_mapping
         return cfg
     if method == "compressed-tensors":
-        from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig as C
+        from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+            CompressedTensorsConfig as C,
+        )
     elif method == "fp8":
         from vllm.model_executor.layers.quantization.fp8 import Fp8Config as C
     else:
@@ -454,7 +458,9 @@ def _job(engine: str, req: dict) -> dict:
         out["modules"].append(row)
     if engine == "sglang":
         out["weight_block_size"] = getattr(cfg, "weight_block_size", None)
-        from sglang.srt.models.deepseek_common.utils import is_wint4afp8_or_wint4a16_config
+        from sglang.srt.models.deepseek_common.utils import (
+            is_wint4afp8_or_wint4a16_config,
+        )
 
         out["wint4_linear_config"] = bool(is_wint4afp8_or_wint4a16_config(cfg))
     return out

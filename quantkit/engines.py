@@ -83,7 +83,7 @@ def engine_source(engine: str, *, download: bool = True, timeout: float = 600) -
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
                "--dest", tmp, f"{engine}=={version}"]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
         except (OSError, subprocess.TimeoutExpired) as e:
             raise EngineUnavailable(f"{engine} {version}: pip download failed ({e})") from None
         wheels = sorted(Path(tmp).glob("*.whl"))
@@ -128,7 +128,7 @@ def run_harness(source: EngineSource, request: dict, timeout: float = 300) -> di
     req = dict(request, engine=source.engine, src=str(source.path))
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
     proc = subprocess.run([sys.executable, "-m", "quantkit.engine_harness"], input=json.dumps(req),
-                          capture_output=True, text=True, timeout=timeout, env=env)
+                          capture_output=True, text=True, timeout=timeout, env=env, check=False)
     try:
         ans = json.loads(proc.stdout)
     except json.JSONDecodeError:

@@ -131,7 +131,7 @@ def _read(folder: Path) -> _Stored:
         if not path.is_file():
             raise CheckpointError("listed in the index but missing", file=str(path))
         with safe_open(str(path), framework="pt") as sf:
-            for n in sf.keys():
+            for n in sf.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                 sl = sf.get_slice(n)
                 tensors[n] = (TORCH_DTYPES.get(sl.get_dtype(), sl.get_dtype()), list(sl.get_shape()))
     return _Stored(config, text, qc, tensors)
@@ -385,7 +385,7 @@ def rules_report(engine: str, st: _Stored, mods: list[Module], *, reason: str) -
     from quantkit.engines import PINNED
 
     rep = EngineReport(engine, PINNED[engine], "rules", True)
-    rep.problems += [p for p in RULES_CHECK(engine, st, mods)]
+    rep.problems += rules_check(engine, st, mods)
     rep.flags = _fusion_flag(engine, st, mods, _linear_group_is_int4(st.qc))
     rep.loads = not rep.problems
     rep.rows = [Row(m.name, m.stored, "(rules)", True) for m in mods]
@@ -412,7 +412,8 @@ def _linear_group_is_int4(qc: dict) -> bool:
     return False
 
 
-def RULES_CHECK(engine: str, st: _Stored, mods: list[Module]) -> list[str]:  # noqa: N802 - pairs with RULES
+def rules_check(engine: str, st: _Stored, mods: list[Module]) -> list[str]:
+    """The problems RULES predicts for this checkpoint (SGLang only: vLLM's rules accept both layouts)."""
     qc = st.qc
     if qc.get("quant_method") != "compressed-tensors" or engine != "sglang":
         return []
@@ -420,9 +421,9 @@ def RULES_CHECK(engine: str, st: _Stored, mods: list[Module]) -> list[str]:  # n
     if any(m.stored == "int4" for m in mods) and qc.get("format") != "pack-quantized":
         out.append(f"top-level format {qc.get('format')!r}: SGLang's W4A16 MoE schemes need 'pack-quantized' (rule 1)")
     linear = next((g for g in qc.get("config_groups", {}).values() if "Linear" in g.get("targets", [])), None)
-    if linear is not None and any(m.stored == "fp8" for m in mods):
-        if (linear.get("weights") or {}).get("type") != "float":
-            out.append("the group targeting Linear is not the FP8 group: fused modules and weight_block_size "
+    fp8 = any(m.stored == "fp8" for m in mods)
+    if linear is not None and fp8 and (linear.get("weights") or {}).get("type") != "float":
+        out.append("the group targeting Linear is not the FP8 group: fused modules and weight_block_size "
                        "follow it in SGLang (rules 2, 3)")
     return out
 

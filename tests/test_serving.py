@@ -216,7 +216,7 @@ def test_offline_falls_back_to_the_restated_rules(outputs, variants, tmp_path, m
 
 
 def test_bf16_shared_experts_stay_unquantized_under_their_fused_name(reports):
-    for engine, rep in reports["shared-bf16"].items():
+    for rep in reports["shared-bf16"].values():
         assert rep.loads, rep.problems
         fused = [r for r in rep.rows if r.module.endswith("shared_experts.gate_up_proj")]
         assert fused and all(r.stored == "bf16" and r.scheme == "UnquantizedLinearMethod" for r in fused), fused
