@@ -26,6 +26,7 @@ _API = {
     "convert": ("quantkit.conversion", "convert"),
     "validate": ("quantkit.validation", "validate"),
     "pull": ("quantkit.hub", "pull"),
+    "check_serving": ("quantkit.serving", "check_serving"),
     "Checkpoint": ("quantkit.checkpoint", "Checkpoint"),
     "QuantkitError": ("quantkit.errors", "QuantkitError"),
 }

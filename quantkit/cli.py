@@ -123,6 +123,7 @@ def convert(
     num_samples: Annotated[Optional[int], typer.Option(help="Calibration samples.")] = None,
     seq_len: Annotated[Optional[int], typer.Option(help="Tokens per calibration sample.")] = None,
     group_size: Annotated[Optional[int], typer.Option(help="INT4 group size: 32, 64 or 128.")] = None,
+    decode_rest: Annotated[Optional[str], typer.Option(help="Decode's non-expert weights: prefill (same bytes as prefill, default) or bf16 (Kimi's official look).")] = None,
     device: Device = "auto",
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from its last completed layer.")] = False,
     no_validate: Annotated[bool, typer.Option("--no-validate", help="Skip validating the pair afterwards.")] = False,
@@ -136,7 +137,7 @@ def convert(
     if recipe and preset:
         raise typer.BadParameter("give --recipe or --preset, not both")
     result = run_convert(model, out, recipe=recipe or preset, method=method, calib=calib, num_samples=num_samples,
-                         seq_len=seq_len, group_size=group_size, device=device, resume=resume,
+                         seq_len=seq_len, group_size=group_size, decode_rest=decode_rest, device=device, resume=resume,
                          validate=not no_validate, progress=not json_out, trust_remote_code=trust_remote_code,
                          delete_source_after=delete_source_after)
     if json_out:
@@ -173,6 +174,31 @@ def validate(
         Console().print(result.table())
     if not result.passed:
         _gates_failed(result)
+
+
+@app.command("check-serving")
+@user_errors
+def check_serving(
+    path: Annotated[Path, typer.Argument(help="A checkpoint folder, or a convert output (checks prefill/ and decode/).")],
+    engine: Annotated[str, typer.Option(help="vllm, sglang or all.")] = "all",
+    json_out: Json = False,
+):
+    """Ask vLLM's and SGLang's own code (pinned releases) which scheme each module gets; exit 2 if one would refuse."""
+    from quantkit.serving import ENGINES, check_serving_many, render, serving_folders
+
+    engines = ENGINES if engine == "all" else (engine,)
+    reports = check_serving_many(serving_folders(path), engines)
+    if json_out:
+        emit_json([r.to_dict() for r in reports])
+    else:
+        for r in reports:
+            Console().print(render(r))
+    if not all(r.loads for r in reports):
+        for r in reports:
+            for e in r.engines:
+                for p in e.problems[:5]:
+                    console.print(f"[red]{e.engine} refuses {r.folder}:[/red] {p}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
 
 
 def _gates_failed(result) -> None:

@@ -45,7 +45,7 @@ from quantkit.experts import (
 from quantkit.gptq import QuantizedWeight, hessian_from_inputs
 from quantkit.precision import (
     BF16, FP8, INT4, PASS, REUSE_INT4, Decision, decide, decode_quantization_config, precision_summary,
-    prefill_quantization_config, set_quantization_config,
+    prefill_quantization_config, set_quantization_config, stored_as,
 )
 from quantkit.progress import LayerProgress, rich_html
 from quantkit.reference import Context, mla_attention, rms_norm, route, swiglu
@@ -245,6 +245,15 @@ class PairWriter:
     def write_shared(self, name: str, d: Decision) -> torch.Tensor | None:
         """A tensor both outputs hold identically; returns its dequantized value for compute."""
         base = name.rpartition(".")[0] + "." if name.endswith(".weight") else None
+        if d.decode != d.prefill and stored_as(d.decode, self.ckpt.tensors[name]) != stored_as(d.prefill, self.ckpt.tensors[name]):
+            # decode.rest: bf16: each output its own bytes; the decode model's are what calibration computes with
+            for suffix, t in self.stored(name, d.prefill, scale_name="weight_scale_inv").items():
+                self.prefill.add(base + suffix if base else name, t)
+            parts = self.stored(name, d.decode, scale_name="weight_scale")
+            for suffix, t in parts.items():
+                self.decode.add(base + suffix if base else name, t)
+            self.differ.append(name)
+            return parts
         parts = self.stored(name, d.prefill, scale_name="weight_scale_inv")
         for suffix, t in parts.items():
             key = base + suffix if base else name
@@ -333,6 +342,7 @@ def convert(
     num_samples: int | None = None,
     seq_len: int | None = None,
     group_size: int | None = None,
+    decode_rest: str | None = None,
     device: str = "auto",
     resume: bool = False,
     validate: bool = True,
@@ -349,6 +359,8 @@ def convert(
         out: output folder; `prefill/`, `decode/` and `convert-report.json` appear when complete.
         recipe: a recipe file or name (default: the model family's recipe); the keyword options
             below override its fields when given.
+        decode_rest: "bf16" stores everything but the routed experts BF16 in decode (Kimi's official
+            INT4 look; recipe `decode.rest`); default "prefill": the prefill checkpoint's bytes.
         resume: continue an interrupted run from its last completed layer (byte-identical result).
         validate: run `quantkit.validate` on the pair afterwards.
         delete_source_after: with an `hf://` source, delete each downloaded shard once every
@@ -369,7 +381,8 @@ def convert(
     src_path = ckpt.folder
     arch = ckpt.arch
     rec = load_recipe(recipe) if recipe is not None else default_recipe(str(model), arch)
-    rec = recipe_overrides(rec, method=method, group_size=group_size, num_samples=num_samples, seq_len=seq_len, calib=calib)
+    rec = recipe_overrides(rec, method=method, group_size=group_size, num_samples=num_samples, seq_len=seq_len, calib=calib,
+                           decode_rest=decode_rest)
     G = rec.group_size
     dev = resolve_device(device)
 
