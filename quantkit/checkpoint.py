@@ -27,6 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from quantkit import faults
 from quantkit.arch import ModelArch, load_arch
 from quantkit.errors import CheckpointError, OutputError
 from quantkit.formats import fp8, int4
@@ -391,6 +392,7 @@ class CheckpointWriter:
         name = f"part-{len(self._parts):06d}.safetensors"
         tmp = self.tmp / (name + ".tmp")
         save_file(dict(sorted(self._buf.items())), str(tmp), metadata={"format": "pt"})
+        faults.point("flush:tmp")
         os.replace(tmp, self.tmp / name)
         self._parts.append(name)
         self._buf, self._buf_bytes = {}, 0
@@ -398,6 +400,11 @@ class CheckpointWriter:
     @property
     def num_parts(self) -> int:
         return len(self._parts)
+
+    @property
+    def parts(self) -> list[str]:
+        """The part files written so far, in order (quantkit.finish names them model-*-of-N)."""
+        return list(self._parts)
 
     def truncate_parts(self, n: int) -> None:
         """Resume: drop parts written after the last completed layer (a crash mid-layer)."""
