@@ -25,6 +25,7 @@ _API = {
     "logits": ("quantkit.forward", "logits"),
     "convert": ("quantkit.conversion", "convert"),
     "validate": ("quantkit.validation", "validate"),
+    "verify": ("quantkit.integrity", "verify"),
     "pull": ("quantkit.hub", "pull"),
     "Checkpoint": ("quantkit.checkpoint", "Checkpoint"),
     "QuantkitError": ("quantkit.errors", "QuantkitError"),

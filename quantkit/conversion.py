@@ -417,6 +417,7 @@ def convert(
     progress: bool = True,
     trust_remote_code: bool = False,
     delete_source_after: bool = False,
+    allow_unverified: bool = False,
     dtype: torch.dtype = torch.float32,
     max_shard_bytes: int = 5 * 2**30,
 ) -> ConvertResult:
@@ -431,6 +432,8 @@ def convert(
         validate: run `quantkit.validate` on the pair afterwards.
         delete_source_after: with an `hf://` source, delete each downloaded shard once every
             tensor in it has been consumed (local disk then holds a few shards at a time).
+        allow_unverified: with an `hf://` source, accept files the Hub lists without a checksum
+            (size only); the report lists them.
 
     Example:
         >>> res = quantkit.convert("tiny:glm-5.2", "out/glm")
@@ -443,7 +446,7 @@ def convert(
 
     t_start = time.time()
     out = Path(out)
-    ckpt = open_checkpoint(model, release_consumed=delete_source_after)
+    ckpt = open_checkpoint(model, release_consumed=delete_source_after, allow_unverified=allow_unverified)
     src_path = ckpt.folder
     arch = ckpt.arch
     rec = load_recipe(recipe) if recipe is not None else default_recipe(str(model), arch)
@@ -721,6 +724,7 @@ def _report(model, src_path, source_files, rec, tokens, state: State, ckpt, deci
                    "repo": ckpt.remote.repo_id if ckpt.remote else None,
                    "revision": ckpt.remote.revision if ckpt.remote else None,
                    "commit": ckpt.remote.commit if ckpt.remote else None,
+                   "unverified_files": ckpt.remote.unverified if ckpt.remote else [],
                    "files": source_files},
         "recipe": rec.model_dump(mode="json"),
         "method": rec.method,
