@@ -701,11 +701,11 @@ def _predicted_bytes(ckpt: Checkpoint, decisions: dict[str, Decision], G: int) -
     return sizes[0], sizes[1]
 
 
-def _check_disk(ckpt, decisions, out: Path, G: int) -> None:
+def _check_disk(ckpt, decisions, out: Path, G: int, free: int | None = None) -> None:
     """Refuse a run that cannot fit: the predicted pair, less what an interrupted run already wrote."""
     written = sum(p.stat().st_size for w in ("prefill", "decode") for p in (out / f"{w}.partial").glob("part-*"))
     need = sum(_predicted_bytes(ckpt, decisions, G)) - written
-    free = shutil.disk_usage(out).free
+    free = shutil.disk_usage(out).free if free is None else free
     if need > free:
         raise OutputError(f"{out}: the pair needs about {_size(need)} more, only {_size(free)} free there; "
                           "free space or choose another --out")

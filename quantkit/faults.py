@@ -7,6 +7,7 @@ n-th time (default the first) that point is reached fail, as
     kill     SIGKILL of the process (default): nothing unwinds, as with a power cut or the OOM killer
     raise    an InjectedFault exception (in-process tests; `finally` blocks run)
     enospc   OSError(ENOSPC), as a full disk raises it
+    interrupt  KeyboardInterrupt, as Ctrl-C raises it
 
 `points()` lists the points reached by a run (QUANTKIT_FAULT_LOG=<file> appends one per line).
 """
@@ -18,6 +19,7 @@ import os
 import signal
 
 _seen: dict[str, int] = {}
+_MODES = ("kill", "raise", "enospc", "interrupt")
 
 
 class InjectedFault(BaseException):
@@ -35,12 +37,16 @@ def point(name: str) -> None:
             f.write(f"{name}#{n}\n")
     if not spec:
         return
-    where, _, how = spec.partition(":")
+    where, _, how = spec.rpartition(":")  # point names contain ':' themselves
+    if how not in _MODES:
+        where, how = spec, "kill"
     target, _, count = where.partition("#")
     if target != name or n != int(count or 1):
         return
     if how == "raise":
         raise InjectedFault(f"{name}#{n}")
+    if how == "interrupt":
+        raise KeyboardInterrupt
     if how == "enospc":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     os.kill(os.getpid(), signal.SIGKILL)

@@ -324,3 +324,6 @@ def _check_shared(manifests: dict[str, dict], actual: dict[str, dict[str, dict]]
             t = q if odd == "decode" else p
             res.problems.append(f"{odd}/{t['file']}: {dname if odd == 'decode' else pname}: differs from its twin in the "
                                 f"other checkpoint (the pair promises identical bytes)")
+        elif p["sha256"] != digest:
+            res.problems.append(f"prefill/{p['file']} and decode/{q['file']}: {pname}: both differ from the digest in "
+                                f"the shared list of {MANIFEST}")
