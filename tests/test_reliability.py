@@ -419,33 +419,60 @@ def test_disk_full_is_one_line_naming_the_folder_and_resume_completes(src, whole
     assert ok, res.output
 
 
-def test_real_enospc_is_recognised(tmp_path, src, whole, monkeypatch):
-    """/dev/full answers every write with ENOSPC: through safetensors' writer and through Python's."""
+@pytest.mark.skipif(not Path("/dev/full").is_char_device(), reason="no /dev/full on this machine")
+def test_safetensors_enospc_is_recognised():
+    """/dev/full answers every write with ENOSPC; safetensors reports it in its own exception type."""
     from safetensors import SafetensorError
 
     with pytest.raises(SafetensorError) as e:
         save_file({"x": torch.zeros(1 << 16)}, "/dev/full")
     assert _disk_full(e.value)
-    # disk full while saving the progress of a layer: the message, then --resume finishes identically
-    out = tmp_path / "o"
-    monkeypatch.setenv("QUANTKIT_FAULT", "state:saved#2:raise")
-    with pytest.raises(faults.InjectedFault):
-        _convert(src, out)
-    monkeypatch.delenv("QUANTKIT_FAULT")
-    (out / ".quantkit-convert" / "state.tmp").symlink_to("/dev/full")
-    res = runner.invoke(app, ["convert", str(src), "--out", str(out), "--method", "rtn", "--no-validate", "--json", "--resume"])
-    assert res.exit_code == 1 and "disk full" in res.output and "Traceback" not in res.output, res.output
-    (out / ".quantkit-convert" / "state.tmp").unlink(missing_ok=True)
-    _convert(src, out, resume=True)
-    # a report written whole or not at all
+
+
+def test_a_failed_write_leaves_the_old_file_whole(tmp_path):
+    """validation.json, the report, the index, the manifest: a write that fails half-way (here an
+    unencodable character after 3000 good ones) leaves the previous content, never a torn file."""
     target = tmp_path / "validation.json"
     target.write_text("old")
-    (tmp_path / "validation.json.tmp").symlink_to("/dev/full")
-    with pytest.raises(OSError):
-        atomic_write_text(target, "new" * 1000)
-    ok = _same_pair(out, whole[0]) and target.read_text() == "old"
-    record("disk full (real ENOSPC from /dev/full)", "safetensors writer; state save mid-run; validation.json", 3, ok)
-    assert ok
+    with pytest.raises(UnicodeEncodeError):
+        atomic_write_text(target, "new" * 1000 + "\ud800")
+    assert target.read_text() == "old"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("QUANTKIT_TEST_SMALL_FS"), reason="set QUANTKIT_TEST_SMALL_FS to a small "
+                    "filesystem's mount point (e.g. a 32 MB tmpfs) to fill a real disk mid-run")
+def test_a_real_full_disk_mid_run_then_resume(tmp_path):
+    fs = Path(os.environ["QUANTKIT_TEST_SMALL_FS"])
+    out = fs / f"qk-{os.getpid()}"
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = ["convert", "tiny:glm-5.2", "--method", "rtn", "--no-validate", "--json"]
+    subprocess.run(_cli(*cmd, "--out", str(tmp_path / "whole")), check=True, capture_output=True)
+    env = dict(os.environ, QUANTKIT_CONVERT_LAYER_DELAY="0.5")
+    proc = subprocess.Popen(_cli(*cmd, "--out", str(out)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    state = out / ".quantkit-convert" / "state.json"
+    while proc.poll() is None and not (state.is_file() and json.loads(state.read_text() or "{}").get("next_layer", -1) >= 2):
+        time.sleep(0.05)
+    filler = fs / f"filler-{os.getpid()}"
+    try:
+        with open(filler, "wb") as f:  # take every free byte
+            while True:
+                f.write(b"\0" * (1 << 16))
+                f.flush()
+    except OSError:
+        pass
+    try:
+        _, err = proc.communicate(timeout=120)
+        lines = err.strip().splitlines()
+        ok = proc.returncode == 1 and len(lines) == 1 and f"{out}: disk full" in lines[0] and "--resume" in lines[0]
+        _never_looks_complete(out)
+    finally:
+        filler.unlink(missing_ok=True)
+    done = subprocess.run(_cli(*cmd, "--out", str(out), "--resume"), capture_output=True, text=True)
+    ok = ok and done.returncode == 0 and _same_pair(out, tmp_path / "whole")
+    shutil.rmtree(out, ignore_errors=True)
+    record("disk full (a real full filesystem mid-run)", "tiny GLM, filled after layer 2; --resume", 1, ok, err.strip()[-160:])
+    assert ok, err
 
 
 def test_ctrl_c_says_resume_continues(src, whole, tmp_path, monkeypatch):
@@ -573,3 +600,124 @@ def test_validate_verifies_first_and_the_card_states_the_manifest_digest(whole, 
     with pytest.raises(IntegrityError, match=_expert(out).replace(".", r"\.")):
         validate(out, reference=src, eval_data="synthetic:heldout", num_samples=2, seq_len=16, gen_tokens=2,
                  device="cpu", progress=False)
+
+
+# ---- a malicious Hub ----------------------------------------------------------------------------------------
+HUB_REPO = "evil-org/tiny"
+
+
+@pytest.fixture
+def evil(tmp_path, monkeypatch, src):
+    """A loopback Hub serving the small source; tests make it lie. HF_HOME and the quantkit cache are private."""
+    from huggingface_hub import constants as hf_constants
+
+    from hub_server import FakeHub
+
+    home = tmp_path / "hf_home"
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "qk"))
+    for var in ("HF_TOKEN", "HF_HUB_OFFLINE", "HF_ENDPOINT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hf_constants, "HF_HUB_DISABLE_XET", True)
+    server = FakeHub().start()
+    server.content = {p.name: p.read_bytes() for p in sorted(src.iterdir()) if p.is_file()}
+    server.commit_sha = server.add_repo(HUB_REPO).commit(server.content)
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    yield server
+    server.stop()
+
+
+def _everything(root: Path) -> set[str]:
+    return {p.relative_to(root).as_posix() for p in root.rglob("*")}
+
+
+def _lie(field: str, value):
+    def hook(body):
+        if field == "sha":
+            body["sha"] = value
+        else:
+            s = next(s for s in body["siblings"] if s["rfilename"] == SHARD)
+            if value is None:
+                s.pop(field, None)
+            else:
+                s[field] = value
+        return body
+    return hook
+
+
+def _rename(name: str):
+    def hook(body):
+        body["siblings"].append({"rfilename": name, "size": 2, "blobId": "0" * 40})
+        return body
+    return hook
+
+
+def _no_checksum(body):
+    s = next(s for s in body["siblings"] if s["rfilename"] == SHARD)
+    s.pop("lfs", None)
+    s.pop("blobId", None)
+    return body
+
+
+EVIL = [
+    ("commit sha '../../../../tmp/x'", _lie("sha", "../../../../tmp/x"), r"not a 40-hex git sha"),
+    ("commit sha of 40 non-hex chars", _lie("sha", "z" * 40), r"not a 40-hex git sha"),
+    ("file name '../escape.json'", _rename("../escape.json"), r"unsafe file name"),
+    ("file name with a NUL byte", _rename("a\x00b.json"), r"unsafe file name"),
+    ("file name of 300 bytes", _rename("x" * 300 + ".json"), r"unsafe file name"),
+    ("absolute file name", _rename("/etc/passwd"), r"unsafe file name"),
+    ("file without sha256 or blob id", _no_checksum, r"no checksum .*--allow-unverified"),
+    ("malformed LFS sha256", lambda b: _lie("lfs", {"sha256": "zz", "size": 1, "pointerSize": 1})(b), r"malformed sha256"),
+]
+
+
+@pytest.mark.parametrize("case,hook,message", EVIL, ids=[e[0] for e in EVIL])
+def test_a_malicious_hub_cannot_steer_the_client(evil, tmp_path, case, hook, message):
+    import re
+
+    evil.listing_hook = hook
+    before = _everything(tmp_path)
+    results = []
+    for args in (["inspect", f"hf://{HUB_REPO}", "--json"],
+                 ["convert", f"hf://{HUB_REPO}", "--out", str(tmp_path / "out"), "--method", "rtn", "--no-validate", "--json"],
+                 ["pull", HUB_REPO, "--out", str(tmp_path / "pulled"), "--json"]):
+        res = runner.invoke(app, args)
+        lines = res.output.strip().splitlines()
+        results.append(res.exit_code == 1 and len(lines) == 1 and re.search(message, res.output) is not None
+                       and "Traceback" not in res.output)
+    created = _everything(tmp_path) - before
+    # nothing outside the private caches, and no snapshot folder named by the lie
+    escaped = [p for p in created if not p.startswith(("qk", "hf_home", "out"))]
+    snapshots = [p for p in created if "/snapshots/" in p]
+    ok = all(results) and not escaped and not snapshots and not (tmp_path / "out" / "prefill").exists()
+    record("malicious Hub", f"{case} (inspect, convert, pull)", 3, ok)
+    assert ok, (results, escaped, snapshots)
+
+
+def test_a_file_without_checksum_needs_allow_unverified_and_is_recorded(evil, tmp_path):
+    evil.listing_hook = _no_checksum
+    res = _convert(f"hf://{HUB_REPO}", tmp_path / "out", allow_unverified=True)
+    ok = res.report["source"]["unverified_files"] == [SHARD]
+    from quantkit.hub import pull
+
+    pulled = pull(HUB_REPO, tmp_path / "pulled", allow_unverified=True, progress=False)
+    ok = ok and pulled.unverified == [SHARD]
+    record("malicious Hub", "no checksum, --allow-unverified: accepted and listed in the report", 1, ok)
+    assert ok
+
+
+def test_a_truncated_body_is_refused(evil, tmp_path):
+    from quantkit.hub import HubError, pull
+
+    evil.truncate(SHARD, 100)
+    with pytest.raises(HubError) as e:
+        pull(HUB_REPO, tmp_path / "pulled", progress=False)
+    ok = SHARD in str(e.value) and not (tmp_path / "pulled" / SHARD).exists() and "\n" not in str(e.value)
+    evil.truncate(SHARD, 0)
+    evil.inject(SHARD, "drop", after=1000)  # the connection dies mid-body: retried, then verified
+    pulled = pull(HUB_REPO, tmp_path / "pulled2", progress=False)
+    ok = ok and (tmp_path / "pulled2" / SHARD).read_bytes() == evil.content[SHARD] and pulled.unverified == []
+    record("malicious Hub", "a short body in a complete response; a connection dropped mid-body", 2, ok, str(e.value)[:80])
+    assert ok, str(e.value)
