@@ -111,10 +111,11 @@ def _never_looks_complete(out: Path) -> None:
             assert verify(out / which).ok, verify(out / which).problems
 
 
-def _crash_then_resume(src, out, point, monkeypatch, **kw) -> None:
+def _crash_then_resume(src, out, point, monkeypatch, *, resume: bool = False, **kw) -> None:
+    """Crash at `point` (a fresh run, or with resume=True a resumed one), then resume to the end."""
     monkeypatch.setenv("QUANTKIT_FAULT", f"{point}:raise")
     with pytest.raises(faults.InjectedFault):
-        _convert(src, out, **kw)
+        _convert(src, out, resume=resume, **kw)
     monkeypatch.delenv("QUANTKIT_FAULT")
     _never_looks_complete(out)
     _convert(src, out, resume=True, **kw)
@@ -151,10 +152,21 @@ def test_crash_at_every_write_step_then_resume_is_byte_identical(src, whole, tmp
     out, log = whole
     points = _points(log)
     assert {p.split("#")[0] for p in log} <= {p.split("#")[0] for p in points}  # every kind of step is tried
+    # the finish steps start from one copy of a run whose layers are all done (the last state save)
+    last_save = [p for p in log if p.startswith("state:saved")][-1]
+    layers_done = tmp_path / "layers-done"
+    monkeypatch.setenv("QUANTKIT_FAULT", f"{last_save}:raise")
+    with pytest.raises(faults.InjectedFault):
+        _convert(src, layers_done)
+    monkeypatch.delenv("QUANTKIT_FAULT")
     bad = []
     for i, point in enumerate(points):
         o = tmp_path / str(i)
-        _crash_then_resume(src, o, point, monkeypatch)
+        if point.startswith("finish:"):
+            shutil.copytree(layers_done, o)
+            _crash_then_resume(src, o, point, monkeypatch, resume=True)
+        else:
+            _crash_then_resume(src, o, point, monkeypatch)
         if not (_same_pair(o, out) and verify(o).ok):
             bad.append(point)
         shutil.rmtree(o)
@@ -164,9 +176,29 @@ def test_crash_at_every_write_step_then_resume_is_byte_identical(src, whole, tmp
 
 
 @pytest.mark.slow
+def test_sigkill_at_finish_steps_then_resume_is_byte_identical(src, whole, tmp_path):
+    """SIGKILL (nothing unwinds) at a chain of points, each in the resumed run of the previous kill."""
+    out = tmp_path / "o"
+    chain = ["state:saved#3", "finish:rename#3", "finish:replace#1", "finish:report#1", None]
+    codes = []
+    for k, point in enumerate(chain):
+        env = {k2: v for k2, v in os.environ.items() if not k2.startswith("QUANTKIT_FAULT")}
+        if point:
+            env["QUANTKIT_FAULT"] = point  # kill
+        args = ["convert", str(src), "--out", str(out), "--method", "rtn", "--no-validate", "--json"] + (["--resume"] if k else [])
+        codes.append(subprocess.run(_cli(*args), capture_output=True, env=env).returncode)
+        if point:
+            _never_looks_complete(out)
+    ok = codes == [-signal.SIGKILL] * 4 + [0] and _same_pair(out, whole[0]) and verify(out).ok
+    record("SIGKILL at chosen steps (subprocess)", "mid-layers, then mid-rename, between the two renames, after the "
+           "report, each in the previous run's resume", len(chain) - 1, ok)
+    assert ok, codes
+
+
+@pytest.mark.slow
 def test_crash_while_calibrating_then_resume_is_byte_identical(src, tmp_path, monkeypatch):
     """GPTQ: the saved hidden states and state.json agree after a crash between their writes."""
-    kw = dict(method="gptq", calib="synthetic:train", num_samples=8, seq_len=32)
+    kw = dict(method="gptq", calib="synthetic:train", num_samples=4, seq_len=16)
     ref = _convert(src, tmp_path / "ref", **kw).out
     _crash_then_resume(src, tmp_path / "o", "state:hidden#3", monkeypatch, **kw)
     same = _same_pair(tmp_path / "o", ref)
@@ -194,7 +226,7 @@ def _phase(out: Path) -> str:
 
 @pytest.mark.slow
 def test_sigkill_at_random_times_then_resume_is_byte_identical(tiny_glm, tmp_path):
-    kills = int(os.environ.get("QUANTKIT_KILLS", 4))
+    kills = int(os.environ.get("QUANTKIT_KILLS", 3))
     seed = int(os.environ.get("QUANTKIT_KILL_SEED", 12))
     rng = random.Random(seed)
     cmd = ["convert", "tiny:glm-5.2", "--method", "rtn", "--no-validate", "--json"]
