@@ -379,21 +379,30 @@ def _owned_output(fn):
             if not _disk_full(e):
                 raise
             free = shutil.disk_usage(out).free
-            raise OutputError(f"{out}: disk full while writing ({_size(free)} free there); free space (the pair needs "
-                              f"about the size `quantkit plan` shows), then rerun with --resume to continue") from None
+            need = _NEEDS.get(str(out))
+            needed = f", and this run needed about {_size(need)} when it started" if need else ""
+            raise OutputError(f"{out}: disk full while writing ({_size(free)} free there{needed}); free space, then "
+                              "rerun with --resume to continue") from None
         finally:
             lock.release()
 
     return wrapper
 
 
+_NEEDS: dict[str, int] = {}  # out -> bytes the disk precheck predicted (for the disk-full message)
+
+
 def _disk_full(e: BaseException) -> bool:
     """ENOSPC, from Python's I/O or from safetensors' writer (which reports it in its message)."""
     if isinstance(e, OSError):
         return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    import re
+
     from safetensors import SafetensorError
 
-    return isinstance(e, SafetensorError) and ("code: 28" in str(e) or "StorageFull" in str(e))
+    # e.g. "Error while serializing: I/O error: No space left on device (os error 28)"
+    codes = {str(errno.ENOSPC), str(errno.EDQUOT)}
+    return isinstance(e, SafetensorError) and any(m in codes for m in re.findall(r"(?:os error|code:) ?(\d+)", str(e)))
 
 
 def _size(n: float) -> str:
@@ -705,6 +714,7 @@ def _check_disk(ckpt, decisions, out: Path, G: int, free: int | None = None) -> 
     """Refuse a run that cannot fit: the predicted pair, less what an interrupted run already wrote."""
     written = sum(p.stat().st_size for w in ("prefill", "decode") for p in (out / f"{w}.partial").glob("part-*"))
     need = sum(_predicted_bytes(ckpt, decisions, G)) - written
+    _NEEDS[str(out)] = need
     free = shutil.disk_usage(out).free if free is None else free
     if need > free:
         raise OutputError(f"{out}: the pair needs about {_size(need)} more, only {_size(free)} free there; "
