@@ -144,8 +144,8 @@ def convert(
                              validate=not no_validate, progress=not json_out, trust_remote_code=trust_remote_code,
                              delete_source_after=delete_source_after, allow_unverified=allow_unverified)
     except KeyboardInterrupt:
-        console.print(f"[red]interrupted.[/red] Nothing under {out} looks complete that is not; run the same command "
-                      "with --resume to continue from the last completed layer.", highlight=False, soft_wrap=True)
+        console.print(f"[red]interrupted:[/red] {out} is not complete; run the same command with --resume to continue "
+                      "from the last completed layer", highlight=False, soft_wrap=True)
         raise typer.Exit(130) from None
     if json_out:
         emit_json(result.to_json() | ({"validation": result.validation.to_json()} if result.validation else {}))
