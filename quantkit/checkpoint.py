@@ -421,6 +421,10 @@ def expected_shape(info: TensorInfo, a: ModelArch) -> tuple[int, ...] | None:
         return {"q_a_layernorm": (a.q_lora_rank,), "kv_a_layernorm": (k,)}.get(info.name.rsplit(".", 2)[-2], (h,))
     if info.klass == TensorClass.MTP and info.name.endswith(("enorm.weight", "hnorm.weight", "shared_head.norm.weight")):
         return (h,)
+    if info.klass == TensorClass.MTP and info.proj == "eh_proj":
+        return (h, 2 * h)  # [embedding; hidden] -> hidden
+    if info.klass == TensorClass.INDEXER and info.proj is None:  # k_norm weight and bias
+        return (a.index_head_dim,)
     if info.klass in (TensorClass.ROUTED_EXPERT, TensorClass.SHARED_EXPERT, TensorClass.DENSE_MLP):
         inter = {
             TensorClass.ROUTED_EXPERT: a.moe_intermediate_size,

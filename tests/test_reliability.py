@@ -333,6 +333,8 @@ BAD = [
      r"model\.norm\.weight: contains NaN or Inf", ["convert"]),
     ("norm length contradicts hidden_size", lambda f: _edit_tensor(f, "model.layers.0.post_attention_layernorm.weight", lambda t: torch.cat([t, t[:1]])),
      r"post_attention_layernorm\.weight: shape \(\d+,\) contradicts config\.json \(expected \(\d+,\)\)", ["inspect", "convert", "validate"]),
+    ("indexer k_norm length contradicts index_head_dim", lambda f: _edit_tensor(f, "model.layers.0.self_attn.indexer.k_norm.weight", lambda t: t[:-1].clone()),
+     r"k_norm\.weight: shape \(\d+,\) contradicts config\.json", ["inspect", "convert"]),
     ("tensor dropped from the index", _drop_from_index, r"does not list .*re-download model\.safetensors\.index\.json", ["inspect", "convert", "validate"]),
     ("tensor missing from index and shard", _drop_everywhere, r"input_layernorm\.weight: required tensor is missing", ["inspect", "convert", "validate"]),
     ("index names a tensor the shard lacks", lambda f: _edit_json(f, "model.safetensors.index.json", lambda d: d["weight_map"].update({"model.layers.0.mlp.gate.extra": SHARD})),
