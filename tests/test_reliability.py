@@ -627,6 +627,9 @@ def test_verify_checks_the_pair_shares_its_bytes(whole, tmp_path):
     ok = not res.ok and any("differs from its twin" in p and name in p for p in res.problems)
     record("verify", "one side of a shared tensor changed, its manifest rewritten to match", 1, ok)
     assert ok, res.problems
+    import quantkit as qk
+
+    assert qk.verify(whole[0]).ok  # the library API
     good = runner.invoke(app, ["verify", str(whole[0]), "--json"])
     assert good.exit_code == 0 and json.loads(good.output)["ok"]
     assert json.loads(good.output)["shared_checked"] > 0
