@@ -14,6 +14,8 @@ import json
 
 from pathlib import Path
 
+from quantkit.integrity import atomic_write_text
+
 ROLE = {
     "prefill": ("FP8 prefill checkpoint", "the compute-bound prefill pool",
                 "FP8 128x128 block weights in DeepSeek's native layout (`weight_scale_inv`)"),
@@ -38,7 +40,7 @@ def write_cards(out: str | Path, report: dict, validation: dict) -> dict[str, Pa
         license = _license_fields(path.read_text(encoding="utf-8", errors="replace")) if path.is_file() else {}
         config = out / report["outputs"]["decode"]["path"] / "config.json"
         decode_config = json.loads(config.read_text()) if config.is_file() else None
-        path.write_text(render_card(which, report, validation, license=license, decode_config=decode_config))
+        atomic_write_text(path, render_card(which, report, validation, license=license, decode_config=decode_config))
         paths[which] = path
     return paths
 
@@ -92,6 +94,8 @@ def render_card(which: str, report: dict, validation: dict, *, license: dict[str
         f"| revision | {f'`{revision}`' if revision else 'not recorded (a local folder); see the file hashes below'} |",
         f"| model_type | `{src.get('model_type', '?')}` |",
         f"| config.json sha256 | `{(src.get('files') or {}).get('config.json', '?')}` |",
+        f"| this folder's manifest.json sha256 | `{report['outputs'][which].get('manifest_sha256') or 'not recorded'}` "
+        "(`quantkit verify` checks every file and tensor against it) |",
         f"| converted with | quantkit {report.get('quantkit_version', '?')}, {report.get('seconds', 0):.0f} s, "
         f"peak RSS {report.get('peak_rss_bytes', 0) / 2**30:.2f} GiB |",
         "",
