@@ -11,7 +11,6 @@ checkpoint's shared experts are BF16), following docs/serving.md.
 from __future__ import annotations
 
 import json
-
 from pathlib import Path
 
 from quantkit.integrity import atomic_write_text
