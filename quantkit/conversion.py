@@ -40,6 +40,7 @@ from quantkit.checkpoint import Checkpoint, CheckpointWriter, file_sha256
 from quantkit.errors import OutputError
 from quantkit.formats import fp8, int4
 from quantkit.gptq import HessianError, QuantizedWeight, gptq, hessian_from_inputs, quantize_rtn
+from quantkit.kvcache import KVAbsmax, kv_cache_report, kv_cache_scheme, write_kv_scales
 from quantkit.precision import (
     BF16, FP8, INT4, PASS, REUSE_INT4, Decision, decide, decode_quantization_config, precision_summary,
     prefill_quantization_config, set_quantization_config,
@@ -397,6 +398,9 @@ def convert(
     needs_calibration = rec.method != "rtn" and any(
         d.decode == INT4 and not ckpt.tensors[n].info.mtp for n, d in decisions.items()
     )
+    # the FP8 KV cache's scales are measured on the calibration tokens too (quantkit.kvcache), so a
+    # source whose experts are all reused (Kimi's INT4) still gets its calibration pass
+    needs_calibration = needs_calibration or bool(rec.calibration.dataset)
 
     state_dir = out / STATE_DIR
     for final in (out / "prefill", out / "decode"):
@@ -440,7 +444,7 @@ def convert(
     topks: list = []
     if tokens is not None:
         ids = tokens.ids
-        ctx = Context.build(arch, ids.shape[1], dev, dtype)
+        ctx = Context.build(arch, ids.shape[1], dev, dtype, kv=KVAbsmax())  # measures what the KV cache holds
         topks = [None] * -(-ids.shape[0] // MICRO_BATCH)
 
     with bar:
@@ -471,15 +475,18 @@ def convert(
             w: dict[str, torch.Tensor] = {}
 
             # shared tensors first: their stored form is also what we compute with
+            calibrate = h is not None and not mtp
             for name in ckpt.names(layer):
-                if ckpt.tensors[name].info.klass == TensorClass.ROUTED_EXPERT:
-                    continue
+                klass = ckpt.tensors[name].info.klass
+                if klass == TensorClass.ROUTED_EXPERT or (klass == TensorClass.KV_SCALE and calibrate):
+                    continue  # experts below; a source's KV scales give way to the ones measured here
                 parts = pair.write_shared(name, decisions[name])
                 w[name[len(pre):]] = compute_weight(parts, ckpt.tensors[name], dtype).to(dev)
 
-            calibrate = h is not None and not mtp
+            kv_stats = None
             if calibrate:
                 x = _attention_half(h, w, ctx, layer, topks)  # h now holds h + attention
+                kv_stats = write_kv_scales(pair, pre, ctx.kv, layer)
             records: list[ExpertRecord] = []
             if arch.is_moe(layer):
                 tok = routed_tokens(x, w, arch) if calibrate else {e: torch.empty(0, dtype=torch.long) for e in range(arch.n_routed_experts)}
@@ -503,7 +510,8 @@ def convert(
 
             state.experts += [vars(r) for r in records]
             state.layers.append({"layer": layer, "kind": "mtp" if mtp else ("moe" if arch.is_moe(layer) else "dense"),
-                                 "seconds": round(time.time() - t0, 3), "calibrated": calibrate and arch.is_moe(layer)})
+                                 "seconds": round(time.time() - t0, 3), "calibrated": calibrate and arch.is_moe(layer),
+                                 **({"kv_cache": kv_stats} if kv_stats else {})})
             state.next_layer = layer + 1
             state.prefill_parts, state.decode_parts = wp.num_parts, wd.num_parts
             state.differ = pair.differ
@@ -517,12 +525,16 @@ def convert(
     # 3. configs, carried files, rename into place
     block = rec.prefill.fp8_block
     prefill_cfg = set_quantization_config(arch.raw, arch, prefill_quantization_config(ckpt, decisions, block))
-    decode_cfg = set_quantization_config(arch.raw, arch, decode_quantization_config(ckpt, decisions, G, block))
+    decode_qc = decode_quantization_config(ckpt, decisions, G, block)
+    if any("kv_cache" in lay for lay in state.layers):
+        decode_qc["kv_cache_scheme"] = kv_cache_scheme()  # prefill's `fp8` config reads the same tensors unasked
+    decode_cfg = set_quantization_config(arch.raw, arch, decode_qc)
     carried = ckpt.other_files()
     wp.finish(prefill_cfg, files=carried)
     wd.finish(decode_cfg, files=carried)
 
     report = _report(model, src_path, source_files, rec, tokens, state, ckpt, decisions, out, t_start, G, block)
+    report["kv_cache"] = kv_cache_report(state.layers)
     (out / "convert-report.json").write_text(json.dumps(report, indent=2) + "\n")
     shutil.rmtree(state_dir, ignore_errors=True)
     result = ConvertResult(out, out / "prefill", out / "decode", report)
