@@ -526,8 +526,9 @@ def convert(
     block = rec.prefill.fp8_block
     prefill_cfg = set_quantization_config(arch.raw, arch, prefill_quantization_config(ckpt, decisions, block))
     decode_qc = decode_quantization_config(ckpt, decisions, G, block)
-    if any("kv_cache" in lay for lay in state.layers):
-        decode_qc["kv_cache_scheme"] = kv_cache_scheme()  # prefill's `fp8` config reads the same tensors unasked
+    if any("kv_cache" in lay for lay in state.layers) and not arch.has_dsa:
+        # prefill's `fp8` config reads the same tensors unasked; DSA models get none (quantkit.kvcache)
+        decode_qc["kv_cache_scheme"] = kv_cache_scheme()
     decode_cfg = set_quantization_config(arch.raw, arch, decode_qc)
     carried = ckpt.other_files()
     wp.finish(prefill_cfg, files=carried)

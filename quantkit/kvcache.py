@@ -172,7 +172,12 @@ def kv_cache_scheme() -> dict:
     """compressed-tensors' `kv_cache_scheme` for a static per-tensor FP8 KV cache (what llm-compressor
     writes). vLLM's CompressedTensorsConfig then gives every attention layer a KV-cache method that
     loads `self_attn.k_scale`/`v_scale`; prefill's `quant_method: fp8` config does the same through
-    Fp8KVCacheMethod, so prefill needs no config entry for the same tensors."""
+    Fp8KVCacheMethod, so prefill needs no config entry for the same tensors.
+
+    Not written for DSA models (GLM-5.2): vLLM's fp8_ds_mla and SGLang's NSA cache ignore the scale,
+    and transformers' compressed-tensors integration swaps in a QuantizedKVCache that has no
+    `update_indexer`, so the decode checkpoint would no longer load there. Their scale tensors are
+    still written (identical in both outputs) for a dense-MLA backend and for the record."""
     return {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True,
             "group_size": None, "block_structure": None, "observer": "minmax", "actorder": None}
 
@@ -202,3 +207,91 @@ def kv_cache_report(layers: list[dict]) -> dict:
         },
         "scale_covers": "max |kv_c|, |k_pe| and |absorbed decode query| / 448 (vLLM's q_scale defaults to k_scale)",
     }
+
+
+# ---- what validate reports ---------------------------------------------------------------------------
+SCALE_1 = "_scale1"  # the variant key of the uncalibrated comparison (every layer at 1.0)
+
+
+def has_kv_scales(ckpt) -> bool:
+    from quantkit.tensors import TensorClass
+
+    return any(st.info.klass == TensorClass.KV_SCALE for st in ckpt.tensors.values())
+
+
+def checkpoint_scales(ckpt) -> dict[str, float]:
+    """layer -> k_scale as stored in a checkpoint (empty when it has none)."""
+    from quantkit.tensors import TensorClass
+
+    return {str(st.info.layer): float(ckpt.get(n, torch.float32).reshape(-1)[0]) for n, st in ckpt.tensors.items()
+            if st.info.klass == TensorClass.KV_SCALE and n.endswith("k_scale")}
+
+
+def _window_mean_se(steps: list[torch.Tensor]) -> tuple[float, float | None]:
+    """Mean and standard error of per-position values (steps of (B,)), windows as the independent
+    units: positions of one window are correlated, so the SE is over per-window means."""
+    per_window = torch.stack(steps).double().mean(0)  # (B,)
+    B = per_window.numel()
+    se = float(per_window.std(unbiased=True) / math.sqrt(B)) if B > 1 else None
+    return float(per_window.mean()), se
+
+
+def kv_rows(variants: dict[str, KVCache], decode_steps: dict, kl_each: dict, cont: dict, calibrated: bool) -> dict:
+    """validate's KV rows: decode and cross-phase with the cache stored as the engines store it, against
+    the reference (BF16 cache) and, as `kv_delta`, against the same path with a BF16 cache."""
+    from quantkit.validation import _agreement
+
+    spec = variants[""]
+    rows = {}
+    for row, base in (("decode_kv", "int4_only"), ("cross_phase_kv", "cross_phase")):
+        m = decode_steps[row]
+        delta, delta_se = _window_mean_se([a - b for a, b in zip(kl_each[row], kl_each[base])])
+        agree, exact = _agreement(cont[row], cont["reference"])
+        scales = ("calibrated (the checkpoint's self_attn.k_scale)" if calibrated else "1.0 (the checkpoint has none)") \
+            if spec.dtype == "fp8_e4m3" else "dynamic per-token tiles (fp8_ds_mla)"
+        r = {
+            "metrics": {"kl": m["kl"], "top1": m["top1"], "layer_rel_err": m["layer_rel_err"], "greedy_agree": agree,
+                        "greedy_exact": exact, "kv_delta": delta},
+            "layers": m["layers"],
+            "measured_on": f"the {ROW_BASE[row]} row's decode steps with the KV cache stored as {spec.dtype}",
+            "kv": {"dtype": spec.dtype, "scales": scales, "kv_delta_se": delta_se, "weights_only_kl": decode_steps[base]["kl"]},
+        }
+        if SCALE_1 in variants:
+            one = decode_steps[row + SCALE_1]
+            diff, diff_se = _window_mean_se([a - b for a, b in zip(kl_each[row], kl_each[row + SCALE_1])])
+            one_delta, _ = _window_mean_se([a - b for a, b in zip(kl_each[row + SCALE_1], kl_each[base])])
+            r["scale_1"] = {"kl": one["kl"], "top1": one["top1"], "kv_delta": one_delta,
+                            "greedy_agree": _agreement(cont[row + SCALE_1], cont["reference"])[0],
+                            "kl_calibrated_minus_scale_1": diff, "kl_calibrated_minus_scale_1_se": diff_se}
+        rows[row] = r
+    return rows
+
+
+ROW_BASE = {"decode_kv": "INT4-only", "cross_phase_kv": "cross-phase"}
+
+
+def kv_markdown(d: dict) -> list[str]:
+    """validation.md's KV section: dtype, scales, the delta over BF16, scale 1.0 vs calibrated."""
+    kv = d.get("kv_cache") or {}
+    if kv.get("dtype", "bf16") == "bf16":
+        return ["", "KV cache: BF16 (as computed; `--kv-cache-dtype fp8_e4m3` simulates the engines' FP8 cache)."]
+    lines = ["", f"## FP8 KV cache ({kv['dtype']})", "", kv.get("note", ""), ""]
+    if kv.get("scales"):
+        lines.append("Per-layer k_scale (= v_scale): " + ", ".join(f"{i}: {s:.4g}" for i, s in kv["scales"].items()) + ".")
+        lines.append("")
+    lines += ["| path | KL vs source | KV delta (KL added by the cache) | ± SE | top-1 | greedy agree | at scale 1.0: KL | KV delta | calibrated - 1.0 | ± SE |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in ("decode_kv", "cross_phase_kv"):
+        r = d["rows"].get(row)
+        if not r:
+            continue
+        m, one = r["metrics"], r.get("scale_1") or {}
+        lines.append(f"| {row.replace('_', ' ')} | {_g(m['kl'])} | {_g(m['kv_delta'], '+.3g')} | {_g(r['kv']['kv_delta_se'])} "
+                     f"| {_g(m['top1'], '.4f')} | {_g(m['greedy_agree'], '.3f')} | {_g(one.get('kl'))} "
+                     f"| {_g(one.get('kv_delta'), '+.3g')} | {_g(one.get('kl_calibrated_minus_scale_1'), '+.3g')} "
+                     f"| {_g(one.get('kl_calibrated_minus_scale_1_se'))} |")
+    return lines
+
+
+def _g(v, fmt: str = ".3g") -> str:
+    return "—" if v is None else format(v, fmt)
