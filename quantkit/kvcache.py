@@ -295,3 +295,32 @@ def kv_markdown(d: dict) -> list[str]:
 
 def _g(v, fmt: str = ".3g") -> str:
     return "—" if v is None else format(v, fmt)
+
+
+# ---- what plan shows ---------------------------------------------------------------------------------
+def capacity_beside_delta(plan, validation: dict) -> list[str]:
+    """`quantkit plan --validation FILE`: FP8 KV capacity next to the KV delta validate measured,
+    e.g. "FP8 KV: 1.58M tokens (2.0x), measured KL +0.0004 (decode + FP8 KV cache, ...)"."""
+    kinds = [k for k in ("decode", "source", "int4-bf16") if k in plan.checkpoints and plan.checkpoints[k].fits]
+    if not kinds:
+        return ["FP8 KV: no checkpoint kind fits this setup"]
+    ck = plan.checkpoints[kinds[0]]
+    fp8, bf16 = ck.kv["fp8"].tokens, ck.kv["bf16"].tokens
+    ratio = f" ({fp8 / bf16:.1f}x)" if bf16 else ""
+    kv = validation.get("kv_cache") or {}
+    rows = {r: validation.get("rows", {}).get(r) for r in ("decode_kv", "cross_phase_kv")}
+    measured = [(r, v) for r, v in rows.items() if v and v["metrics"].get("kv_delta") is not None]
+    if kv.get("dtype", "bf16") == "bf16" or not measured:
+        return [f"FP8 KV: {_short_tokens(fp8)} tokens{ratio} on {kinds[0]}; not measured: "
+                "run `quantkit validate DIR --kv-cache-dtype fp8_e4m3` and pass its validation.json"]
+    out = []
+    for r, v in measured:
+        se = v["kv"].get("kv_delta_se")
+        out.append(f"FP8 KV: {_short_tokens(fp8)} tokens{ratio} on {kinds[0]}, measured KL {v['metrics']['kv_delta']:+.2g}"
+                   f"{f' (SE {se:.1g})' if se else ''} on {r.replace('_', ' ')} ({kv['dtype']}, "
+                   f"{'calibrated scales' if kv.get('calibrated') else 'scale 1.0'}; {validation.get('dir', 'validation.json')})")
+    return out
+
+
+def _short_tokens(n: int) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
