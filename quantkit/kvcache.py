@@ -324,3 +324,39 @@ def capacity_beside_delta(plan, validation: dict) -> list[str]:
 
 def _short_tokens(n: int) -> str:
     return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
+
+
+# ---- what the model card says ------------------------------------------------------------------------
+def card_section(report: dict, validation: dict) -> list[str]:
+    """The model card's FP8 KV cache section: dtype assumed, scales, measured delta, who reads them."""
+    kv = report.get("kv_cache") or {}
+    layers = kv.get("layers") or {}
+    dsa = report.get("source", {}).get("model_type") == "glm_moe_dsa"
+    out = ["## FP8 KV cache", ""]
+    if layers:
+        scales = ", ".join(f"{i}: {v['k_scale']:.4g}" for i, v in layers.items())
+        out.append(f"Both folders carry identical per-layer `self_attn.k_scale` = `v_scale` ({scales}): the largest "
+                   "|latent|, |rope key| and |absorbed decode query| over the calibration tokens, over 448"
+                   + ("." if dsa else "; decode's config declares them as compressed-tensors `kv_cache_scheme`."))
+    else:
+        out.append("No KV scales (no calibration pass): engines run the FP8 latent cache at scale 1.0.")
+    out.append("vLLM's dense-MLA cache reads `k_scale` for the latent and the rope key; SGLang's MLA pool ignores it "
+               "(a plain cast at scale 1.0)."
+               + (" For this DSA model vLLM stores `fp8_ds_mla` (dynamic per-token tile scales, rope key in BF16) "
+                  "and ignores `k_scale`; its indexer key cache is FP8 with per-token power-of-two scales whatever "
+                  "the KV dtype." if dsa else ""))
+    vkv = validation.get("kv_cache") or {}
+    rows = {r: validation.get("rows", {}).get(r) for r in ("decode_kv", "cross_phase_kv")}
+    if vkv.get("dtype", "bf16") == "bf16" or not any(rows.values()):
+        out += ["", "Not measured here: the numbers above are with a BF16 cache. "
+                    "`quantkit validate DIR --kv-cache-dtype fp8_e4m3` adds the FP8 KV rows."]
+        return out
+    out += ["", f"Measured with `--kv-cache-dtype {vkv['dtype']}` (KL added by the cache over the same path with a BF16 "
+                "cache, ± standard error over eval windows):", ""]
+    for r, v in rows.items():
+        if not v:
+            continue
+        one = v.get("scale_1")
+        out.append(f"- {ROW_BASE[r]} path: KL {v['metrics']['kv_delta']:+.2g} ± {_g(v['kv']['kv_delta_se'], '.1g')} "
+                   f"({v['kv']['scales']})" + (f"; at scale 1.0: {one['kv_delta']:+.2g}" if one else ""))
+    return out
