@@ -10,12 +10,14 @@ is already there), then runs validate's lockstep measurement with the KV cache s
                           headroom convert adds (what a cache-only observer would write)
     fp8_ds_mla            vLLM's layout for DSA models (dynamic per-token tiles, rope key BF16)
     GLM only: fp8_e4m3 calibrated on the latent cache alone, and on the index-key cache alone
+    --sweep: fp8_e4m3 with one fixed scale for every layer (1.0, 0.5, 0.1, 0.03, 0.01), tiny Kimi
 
 Each row: the KL the cache adds over the same decode steps with a BF16 cache (`kv_delta`), ± the
 standard error over eval windows, for the INT4-only and the cross-phase path.
 
     python scripts/kv_cache_study.py                 # 32 held-out windows x 64 tokens, 8 greedy tokens
     python scripts/kv_cache_study.py --samples 8 --json
+    python scripts/kv_cache_study.py --sweep --samples 32
 
 A study that prints a table, not a test: it asserts nothing.
 """
@@ -50,6 +52,16 @@ class CacheOnly(KVCache):
         return per_tensor(latent, s), per_tensor(k_rot, s)
 
 
+@dataclass
+class Fixed(KVCache):
+    """One scale for every layer."""
+
+    value: float = 1.0
+
+    def scale(self, w):
+        return self.value
+
+
 class LatentOnly(KVCache):
     def index(self, k):
         return k
@@ -60,13 +72,30 @@ class IndexOnly(KVCache):
         return latent, k_rot
 
 
-def study(folder: Path, samples: int, gen_tokens: int) -> list[dict]:
+def _setup(folder: Path, samples: int):
     t = _target(folder, None)
     ckpts = {"reference": open_checkpoint(t.reference_source)} | {r: Checkpoint(p) for r, p in t.models.items()}
     report = json.loads((folder / "convert-report.json").read_text())
+    tokens = load_tokens(report["recipe"]["validate"]["dataset"], tokenizer=t.reference_path, num_samples=samples, seq_len=64)
+    return ckpts, report, tokens
+
+
+def sweep(folder: Path, samples: int, gen_tokens: int) -> list[dict]:
+    ckpts, _, tokens = _setup(folder, samples)
+    out = []
+    for value in (1.0, 0.5, 0.1, 0.03, 0.01):
+        with LayerProgress(False, 1, "study") as bar, torch.no_grad():
+            m = _measure(ckpts, tokens.ids, gen_tokens, True, torch.device("cpu"), torch.float32, bar,
+                         {"": Fixed("fp8_e4m3", value=value)}, False)
+        r = m["rows"]["decode_kv"]
+        out.append({"scale": value, "kv_delta": r["metrics"]["kv_delta"], "kv_delta_se": r["kv"]["kv_delta_se"]})
+    return out
+
+
+def study(folder: Path, samples: int, gen_tokens: int) -> list[dict]:
+    ckpts, report, tokens = _setup(folder, samples)
     layers = report["kv_cache"]["layers"]
     cache_only = {int(i): max(v["latent_absmax"], v["k_rot_absmax"]) / E4M3_MAX for i, v in layers.items()}
-    tokens = load_tokens(report["recipe"]["validate"]["dataset"], tokenizer=t.reference_path, num_samples=samples, seq_len=64)
     variants = [("fp8_e4m3 calibrated", {"": KVCache("fp8_e4m3"), SCALE_1: KVCache("fp8_e4m3", "one")}),
                 ("fp8_e4m3 cache-only absmax", {"": CacheOnly("fp8_e4m3", per_layer=cache_only)}),
                 ("fp8_ds_mla", {"": KVCache("fp8_ds_mla")})]
@@ -99,15 +128,21 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="where the pairs are (converted when missing)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="fixed scales on tiny Kimi instead of the main table")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     root = a.out or Path(tempfile.mkdtemp(prefix="kv-study-"))
     results = {}
-    for name in ("kimi-k2.6", "glm-5.2"):
+    for name in ("kimi-k2.6",) if a.sweep else ("kimi-k2.6", "glm-5.2"):
         folder = root / name
         if not (folder / "convert-report.json").is_file():
             convert(f"tiny:{name}", folder, validate=False, progress=False)
-        results[name] = study(folder, a.samples, a.gen_tokens)
+        results[name] = (sweep if a.sweep else study)(folder, a.samples, a.gen_tokens)
+    if a.sweep and not a.json:
+        print(f"tiny kimi-k2.6, fp8_e4m3 with one scale for every layer, INT4-only decode steps, {a.samples} windows")
+        for r in results["kimi-k2.6"]:
+            print(f"  scale {r['scale']:<5g} KL added {r['kv_delta']:+.3g} ± {r['kv_delta_se']:.1g}")
+        return
     if a.json:
         print(json.dumps(results, indent=2))
         return
