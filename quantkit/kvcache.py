@@ -132,6 +132,9 @@ class KVCache:
     def index(self, k: torch.Tensor) -> torch.Tensor:
         return indexer_keys(k) if self.dtype != "bf16" else k
 
+    def observe_query(self, layer: int, w, q_nope: torch.Tensor, q_rot: torch.Tensor, nh: int, dn: int) -> None:
+        """Calibration's hook (KVAbsmax); storing a cache looks at no query."""
+
 
 @dataclass
 class KVAbsmax(KVCache):

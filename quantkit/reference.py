@@ -207,8 +207,8 @@ def mla_attention(x: torch.Tensor, w: W, ctx: Context, layer: int) -> torch.Tens
         # the engines: a decode step reads its own key back from the cache; a prefill chunk attends
         # to its fresh keys and to the earlier ones as stored
         latent, k_rot = (cache.latent, cache.k_rot) if T == 1 else (_append(old_latent, latent), _append(old_k, k_rot))
-    if hasattr(ctx.kv, "observe_query"):
-        ctx.kv.observe_query(layer, w, q_nope, q_rot, nh, dn)
+    if ctx.kv is not None:
+        ctx.kv.observe_query(layer, w, q_nope, q_rot, nh, dn)  # calibration only (the scale must cover the query)
     S = latent.shape[1]
 
     kv = linear(latent, w["self_attn.kv_b_proj.weight"]).view(B, S, nh, dn + dv).transpose(1, 2)  # (B, nh, S, dn+dv)
