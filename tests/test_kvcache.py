@@ -208,3 +208,30 @@ def test_unknown_kv_dtype_is_one_line_error(pairs):
 
     with pytest.raises(ConfigError, match="fp8_e4m3"):
         validate(pairs["kimi-k2.6"], device="cpu", progress=False, write=False, kv_cache_dtype="fp8")
+
+
+def test_cli_writes_kv_rows_to_card_and_md_and_plan_reads_them(pairs, tmp_path):
+    """`quantkit validate --kv-cache-dtype fp8_e4m3` -> validation.json/md and the cards carry the KV
+    dtype, the scales and the delta; `quantkit plan --validation` prints capacity beside it."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from quantkit.cli import app
+
+    folder = tmp_path / "kimi"
+    shutil.copytree(pairs["kimi-k2.6"], folder)
+    runner = CliRunner()
+    res = runner.invoke(app, ["validate", str(folder), "--device", "cpu", "--num-samples", "2", "--gen-tokens", "3",
+                              "--kv-cache-dtype", "fp8_e4m3"])
+    assert res.exit_code == 0, res.output
+    data = json.loads((folder / "validation.json").read_text())
+    assert data["kv_cache"]["dtype"] == "fp8_e4m3" and data["kv_cache"]["calibrated"]
+    assert "## FP8 KV cache (fp8_e4m3)" in (folder / "validation.md").read_text()
+    card = (folder / "decode" / "README.md").read_text()
+    assert "## FP8 KV cache" in card and "`self_attn.k_scale`" in card and "Measured with `--kv-cache-dtype fp8_e4m3`" in card
+    assert "decoding over an FP8 KV cache" in card
+    plan = runner.invoke(app, ["plan", "kimi-k2.6", "--validation", str(folder / "validation.json")])
+    assert plan.exit_code == 0 and "FP8 KV: 1." in plan.output and "measured KL" in plan.output, plan.output
+    bad = runner.invoke(app, ["plan", "kimi-k2.6", "--validation", str(tmp_path / "missing.json")])
+    assert bad.exit_code == 1 and "validation.json" in bad.output
