@@ -39,7 +39,10 @@ from quantkit import __version__
 from quantkit.checkpoint import Checkpoint, CheckpointWriter, file_sha256
 from quantkit.errors import OutputError
 from quantkit.formats import fp8, int4
-from quantkit.gptq import HessianError, QuantizedWeight, gptq, hessian_from_inputs, quantize_rtn
+from quantkit.experts import (
+    HOLDOUT, PROJS, ExpertRecord, calibration_inputs, expert_weights, guard_against_rtn, heldout_inputs, rtn_expert, run_gptq,
+)
+from quantkit.gptq import QuantizedWeight, hessian_from_inputs
 from quantkit.kvcache import KVAbsmax, kv_cache_report, kv_cache_scheme, write_kv_scales
 from quantkit.precision import (
     BF16, FP8, INT4, PASS, REUSE_INT4, Decision, decide, decode_quantization_config, precision_summary,
@@ -50,17 +53,6 @@ from quantkit.reference import Context, mla_attention, rms_norm, route, swiglu
 from quantkit.tensors import TensorClass
 
 STATE_DIR = ".quantkit-convert"
-PROJS = ("gate_proj", "up_proj", "down_proj")
-
-
-@dataclass
-class ExpertRecord:
-    layer: int
-    expert: int
-    tokens: int
-    method: str  # gptq | rtn | reused
-    fallback: str | None = None  # why this expert did not get its own Hessian
-    loss: float | None = None
 
 
 @dataclass
@@ -110,11 +102,6 @@ def _peak_rss() -> int:
 
 
 # ---- per-layer pieces --------------------------------------------------------------------------
-def expert_weights(w: dict[str, torch.Tensor], e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    p = f"mlp.experts.{e}."
-    return w[p + "gate_proj.weight"], w[p + "up_proj.weight"], w[p + "down_proj.weight"]
-
-
 def quantize_experts(
     x: torch.Tensor,
     w: dict[str, torch.Tensor],
@@ -124,66 +111,54 @@ def quantize_experts(
     group_size: int,
     method: str,
     layer: int,
+    alternatives: dict | None = None,
 ) -> tuple[dict[int, dict[str, QuantizedWeight]], list[ExpertRecord]]:
-    """GPTQ (or RTN) for the given routed experts of one layer, batched across experts.
+    """GPTQ, AWQ or RTN for the given routed experts of one layer, batched across experts.
 
     x: (N, D) the MoE input of every calibration token; tokens[e]: indices of the tokens routed to e.
-    gate and up share the Hessian of their input; down's Hessian comes from the *quantized* gate/up
-    output on the same tokens. An expert with fewer than `gptq.min_tokens` tokens uses every
-    calibration token instead (fallback "all_tokens") or plain RTN (fallback "rtn").
+    Which tokens an expert is fitted on, and what a starved one gets, is quantkit.experts' one
+    policy (held-out tokens never enter a Hessian). GPTQ: gate and up share the Hessian of their
+    input; down's Hessian comes from the *quantized* gate/up output on the same tokens.
+    `alternatives`, when a dict, receives other candidates per expert for the held-out guard (AWQ: s = 1).
     """
-    g = recipe.gptq
-    records, quantized = [], {}
-    starved = [e for e in experts if len(tokens[e]) < g.min_tokens]
     if method == "awq":  # activation-aware smoothing + clipping per expert (quantkit.awq), same contract
         from quantkit.awq import quantize_experts_awq
 
-        return quantize_experts_awq(x, w, tokens, experts, recipe, group_size, layer)
+        return quantize_experts_awq(x, w, tokens, experts, recipe, group_size, layer, alternatives=alternatives)
     if method == "rtn":
-        for e in experts:
-            quantized[e] = {p: quantize_rtn(t, group_size) for p, t in zip(PROJS, expert_weights(w, e))}
-            records.append(ExpertRecord(layer, e, len(tokens[e]), "rtn"))
-        return quantized, records
+        return ({e: rtn_expert(w, e, group_size) for e in experts},
+                [ExpertRecord(layer, e, len(tokens[e]), "rtn") for e in experts])
 
-    inputs: dict[int, torch.Tensor] = {}
+    g = recipe.gptq
+    records, quantized, inputs, fallback = [], {}, {}, {}
     for e in experts:
-        if e in starved and g.fallback == "rtn":
-            continue
-        inputs[e] = x if e in starved else x[tokens[e]]
-    run = list(inputs)
-    for e in experts:
-        if e not in inputs:
-            quantized[e] = {p: quantize_rtn(t, group_size) for p, t in zip(PROJS, expert_weights(w, e))}
+        inputs[e], fallback[e] = calibration_inputs(x, tokens[e], g)
+        if inputs[e] is None:
+            quantized[e] = rtn_expert(w, e, group_size)
             records.append(ExpertRecord(layer, e, len(tokens[e]), "rtn", fallback="rtn"))
+    run = [e for e in experts if inputs[e] is not None]
 
     if run:  # one batched GPTQ call; the caller bounds how many experts that is (EXPERT_CHUNK)
         # gate and up: one Hessian per expert, shared by both projections
         H = torch.stack([hessian_from_inputs(inputs[e].float()) for e in run])  # (C, D, D)
         Wgu = torch.stack([torch.stack(expert_weights(w, e)[:2]) for e in run]).float()  # (C, 2, I, D)
-        qgu = _gptq(Wgu, H[:, None].expand(-1, 2, -1, -1), group_size, g, layer, run)
+        qgu = run_gptq(Wgu, H[:, None].expand(-1, 2, -1, -1), group_size, g, layer, run)
         # down: inputs are what the quantized gate/up produce on the same tokens
         gu_hat = qgu.dequantize(torch.float32)  # (C, 2, I, D)
         Z = [F.silu(inputs[e].float() @ gu_hat[i, 0].T) * (inputs[e].float() @ gu_hat[i, 1].T) for i, e in enumerate(run)]
         Hd = torch.stack([hessian_from_inputs(z) for z in Z])  # (C, I, I)
         Wd = torch.stack([expert_weights(w, e)[2] for e in run]).float()  # (C, D, I)
-        qd = _gptq(Wd, Hd, group_size, g, layer, run)
+        qd = run_gptq(Wd, Hd, group_size, g, layer, run)
         for i, e in enumerate(run):
             quantized[e] = {
                 "gate_proj": QuantizedWeight(qgu.q[i, 0], qgu.scale[i, 0]),
                 "up_proj": QuantizedWeight(qgu.q[i, 1], qgu.scale[i, 1]),
                 "down_proj": QuantizedWeight(qd.q[i], qd.scale[i]),
             }
-            loss = float(qgu.loss[i].sum() + qd.loss[i]) if qgu.loss is not None else None
-            records.append(ExpertRecord(layer, e, len(tokens[e]), "gptq", "all_tokens" if e in starved else None, loss))
+            loss = (qgu.loss[i].sum() + qd.loss[i]).item() if qgu.loss is not None else None
+            records.append(ExpertRecord(layer, e, len(tokens[e]), "gptq", fallback[e], loss))
     records.sort(key=lambda r: r.expert)
     return quantized, records
-
-
-def _gptq(W, H, group_size, g, layer, experts) -> QuantizedWeight:
-    try:
-        return gptq(W, H, group_size, block_size=g.block_size, dampening=g.dampening, actorder=g.actorder)
-    except HessianError as e:
-        raise OutputError(f"layer {layer}, experts {experts}: {e}; raise gptq.dampening in the recipe") from None
 
 
 def routed_tokens(x: torch.Tensor, w: dict[str, torch.Tensor], arch) -> dict[int, torch.Tensor]:
@@ -226,7 +201,14 @@ def convert_experts(ckpt: Checkpoint, pair: "PairWriter", decisions: dict[str, D
         quantized: dict[int, dict[str, QuantizedWeight]] = {}
         if need:
             bar.update(note=f"layer {layer}: quantizing experts {need[0]}-{need[-1]} of {len(experts)}")
-            quantized, recs = quantize_experts(x, ew, tokens, need, recipe, group_size, method, layer)
+            alternatives: dict = {}
+            quantized, recs = quantize_experts(x, ew, tokens, need, recipe, group_size, method, layer, alternatives)
+            if method != "rtn":  # never worse than RTN on held-out routed tokens (quantkit.experts)
+                for r in recs:
+                    if r.method != "rtn":
+                        quantized[r.expert] = guard_against_rtn(heldout_inputs(x, tokens[r.expert]), ew, r.expert,
+                                                                quantized[r.expert], group_size, r,
+                                                                alternatives.get(r.expert))
             records += recs
         records += [ExpertRecord(layer, e, len(tokens.get(e, ())), "reused") for e in chunk if e not in need]
         for e in chunk:
@@ -489,7 +471,7 @@ def convert(
                 kv_stats = write_kv_scales(pair, pre, ctx.kv, layer)
             records: list[ExpertRecord] = []
             if arch.is_moe(layer):
-                tok = routed_tokens(x, w, arch) if calibrate else {e: torch.empty(0, dtype=torch.long) for e in range(arch.n_routed_experts)}
+                tok = routed_tokens(x, w, arch) if calibrate else {e: torch.empty(0, dtype=torch.long, device=dev) for e in range(arch.n_routed_experts)}
                 routed, records = convert_experts(ckpt, pair, decisions, layer, x if calibrate else None, w, tok, rec,
                                                   G, rec.method if calibrate else "rtn", dtype, dev, bar)
                 if mtp:
@@ -666,7 +648,12 @@ def _report(model, src_path, source_files, rec, tokens, state: State, ckpt, deci
         "layers": state.layers,
         "experts": experts,
         "experts_summary": {"total": len(experts), **counts, "fallbacks": len(fallbacks),
-                            "starved": sum(1 for e in experts if e["fallback"] == "all_tokens" or e["fallback"] == "rtn")},
+                            "starved": sum(1 for e in experts if e["fallback"] == "all_tokens" or e["fallback"] == "rtn"),
+                            "guarded": sum(1 for e in experts if e.get("heldout")),
+                            "guard_kept_rtn": sum(1 for e in experts if e.get("guard") == "rtn"),
+                            "awq_kept_s1": sum(1 for e in experts if e.get("guard") == "awq-s1")},
+        "guard": "each calibrated expert is compared with RTN on its held-out routed tokens (every "
+                 f"{HOLDOUT}th calibration token, never fitted on); the lower output error is stored",
         "outputs": {
             "prefill": {"path": "prefill", "bytes": sizes["prefill"],
                         "precision": precision_summary(ckpt, decisions, "prefill", G, block)},

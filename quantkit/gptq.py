@@ -177,10 +177,11 @@ def gptq(
 
     # Hinv = upper Cholesky factor of (H + damp I)^-1.
     diag.add_((dampening * diag.mean(dim=-1)).unsqueeze(-1))
-    L, info = torch.linalg.cholesky_ex(H)
-    if info.any():
-        bad = info.nonzero().flatten().tolist()
-        raise HessianError(f"Hessian of batch index {bad} is not positive definite after dampening")
+    try:  # torch checks the factorization itself; no host read of our own on the happy path
+        L = torch.linalg.cholesky(H)
+    except torch.linalg.LinAlgError:
+        bad = torch.linalg.cholesky_ex(H).info.nonzero().flatten().tolist()
+        raise HessianError(f"Hessian of batch index {bad} is not positive definite after dampening") from None
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)  # [E, in, in]
     del H, L
 

@@ -95,9 +95,13 @@ def softmax_scale(arch: ModelArch) -> float:
 
 
 def rope_tables(arch: ModelArch, positions: torch.Tensor, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (T, rope_dim/2) for the given absolute positions."""
-    inv_freq, attention_factor = rope_inv_freq(arch)
-    freqs = positions.to(torch.float32)[:, None].cpu() * inv_freq[None, :]  # (T, rope/2)
+    """cos, sin of shape (T, rope_dim/2) for the given absolute positions, on `device`.
+
+    Computed on the CPU in float32 whatever the device, then moved once: a GPU's sin/cos can
+    differ from the CPU's in the last bit, and the tables would then differ between machines.
+    """
+    inv_freq, attention_factor = rope_inv_freq(arch)  # CPU
+    freqs = positions.to("cpu", torch.float32)[:, None] * inv_freq[None, :]  # (T, rope/2)
     cos, sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
     return cos.to(device, dtype), sin.to(device, dtype)
 
@@ -146,7 +150,7 @@ class Context:
 
     @classmethod
     def build(cls, arch: ModelArch, T: int, device, dtype, *, start: int = 0, caches=None, **options) -> "Context":
-        positions = torch.arange(start, start + T)
+        positions = torch.arange(start, start + T)  # CPU: the rope tables are computed there
         cos, sin = rope_tables(arch, positions, device, dtype)
         return cls(arch, positions.to(device), cos, sin, caches, **options)
 
