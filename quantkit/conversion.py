@@ -22,8 +22,11 @@ attention weights are the shared (FP8) ones both pools run.
 
 from __future__ import annotations
 
+import errno
+import functools
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -37,6 +40,7 @@ from safetensors.torch import load_file, save_file
 
 from quantkit import __version__
 from quantkit.checkpoint import Checkpoint, CheckpointWriter, file_sha256
+from quantkit import faults
 from quantkit.errors import OutputError
 from quantkit.formats import fp8, int4
 from quantkit.experts import (
@@ -46,7 +50,7 @@ from quantkit.gptq import QuantizedWeight, hessian_from_inputs
 from quantkit.kvcache import KVAbsmax, kv_cache_report, kv_cache_scheme, write_kv_scales
 from quantkit.precision import (
     BF16, FP8, INT4, PASS, REUSE_INT4, Decision, decide, decode_quantization_config, precision_summary,
-    prefill_quantization_config, set_quantization_config,
+    prefill_quantization_config, set_quantization_config, stored_as,
 )
 from quantkit.progress import LayerProgress, rich_html
 from quantkit.reference import Context, mla_attention, rms_norm, route, swiglu
@@ -246,6 +250,15 @@ class PairWriter:
     def write_shared(self, name: str, d: Decision) -> torch.Tensor | None:
         """A tensor both outputs hold identically; returns its dequantized value for compute."""
         base = name.rpartition(".")[0] + "." if name.endswith(".weight") else None
+        if d.decode != d.prefill and stored_as(d.decode, self.ckpt.tensors[name]) != stored_as(d.prefill, self.ckpt.tensors[name]):
+            # decode.rest: bf16: each output its own bytes; the decode model's are what calibration computes with
+            for suffix, t in self.stored(name, d.prefill, scale_name="weight_scale_inv").items():
+                self.prefill.add(base + suffix if base else name, t)
+            parts = self.stored(name, d.decode, scale_name="weight_scale")
+            for suffix, t in parts.items():
+                self.decode.add(base + suffix if base else name, t)
+            self.differ.append(name)
+            return parts
         parts = self.stored(name, d.prefill, scale_name="weight_scale_inv")
         for suffix, t in parts.items():
             key = base + suffix if base else name
@@ -298,18 +311,28 @@ def _save_state(folder: Path, state: State, h: torch.Tensor | None, topks: list)
     """Progress after a layer, written atomically. The hidden states (the largest thing here: tokens
     x hidden floats) go to disk as raw bytes straight from the tensor's memory, with no second copy
     in RAM; the small DSA selections as safetensors."""
+    # The files are named by the layer they precede and only state.json names them, so a crash
+    # between any two of these writes leaves state.json and its hidden states agreeing.
+    tag = state.next_layer
     if h is not None:
         h.cpu().contiguous().numpy().tofile(folder / "hidden.tmp")
-        os.replace(folder / "hidden.tmp", folder / "hidden.f32")
-        state_h = {"shape": list(h.shape), "dtype": str(h.dtype)}
+        os.replace(folder / "hidden.tmp", folder / f"hidden.{tag}.f32")
+        state_h = {"shape": list(h.shape), "dtype": str(h.dtype), "file": f"hidden.{tag}.f32"}
         topk = {f"topk.{i}": t.cpu().contiguous() for i, t in enumerate(topks) if t is not None}
         if topk:
             save_file(topk, str(folder / "topk.tmp"))
-            os.replace(folder / "topk.tmp", folder / "topk.safetensors")
+            os.replace(folder / "topk.tmp", folder / f"topk.{tag}.safetensors")
+            state_h["topk"] = f"topk.{tag}.safetensors"
+        faults.point("state:hidden")
     else:
         state_h = None
     (folder / "state.tmp").write_text(json.dumps(vars(state) | {"hidden": state_h}))
     os.replace(folder / "state.tmp", folder / "state.json")
+    keep = set((state_h or {}).get(k) for k in ("file", "topk"))
+    for old in [*folder.glob("hidden.*.f32"), *folder.glob("topk.*.safetensors")]:
+        if old.name not in keep:
+            old.unlink()
+    faults.point("state:saved")
 
 
 def _load_hidden(folder: Path, n_topks: int, dev) -> tuple[torch.Tensor, list]:
@@ -317,13 +340,68 @@ def _load_hidden(folder: Path, n_topks: int, dev) -> tuple[torch.Tensor, list]:
 
     meta = json.loads((folder / "state.json").read_text())["hidden"]
     dtype = getattr(torch, meta["dtype"].removeprefix("torch."))
-    h = torch.from_numpy(np.fromfile(folder / "hidden.f32", dtype=torch.empty(0, dtype=dtype).numpy().dtype))
+    h = torch.from_numpy(np.fromfile(folder / meta["file"], dtype=torch.empty(0, dtype=dtype).numpy().dtype))
     h = h.view(meta["shape"]).to(dev)
-    topk = load_file(str(folder / "topk.safetensors")) if (folder / "topk.safetensors").is_file() else {}
+    topk = load_file(str(folder / meta["topk"])) if meta.get("topk") else {}
     return h, [topk[f"topk.{i}"].to(dev) if f"topk.{i}" in topk else None for i in range(n_topks)]
 
 
 # ---- the conversion ----------------------------------------------------------------------------
+logger = logging.getLogger("quantkit")
+
+
+def _owned_output(fn):
+    """convert's guard: the device is resolved before any folder exists, `out` has one owner
+    (quantkit.outlock), and a full disk is a one-line error naming the folder."""
+
+    @functools.wraps(fn)
+    def wrapper(model, out, *args, device: str = "auto", **kwargs):
+        from quantkit.outlock import acquire
+        from quantkit.reference import resolve_device
+
+        resolve_device(device)
+        out = Path(out)
+        lock = acquire(out, "convert")
+        if lock.took_over:
+            logger.warning("%s: took over the lock of a run that died (pid %s on %s)", out,
+                           lock.took_over.get("pid"), lock.took_over.get("host"))
+        try:
+            return fn(model, out, *args, device=device, **kwargs)
+        except Exception as e:
+            if not _disk_full(e):
+                raise
+            free = shutil.disk_usage(out).free
+            need = _NEEDS.get(str(out))
+            needed = f", and this run needed about {_size(need)} when it started" if need else ""
+            raise OutputError(f"{out}: disk full while writing ({_size(free)} free there{needed}); free space, then "
+                              "rerun with --resume to continue") from None
+        finally:
+            lock.release()
+
+    return wrapper
+
+
+_NEEDS: dict[str, int] = {}  # out -> bytes the disk precheck predicted (for the disk-full message)
+
+
+def _disk_full(e: BaseException) -> bool:
+    """ENOSPC, from Python's I/O or from safetensors' writer (which reports it in its message)."""
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    import re
+
+    from safetensors import SafetensorError
+
+    # e.g. "Error while serializing: I/O error: No space left on device (os error 28)"
+    codes = {str(errno.ENOSPC), str(errno.EDQUOT)}
+    return isinstance(e, SafetensorError) and any(m in codes for m in re.findall(r"(?:os error|code:) ?(\d+)", str(e)))
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{int(n)} bytes"
+
+
+@_owned_output
 def convert(
     model: str | Path,
     out: str | Path,
@@ -334,12 +412,14 @@ def convert(
     num_samples: int | None = None,
     seq_len: int | None = None,
     group_size: int | None = None,
+    decode_rest: str | None = None,
     device: str = "auto",
     resume: bool = False,
     validate: bool = True,
     progress: bool = True,
     trust_remote_code: bool = False,
     delete_source_after: bool = False,
+    allow_unverified: bool = False,
     dtype: torch.dtype = torch.float32,
     max_shard_bytes: int = 5 * 2**30,
 ) -> ConvertResult:
@@ -350,10 +430,14 @@ def convert(
         out: output folder; `prefill/`, `decode/` and `convert-report.json` appear when complete.
         recipe: a recipe file or name (default: the model family's recipe); the keyword options
             below override its fields when given.
+        decode_rest: "bf16" stores everything but the routed experts BF16 in decode (Kimi's official
+            INT4 look; recipe `decode.rest`); default "prefill": the prefill checkpoint's bytes.
         resume: continue an interrupted run from its last completed layer (byte-identical result).
         validate: run `quantkit.validate` on the pair afterwards.
         delete_source_after: with an `hf://` source, delete each downloaded shard once every
             tensor in it has been consumed (local disk then holds a few shards at a time).
+        allow_unverified: with an `hf://` source, accept files the Hub lists without a checksum
+            (size only); the report lists them.
 
     Example:
         >>> res = quantkit.convert("tiny:glm-5.2", "out/glm")
@@ -366,11 +450,12 @@ def convert(
 
     t_start = time.time()
     out = Path(out)
-    ckpt = open_checkpoint(model, release_consumed=delete_source_after)
+    ckpt = open_checkpoint(model, release_consumed=delete_source_after, allow_unverified=allow_unverified)
     src_path = ckpt.folder
     arch = ckpt.arch
     rec = load_recipe(recipe) if recipe is not None else default_recipe(str(model), arch)
-    rec = recipe_overrides(rec, method=method, group_size=group_size, num_samples=num_samples, seq_len=seq_len, calib=calib)
+    rec = recipe_overrides(rec, method=method, group_size=group_size, num_samples=num_samples, seq_len=seq_len, calib=calib,
+                           decode_rest=decode_rest)
     G = rec.group_size
     dev = resolve_device(device)
 
@@ -385,9 +470,17 @@ def convert(
     needs_calibration = needs_calibration or bool(rec.calibration.dataset)
 
     state_dir = out / STATE_DIR
+    from quantkit.finish import finish_pair, journal
+
+    shutil.rmtree(out / (STATE_DIR + ".done"), ignore_errors=True)  # a finished run's state, left by a crash
+    if resume and (out / "convert-report.json").is_file() and not state_dir.exists():
+        report = json.loads((out / "convert-report.json").read_text())  # the interrupted run had finished
+        return _done(ConvertResult(out, out / "prefill", out / "decode", report), validate, device, progress)
+    finishing = resume and journal(state_dir) is not None  # the layers are done; only the finish is left
     for final in (out / "prefill", out / "decode"):
-        if final.exists():
-            raise OutputError(f"{final}: already exists; remove it or choose another --out")
+        if final.exists() and not finishing:
+            hint = " (an interrupted convert is there: add --resume to complete it)" if (state_dir / "state.json").is_file() else ""
+            raise OutputError(f"{final}: already exists{hint}; remove it or choose another --out")
     tokens = None
     if needs_calibration:
         tokens = load_tokens(rec.calibration.dataset, tokenizer=src_path, num_samples=rec.calibration.num_samples,
@@ -409,13 +502,14 @@ def convert(
         if not resume:
             shutil.rmtree(state_dir)
     state_dir.mkdir(exist_ok=True)
-    _check_disk(ckpt, decisions, out, G)
-
     digits = _shard_digits(ckpt)
-    wp = CheckpointWriter(out / "prefill", digits=digits, resume=resume, max_shard_bytes=max_shard_bytes)
-    wd = CheckpointWriter(out / "decode", digits=digits, resume=resume, max_shard_bytes=max_shard_bytes)
-    wp.truncate_parts(state.prefill_parts)
-    wd.truncate_parts(state.decode_parts)
+    wp = wd = None
+    if not finishing:
+        _check_disk(ckpt, decisions, out, G)
+        wp = CheckpointWriter(out / "prefill", digits=digits, resume=resume, max_shard_bytes=max_shard_bytes)
+        wd = CheckpointWriter(out / "decode", digits=digits, resume=resume, max_shard_bytes=max_shard_bytes)
+        wp.truncate_parts(state.prefill_parts)
+        wd.truncate_parts(state.decode_parts)
     pair = PairWriter(ckpt, wp, wd)
     pair.differ = list(state.differ)
 
@@ -479,6 +573,7 @@ def convert(
                         if r.method != "reused":
                             r.fallback = "mtp: no calibration path (RTN)"
             pair.flush()
+            faults.point("layer:written")
 
             if calibrate:
                 if arch.is_moe(layer):
@@ -504,7 +599,8 @@ def convert(
             if delay := float(os.environ.get("QUANTKIT_CONVERT_LAYER_DELAY", 0)):
                 time.sleep(delay)  # debug knob: widens the window for crash/resume tests
 
-    # 3. configs, carried files, rename into place
+    # 3. configs, carried files, rename into place: journaled in the state folder so that --resume
+    #    completes an interrupted finish from any step (quantkit.finish); the report comes last
     block = rec.prefill.fp8_block
     prefill_cfg = set_quantization_config(arch.raw, arch, prefill_quantization_config(ckpt, decisions, block))
     decode_qc = decode_quantization_config(ckpt, decisions, G, block)
@@ -513,18 +609,23 @@ def convert(
         decode_qc["kv_cache_scheme"] = kv_cache_scheme()
     decode_cfg = set_quantization_config(arch.raw, arch, decode_qc)
     carried = ckpt.other_files()
-    wp.finish(prefill_cfg, files=carried)
-    wd.finish(decode_cfg, files=carried)
+    parts = None
+    if wp is not None:
+        pair.flush()
+        parts = {"prefill": wp.parts, "decode": wd.parts}
+    report = finish_pair(
+        out, state_dir, parts, digits, {"prefill": prefill_cfg, "decode": decode_cfg}, carried, set(state.differ),
+        lambda manifests: _report(model, src_path, source_files, rec, tokens, state, ckpt, decisions, out, t_start, G,
+                                  block, manifests) | {"kv_cache": kv_cache_report(state.layers)},
+    )
+    return _done(ConvertResult(out, out / "prefill", out / "decode", report), validate, device, progress)
 
-    report = _report(model, src_path, source_files, rec, tokens, state, ckpt, decisions, out, t_start, G, block)
-    report["kv_cache"] = kv_cache_report(state.layers)
-    (out / "convert-report.json").write_text(json.dumps(report, indent=2) + "\n")
-    shutil.rmtree(state_dir, ignore_errors=True)
-    result = ConvertResult(out, out / "prefill", out / "decode", report)
+
+def _done(result: ConvertResult, validate: bool, device, progress) -> ConvertResult:
     if validate:
         from quantkit.validation import validate as run_validate
 
-        result.validation = run_validate(out, device=device, progress=progress)
+        result.validation = run_validate(result.out, device=device, progress=progress)
     return result
 
 
@@ -616,15 +717,19 @@ def _predicted_bytes(ckpt: Checkpoint, decisions: dict[str, Decision], G: int) -
     return sizes[0], sizes[1]
 
 
-def _check_disk(ckpt, decisions, out: Path, G: int) -> None:
-    need = sum(_predicted_bytes(ckpt, decisions, G))
-    free = shutil.disk_usage(out).free
+def _check_disk(ckpt, decisions, out: Path, G: int, free: int | None = None) -> None:
+    """Refuse a run that cannot fit: the predicted pair, less what an interrupted run already wrote."""
+    written = sum(p.stat().st_size for w in ("prefill", "decode") for p in (out / f"{w}.partial").glob("part-*"))
+    need = sum(_predicted_bytes(ckpt, decisions, G)) - written
+    _NEEDS[str(out)] = need
+    free = shutil.disk_usage(out).free if free is None else free
     if need > free:
-        raise OutputError(f"{out}: the pair needs about {need / 1e9:.1f} GB, only {free / 1e9:.1f} GB free; "
+        raise OutputError(f"{out}: the pair needs about {_size(need)} more, only {_size(free)} free there; "
                           "free space or choose another --out")
 
 
-def _report(model, src_path, source_files, rec, tokens, state: State, ckpt, decisions, out: Path, t_start, G, block) -> dict:
+def _report(model, src_path, source_files, rec, tokens, state: State, ckpt, decisions, out: Path, t_start, G, block,
+            manifests: dict[str, str] | None = None) -> dict:
     experts = state.experts
     counts = {m: sum(1 for e in experts if e["method"] == m) for m in ("gptq", "awq", "rtn", "reused")}
     fallbacks = [e for e in experts if e["fallback"]]
@@ -636,6 +741,7 @@ def _report(model, src_path, source_files, rec, tokens, state: State, ckpt, deci
                    "repo": ckpt.remote.repo_id if ckpt.remote else None,
                    "revision": ckpt.remote.revision if ckpt.remote else None,
                    "commit": ckpt.remote.commit if ckpt.remote else None,
+                   "unverified_files": ckpt.remote.unverified if ckpt.remote else [],
                    "files": source_files},
         "recipe": rec.model_dump(mode="json"),
         "method": rec.method,
@@ -655,9 +761,9 @@ def _report(model, src_path, source_files, rec, tokens, state: State, ckpt, deci
         "guard": "each calibrated expert is compared with RTN on its held-out routed tokens (every "
                  f"{HOLDOUT}th calibration token, never fitted on); the lower output error is stored",
         "outputs": {
-            "prefill": {"path": "prefill", "bytes": sizes["prefill"],
+            "prefill": {"path": "prefill", "bytes": sizes["prefill"], "manifest_sha256": (manifests or {}).get("prefill"),
                         "precision": precision_summary(ckpt, decisions, "prefill", G, block)},
-            "decode": {"path": "decode", "bytes": sizes["decode"],
+            "decode": {"path": "decode", "bytes": sizes["decode"], "manifest_sha256": (manifests or {}).get("decode"),
                        "precision": precision_summary(ckpt, decisions, "decode", G, block)},
         },
         "shared_tensors": {

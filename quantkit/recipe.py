@@ -38,6 +38,7 @@ _OVERRIDES = {
     "seq_len": ("calibration", "seq_len"),
     "calib": ("calibration", "dataset"),
     "seed": ("calibration", "seed"),
+    "decode_rest": ("decode", "rest"),
 }
 
 
@@ -87,6 +88,9 @@ class PrefillSettings(_Section):
 
 class DecodeSettings(_Section):
     reuse_source_int4: bool = True  # copy source INT4 experts bit for bit when already in the target scheme
+    # everything but the routed experts: "prefill" = the prefill checkpoint's bytes (FP8 blocks, shared
+    # KV-producing weights); "bf16" = BF16 (Kimi's official INT4 look; the pools' attention then differs)
+    rest: Literal["prefill", "bf16"] = "prefill"
 
 
 class ValidateSettings(_Section):
@@ -214,7 +218,7 @@ def default_recipe(model_spec: str, arch) -> Recipe:
 
 
 def recipe_overrides(recipe: Recipe, **cli_options: Any) -> Recipe:
-    """`recipe` with CLI options applied: method, group_size, num_samples, seq_len, calib, seed.
+    """`recipe` with CLI options applied: method, group_size, num_samples, seq_len, calib, seed, decode_rest.
 
     None keeps the recipe's value. The result is validated again (e.g. a new group_size must still
     divide gptq.block_size); errors name the CLI option.

@@ -159,9 +159,10 @@ def test_configs_are_what_engines_load(pairs):
     assert pre["quant_method"] == "fp8" and pre["weight_block_size"] == [128, 128]
     assert any("mlp.gate" in m for m in pre["modules_to_not_convert"])
     dec = json.loads((pairs["glm"].decode / "config.json").read_text())["quantization_config"]
-    g0 = dec["config_groups"]["group_0"]
-    assert dec["quant_method"] == "compressed-tensors" and "Linear" in g0["targets"]
+    g0, g1 = dec["config_groups"]["group_0"], dec["config_groups"]["group_1"]
+    assert dec["quant_method"] == "compressed-tensors" and dec["format"] == "pack-quantized"
     assert g0["weights"]["symmetric"] is True and g0["weights"]["group_size"] == 128
+    assert g0["targets"] == [r"re:.*mlp\.experts\..*"] and g1["targets"] == ["Linear"]  # see test_serving.py
     kimi = json.loads((pairs["kimi"].decode / "config.json").read_text())
     assert kimi["model_type"] == "kimi_k25"
     assert kimi["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] == 32
