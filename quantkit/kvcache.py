@@ -23,11 +23,14 @@ engines keep these in e4m3. What they do, as read in their sources:
         dtype): per token and 128-block, `scale = max(amax, 1e-4) / 448`, rounded up to a power of
         two when `use_ue8m0` (DeepSeek's `scale_fmt: ue8m0`), e4m3 of x / scale.
     SGLang
-        python/sglang/srt/mem_cache/memory_pool.py `MLATokenToKVPool.set_mla_kv_buffer` casts
-        with `.to(self.dtype)`: scale 1.0, and no saturation (torch's cast overflows to NaN; the
-        latent never comes near 448). SGLang does not use a k_scale for the MLA cache; our
-        scale-1.0 row is what it runs. Its NSA (DSA) backend quantizes per 128-tile like
-        vLLM's fp8_ds_mla (python/sglang/srt/layers/attention/nsa/quant_k_cache.py).
+        0.5.23 (the release quantkit.engines pins) loads the scales: its CompressedTensorsConfig
+        gives every RadixAttention a CompressedTensorsKVCacheMethod when `kv_cache_scheme` is static
+        symmetric per-tensor FP8 (layers/quantization/compressed_tensors/compressed_tensors.py,
+        `is_supported_scheme`). The MLA pool of the release we could read
+        (mem_cache/memory_pool.py `MLATokenToKVPool.set_mla_kv_buffer`) casts with
+        `.to(self.dtype)`, i.e. scale 1.0 without saturation; whether 0.5.23's pool divides by
+        k_scale was not read here. Its NSA (DSA) backend quantizes per 128-tile like vLLM's
+        fp8_ds_mla (layers/attention/nsa/quant_k_cache.py).
 
 The scale convert writes: vLLM's MLA decode also quantizes the absorbed query to FP8 with
 `q_scale` (`MLAAttention.forward_decode`), and q_scale defaults to k_scale when the checkpoint has
@@ -206,7 +209,7 @@ def kv_cache_report(layers: list[dict]) -> dict:
         "read_by": {
             "vllm_dense_mla": "k_scale, for kv_c and k_pe (concat_and_cache_mla)",
             "vllm_dsa": "ignored: fp8_ds_mla computes per-token tile scales (and FP8 index keys always)",
-            "sglang_mla": "ignored: plain cast at scale 1.0 (MLATokenToKVPool.set_mla_kv_buffer)",
+            "sglang_mla": "loaded by 0.5.23 (CompressedTensorsKVCacheMethod); an earlier MLA pool casts at 1.0",
         },
         "scale_covers": "max |kv_c|, |k_pe| and |absorbed decode query| / 448 (vLLM's q_scale defaults to k_scale)",
     }
@@ -343,8 +346,8 @@ def card_section(report: dict, validation: dict) -> list[str]:
                    + ("." if dsa else "; decode's config declares them as compressed-tensors `kv_cache_scheme`."))
     else:
         out.append("No KV scales (no calibration pass): engines run the FP8 latent cache at scale 1.0.")
-    out.append("vLLM's dense-MLA cache reads `k_scale` for the latent and the rope key; SGLang's MLA pool ignores it "
-               "(a plain cast at scale 1.0)."
+    out.append("vLLM's dense-MLA cache reads `k_scale` for the latent and the rope key; SGLang 0.5.23 loads it "
+               "(an earlier SGLang MLA pool cast at scale 1.0)."
                + (" For this DSA model vLLM stores `fp8_ds_mla` (dynamic per-token tile scales, rope key in BF16) "
                   "and ignores `k_scale`; its indexer key cache is FP8 with per-token power-of-two scales whatever "
                   "the KV dtype." if dsa else ""))

@@ -854,7 +854,7 @@ def _kv_variants(kv_cache_dtype: str, ckpts: dict[str, Checkpoint], pair: bool, 
             "note": "KV rows: the decode steps of the INT4-only and cross-phase paths with the latent/rope cache "
                     "(and GLM's index keys) stored as the engines store them; `kv_delta` is the KL they add over "
                     "the same path with a BF16 cache. "
-                    + ("scale 1.0 is what SGLang runs and what vLLM runs without scales" if kv_cache_dtype == "fp8_e4m3" else
+                    + ("scale 1.0 is what the engines run without scales (and what an SGLang MLA pool that casts without one runs)" if kv_cache_dtype == "fp8_e4m3" else
                        "fp8_ds_mla is vLLM's layout for DSA models; it ignores k_scale")
                     + ("; for this DSA model vLLM stores fp8_ds_mla instead (--kv-cache-dtype fp8_ds_mla)."
                        if ckpts["reference"].arch.has_dsa and kv_cache_dtype == "fp8_e4m3" else ".")}

@@ -156,8 +156,12 @@ def test_scales_identical_in_both_outputs_and_named_for_the_loaders(pairs, name)
         assert float(t) == pytest.approx(report["kv_cache"]["layers"][layer]["k_scale"], rel=1e-7)
     cfg = json.loads((out / "decode" / "config.json").read_text())["quantization_config"]
     scheme = cfg.get("kv_cache_scheme")
-    if name == "kimi-k2.6":  # compressed-tensors: static per-tensor FP8, what gives vLLM's layers their k_scale
-        assert scheme["num_bits"] == 8 and scheme["type"] == "float" and scheme["strategy"] == "tensor" and not scheme["dynamic"]
+    if name == "kimi-k2.6":
+        # vLLM 0.33.0 CompressedTensorsKVCacheMethod.validate_kv_cache_scheme: type float, num_bits 8,
+        # strategy tensor or attn_head, symmetric; SGLang 0.5.23 CompressedTensorsKVCacheMethod.
+        # is_supported_scheme: float, 8 bits, tensor, symmetric, not dynamic (else it ignores the scales)
+        assert scheme["num_bits"] == 8 and scheme["type"] == "float" and scheme["strategy"] == "tensor"
+        assert scheme["symmetric"] is True and scheme["dynamic"] is False
     else:  # DSA: vLLM's fp8_ds_mla ignores it, and transformers' QuantizedKVCache cannot run the indexer
         assert scheme is None
 
