@@ -14,6 +14,12 @@ engines keep these in e4m3. What they do, as read in their sources:
         The scale comes from `self_attn.k_scale` / `v_scale` tensors (BaseKVCacheMethod in
         vllm/model_executor/layers/quantization/kv_cache.py: -1.0 until loaded, 1.0 when the
         checkpoint has none, with the warning "Using KV cache scaling factor 1.0 for fp8_e4m3").
+        But in vLLM 0.33.0 (the release quantkit.engines pins) both CompressedTensorsConfig and
+        Fp8Config `get_quant_method` attach that KV-cache method only to `isinstance(layer,
+        Attention)`, and MLAAttention is `nn.Module, AttentionLayerBase` in the vllm/attention/
+        layer.py we read, not an `Attention`: unless that changed, the MLA layer never creates the
+        k_scale parameter, `maybe_remap_kv_scale_name` drops the checkpoint's tensor with "...
+        not loaded", and the cache runs at scale 1.0 whatever the checkpoint says.
     vLLM, DSA models (anything with `index_topk`: DeepSeek-V3.2, GLM-5.2)
         vllm/model_executor/models/config.py `DeepseekV32ForCausalLM.verify_and_update_config`
         turns any fp8 KV dtype into `fp8_ds_mla`: `concat_and_cache_ds_mla_kernel` stores kv_c as
@@ -207,7 +213,8 @@ def kv_cache_report(layers: list[dict]) -> dict:
         "tensors": list(SCALE_NAMES) if per_layer else [],
         "layers": per_layer,
         "read_by": {
-            "vllm_dense_mla": "k_scale, for kv_c and k_pe (concat_and_cache_mla)",
+            "vllm_dense_mla": "k_scale for kv_c and k_pe (concat_and_cache_mla) if loaded; 0.33.0 attaches the "
+                              "KV-cache method to Attention layers only, so MLA most likely runs at 1.0",
             "vllm_dsa": "ignored: fp8_ds_mla computes per-token tile scales (and FP8 index keys always)",
             "sglang_mla": "loaded by 0.5.23 (CompressedTensorsKVCacheMethod); an earlier MLA pool casts at 1.0",
         },
@@ -346,7 +353,9 @@ def card_section(report: dict, validation: dict) -> list[str]:
                    + ("." if dsa else "; decode's config declares them as compressed-tensors `kv_cache_scheme`."))
     else:
         out.append("No KV scales (no calibration pass): engines run the FP8 latent cache at scale 1.0.")
-    out.append("vLLM's dense-MLA cache reads `k_scale` for the latent and the rope key; SGLang 0.5.23 loads it "
+    out.append("vLLM's dense-MLA cache quantizes the latent and the rope key with `k_scale` when it is loaded, but "
+               "vLLM 0.33.0 attaches the KV-cache method to `Attention` layers only, not to MLA's, so it most likely "
+               "runs at 1.0 (look for \"k_scale ... not loaded\" in its log); SGLang 0.5.23 loads the scales "
                "(an earlier SGLang MLA pool cast at scale 1.0)."
                + (" For this DSA model vLLM stores `fp8_ds_mla` (dynamic per-token tile scales, rope key in BF16) "
                   "and ignores `k_scale`; its indexer key cache is FP8 with per-token power-of-two scales whatever "
