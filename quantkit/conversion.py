@@ -465,9 +465,10 @@ def convert(
     needs_calibration = rec.method != "rtn" and any(
         d.decode == INT4 and not ckpt.tensors[n].info.mtp for n, d in decisions.items()
     )
-    # the FP8 KV cache's scales are measured on the calibration tokens too (quantkit.kvcache), so a
-    # source whose experts are all reused (Kimi's INT4) still gets its calibration pass
-    needs_calibration = needs_calibration or bool(rec.calibration.dataset)
+    # the FP8 KV cache's scales are measured on the calibration tokens too (quantkit.kvcache): with a
+    # calibrated method, a source whose experts are all reused (Kimi's INT4) still gets its pass;
+    # an RTN convert reads no data and carries no KV scales (engines then run the cache at 1.0)
+    needs_calibration = needs_calibration or rec.method != "rtn"
 
     state_dir = out / STATE_DIR
     from quantkit.finish import finish_pair, journal
