@@ -202,6 +202,9 @@ def test_kv_delta_gate_and_plan_line(pairs, tmp_path):
     failed = {(g["gate"], g["row"]) for g in res.failed_gates}
     assert failed == {("kv_delta_max", "decode_kv"), ("kv_delta_max", "cross_phase_kv")}  # only the KV rows measure it
     assert check_gates({"kv_delta_max": 1.0}, rows)[0]["passed"]
+    # the weights' gates do not reach the KV rows unless scoped to them
+    assert {g["row"] for g in check_gates({"kl_max": 1.0}, rows)} == {"prefill", "decode", "cross_phase"}
+    assert [g["row"] for g in check_gates({"decode_kv.kl_max": 1.0}, rows)] == ["decode_kv"]
     lines = capacity_beside_delta(plan("kimi-k2.6"), res.data)
     assert lines[0].startswith("FP8 KV: 1.") and "measured KL" in lines[0] and "(2.0x)" in lines[0]
 
