@@ -115,7 +115,10 @@ def render_card(which: str, report: dict, validation: dict, *, license: dict[str
     for cls in sorted(set(prec) | set(prec_other)):
         lines.append(f"| {cls} | {prec.get(cls, '—')} | {prec_other.get(cls, '—')} |")
     lines.append(f"| **size** | {_size(report['outputs'][which]['bytes'])} | {_size(report['outputs'][other]['bytes'])} |")
-    lines += ["", *_recipe(report), "", *_measured(which, validation), "", *_serving(which, report, name, decode_config), ""]
+    from quantkit.kvcache import card_section
+
+    lines += ["", *_recipe(report), "", *_measured(which, validation), "", *card_section(report, validation), "",
+              *_serving(which, report, name, decode_config), ""]
     return "\n".join(lines)
 
 
@@ -166,9 +169,11 @@ def _recipe(report: dict) -> list[str]:
 def _measured(which: str, v: dict) -> list[str]:
     e = v["eval_data"]
     rows = v["rows"]
-    shown = [which, "cross_phase"] if which == "decode" else [which]
+    shown = [which, "cross_phase", "decode_kv", "cross_phase_kv"] if which == "decode" else [which]
     names = {"prefill": "this checkpoint on prompts", "decode": "this checkpoint on prompts",
-             "cross_phase": "cross-phase: prefill's cache, then this checkpoint decodes"}
+             "cross_phase": "cross-phase: prefill's cache, then this checkpoint decodes",
+             "decode_kv": "this checkpoint decoding over an FP8 KV cache",
+             "cross_phase_kv": "cross-phase over an FP8 KV cache"}
     out = [
         "## Measured against the source",
         "",
@@ -242,9 +247,8 @@ def _serving(which: str, report: dict, name: str, decode_config: dict | None = N
         "What applies to this pair:",
         "",
         "- `--kv-cache-dtype fp8_e4m3` on **both** sides: the decode side reads the cache the prefill side wrote "
-        "(SGLang requires the same KV dtype; vLLM hashes it into the NIXL handshake). The checkpoints carry no "
-        "`k_scale`/`v_scale`, so both engines run the FP8 latent cache at scale 1.0. The measured deltas above are "
-        "for the weights; the FP8 KV cache is not simulated."
+        "(SGLang requires the same KV dtype; vLLM hashes it into the NIXL handshake). What the FP8 cache costs and "
+        "which engine reads the scales: the FP8 KV cache section above."
         + (" GLM's sparse attention (DSA) stores its own FP8 cache format with dynamic scales; keep the flag identical "
            "on both sides all the same." if family == "glm" else ""),
         "- the same page size on both sides (SGLang `--page-size`, vLLM `--block-size`); TP may differ between the pools.",

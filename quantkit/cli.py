@@ -78,6 +78,7 @@ def plan(
     mem_fraction: Annotated[float, typer.Option(help="Share of GPU memory for weights + KV cache.")] = 0.90,
     overhead_gib: Annotated[float, typer.Option(help="Per-GPU runtime overhead (activations, graphs, NCCL).")] = 12.0,
     group_size: Annotated[int, typer.Option(help="INT4 group size of the decode checkpoint.")] = 128,
+    validation: Annotated[Optional[Path], typer.Option(help="A validation.json (validate --kv-cache-dtype fp8_e4m3): show the measured FP8 KV delta beside its capacity.")] = None,
     json_out: Json = False,
 ):
     """Checkpoint sizes, weight memory per GPU, KV cache per token and capacity, beside the article's figures."""
@@ -87,6 +88,17 @@ def plan(
     target = resolve(model) if is_tiny(model) else model
     result = run_plan(target, gpus=gpus, gpu=gpu, tp=tp, context=context, mem_fraction=mem_fraction,
                       overhead_gib=overhead_gib, group_size=group_size)
+    if validation is not None:
+        import json
+
+        from quantkit.errors import ConfigError
+        from quantkit.kvcache import capacity_beside_delta
+
+        try:
+            measured = json.loads(validation.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{validation}: cannot read a validation.json ({e}); pass the file `quantkit validate` wrote") from None
+        result.notes[:0] = capacity_beside_delta(result, measured)
     if json_out:
         emit_json(result.to_json())
     else:
@@ -169,13 +181,14 @@ def validate(
     gen_tokens: Annotated[Optional[int], typer.Option(help="Greedy tokens generated after each window (default: the recipe's).")] = None,
     device: Device = "auto",
     gate: Annotated[Optional[Path], typer.Option(help="YAML/JSON gates (kl_max: 0.05, top1_min: 0.9, ...); default: the recipe's.")] = None,
+    kv_cache_dtype: Annotated[str, typer.Option(help="KV cache to simulate: bf16, fp8_e4m3 (static per-layer scales) or fp8_ds_mla (vLLM's DSA layout).")] = "bf16",
     json_out: Json = False,
 ):
     """Measure the pair against its source layer by layer; write validation.json/.md/.png and model cards. Exit 3 if a gate fails."""
     from quantkit.validation import validate as run_validate
 
     result = run_validate(folder, reference=reference, eval_data=eval_data, num_samples=num_samples, seq_len=seq_len,
-                          gen_tokens=gen_tokens, device=device, gates=gate, progress=not json_out)
+                          gen_tokens=gen_tokens, device=device, gates=gate, progress=not json_out, kv_cache_dtype=kv_cache_dtype)
     if json_out:
         emit_json(result.to_json())
     else:

@@ -47,6 +47,7 @@ from quantkit.experts import (
     HOLDOUT, PROJS, ExpertRecord, calibration_inputs, expert_weights, guard_against_rtn, heldout_inputs, rtn_expert, run_gptq,
 )
 from quantkit.gptq import QuantizedWeight, hessian_from_inputs
+from quantkit.kvcache import KVAbsmax, kv_cache_report, kv_cache_scheme, write_kv_scales
 from quantkit.precision import (
     BF16, FP8, INT4, PASS, REUSE_INT4, Decision, decide, decode_quantization_config, precision_summary,
     prefill_quantization_config, set_quantization_config, stored_as,
@@ -464,6 +465,10 @@ def convert(
     needs_calibration = rec.method != "rtn" and any(
         d.decode == INT4 and not ckpt.tensors[n].info.mtp for n, d in decisions.items()
     )
+    # the FP8 KV cache's scales are measured on the calibration tokens too (quantkit.kvcache): with a
+    # calibrated method, a source whose experts are all reused (Kimi's INT4) still gets its pass;
+    # an RTN convert reads no data and carries no KV scales (engines then run the cache at 1.0)
+    needs_calibration = needs_calibration or rec.method != "rtn"
 
     state_dir = out / STATE_DIR
     from quantkit.finish import finish_pair, journal
@@ -516,7 +521,7 @@ def convert(
     topks: list = []
     if tokens is not None:
         ids = tokens.ids
-        ctx = Context.build(arch, ids.shape[1], dev, dtype)
+        ctx = Context.build(arch, ids.shape[1], dev, dtype, kv=KVAbsmax())  # measures what the KV cache holds
         topks = [None] * -(-ids.shape[0] // MICRO_BATCH)
 
     with bar:
@@ -547,15 +552,18 @@ def convert(
             w: dict[str, torch.Tensor] = {}
 
             # shared tensors first: their stored form is also what we compute with
+            calibrate = h is not None and not mtp
             for name in ckpt.names(layer):
-                if ckpt.tensors[name].info.klass == TensorClass.ROUTED_EXPERT:
-                    continue
+                klass = ckpt.tensors[name].info.klass
+                if klass == TensorClass.ROUTED_EXPERT or (klass == TensorClass.KV_SCALE and calibrate):
+                    continue  # experts below; a source's KV scales give way to the ones measured here
                 parts = pair.write_shared(name, decisions[name])
                 w[name[len(pre):]] = compute_weight(parts, ckpt.tensors[name], dtype).to(dev)
 
-            calibrate = h is not None and not mtp
+            kv_stats = None
             if calibrate:
                 x = _attention_half(h, w, ctx, layer, topks)  # h now holds h + attention
+                kv_stats = write_kv_scales(pair, pre, ctx.kv, layer)
             records: list[ExpertRecord] = []
             if arch.is_moe(layer):
                 tok = routed_tokens(x, w, arch) if calibrate else {e: torch.empty(0, dtype=torch.long, device=dev) for e in range(arch.n_routed_experts)}
@@ -580,7 +588,8 @@ def convert(
 
             state.experts += [vars(r) for r in records]
             state.layers.append({"layer": layer, "kind": "mtp" if mtp else ("moe" if arch.is_moe(layer) else "dense"),
-                                 "seconds": round(time.time() - t0, 3), "calibrated": calibrate and arch.is_moe(layer)})
+                                 "seconds": round(time.time() - t0, 3), "calibrated": calibrate and arch.is_moe(layer),
+                                 **({"kv_cache": kv_stats} if kv_stats else {})})
             state.next_layer = layer + 1
             state.prefill_parts, state.decode_parts = wp.num_parts, wd.num_parts
             state.differ = pair.differ
@@ -595,7 +604,11 @@ def convert(
     #    completes an interrupted finish from any step (quantkit.finish); the report comes last
     block = rec.prefill.fp8_block
     prefill_cfg = set_quantization_config(arch.raw, arch, prefill_quantization_config(ckpt, decisions, block))
-    decode_cfg = set_quantization_config(arch.raw, arch, decode_quantization_config(ckpt, decisions, G, block))
+    decode_qc = decode_quantization_config(ckpt, decisions, G, block)
+    if any("kv_cache" in lay for lay in state.layers) and not arch.has_dsa:
+        # prefill's `fp8` config reads the same tensors unasked; DSA models get none (quantkit.kvcache)
+        decode_qc["kv_cache_scheme"] = kv_cache_scheme()
+    decode_cfg = set_quantization_config(arch.raw, arch, decode_qc)
     carried = ckpt.other_files()
     parts = None
     if wp is not None:
@@ -604,7 +617,7 @@ def convert(
     report = finish_pair(
         out, state_dir, parts, digits, {"prefill": prefill_cfg, "decode": decode_cfg}, carried, set(state.differ),
         lambda manifests: _report(model, src_path, source_files, rec, tokens, state, ckpt, decisions, out, t_start, G,
-                                  block, manifests),
+                                  block, manifests) | {"kv_cache": kv_cache_report(state.layers)},
     )
     return _done(ConvertResult(out, out / "prefill", out / "decode", report), validate, device, progress)
 

@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from quantkit.arch import ModelArch
+
+if TYPE_CHECKING:
+    from quantkit.kvcache import KVCache
 
 W = dict[str, torch.Tensor]
 
@@ -142,6 +146,7 @@ class Context:
     topk: torch.Tensor | None = None  # (B, T, k) last DSA selection, reused by IndexShare layers
     dsa_dense: bool = False  # force dense attention (for the equality test)
     dsa_ties: str = "earliest"  # "earliest" (deterministic) or "topk" (torch.topk's order, as transformers)
+    kv: "KVCache | None" = None  # how the KV cache stores values (quantkit.kvcache); None: as computed
 
     @classmethod
     def build(cls, arch: ModelArch, T: int, device, dtype, *, start: int = 0, caches=None, **options) -> "Context":
@@ -167,6 +172,8 @@ def indexer(x: torch.Tensor, q_resid: torch.Tensor, w: W, ctx: Context, cache: L
     cos, sin = ctx.cos[:, None, :], ctx.sin[:, None, :]  # broadcast over heads
     q = torch.cat([apply_rope(q[..., :rd], cos, sin, True), q[..., rd:]], dim=-1)
     k = torch.cat([apply_rope(k[..., :rd], ctx.cos, ctx.sin, True), k[..., rd:]], dim=-1)
+    if ctx.kv is not None:
+        k = ctx.kv.index(k)  # vLLM scores prefill and decode alike on the stored (FP8) index keys
     if cache is not None:
         k = cache.index_k = _append(cache.index_k, k)  # (B, S, hd)
     scores = F.relu(torch.einsum("bthd,bsd->bths", q.float(), k.float()) * hd**-0.5)  # (B, T, ih, S)
@@ -197,9 +204,15 @@ def mla_attention(x: torch.Tensor, w: W, ctx: Context, layer: int) -> torch.Tens
     latent, k_rot = kv.split([a.kv_lora_rank, dr], dim=-1)
     latent = rms_norm(latent, w["self_attn.kv_a_layernorm.weight"], 1e-6)
     k_rot = apply_rope(k_rot, ctx.cos, ctx.sin, a.rope_interleave)  # (B, T, dr), one head shared by all
+    stored = (latent, k_rot) if ctx.kv is None else ctx.kv.mla(layer, w, latent, k_rot)  # what the cache holds
     if cache is not None:
-        latent = cache.latent = _append(cache.latent, latent)  # (B, S, kv_lora)
-        k_rot = cache.k_rot = _append(cache.k_rot, k_rot)  # (B, S, dr)
+        old_latent, old_k = cache.latent, cache.k_rot
+        cache.latent, cache.k_rot = _append(old_latent, stored[0]), _append(old_k, stored[1])  # (B, S, kv_lora), (B, S, dr)
+        # the engines: a decode step reads its own key back from the cache; a prefill chunk attends
+        # to its fresh keys and to the earlier ones as stored
+        latent, k_rot = (cache.latent, cache.k_rot) if T == 1 else (_append(old_latent, latent), _append(old_k, k_rot))
+    if ctx.kv is not None:
+        ctx.kv.observe_query(layer, w, q_nope, q_rot, nh, dn)  # calibration only (the scale must cover the query)
     S = latent.shape[1]
 
     kv = linear(latent, w["self_attn.kv_b_proj.weight"]).view(B, S, nh, dn + dv).transpose(1, 2)  # (B, nh, S, dn+dv)

@@ -32,6 +32,7 @@ class TensorClass(str, Enum):
     HEAD = "head"
     VISION = "vision"  # Kimi's MoonViT tower and projector: carried byte for byte
     MTP = "mtp"  # the MTP layer's own tensors: enorm, hnorm, eh_proj, shared_head
+    KV_SCALE = "kv_scale"  # self_attn.k_scale / v_scale: the FP8 KV cache's per-layer scale (quantkit.kvcache)
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ _DENSE = re.compile(r"mlp\.(gate_proj|up_proj|down_proj)\.weight$")
 _ROUTER = re.compile(r"mlp\.gate\.(weight|e_score_correction_bias)$")
 _ATTN = re.compile(r"self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|q_proj)\.(weight|bias)$")
 _INDEXER = re.compile(r"self_attn\.indexer\.(wq_b|wk|weights_proj|k_norm)\.(weight|bias)$")
+_KV_SCALE = re.compile(r"self_attn\.(k_scale|v_scale)$")
 _NORM = re.compile(r"(input_layernorm|post_attention_layernorm|self_attn\.q_a_layernorm|self_attn\.kv_a_layernorm)\.weight$")
 _MTP = re.compile(r"(enorm|hnorm|eh_proj|shared_head\.norm|shared_head\.head|embed_tokens)\.weight$")
 
@@ -126,6 +128,8 @@ def _classify_layer(name: str, layer: int, rest: str, arch: ModelArch) -> Tensor
         return TensorInfo(name, TensorClass.INDEXER, layer, None, proj, mtp)
     if _NORM.match(rest):
         return TensorInfo(name, TensorClass.NORM, layer, None, None, mtp)
+    if _KV_SCALE.match(rest):
+        return TensorInfo(name, TensorClass.KV_SCALE, layer, None, None, mtp)
     if mtp and (m := _MTP.match(rest)):
         proj = "eh_proj" if m.group(1) == "eh_proj" else None
         return TensorInfo(name, TensorClass.MTP, layer, None, proj, True)

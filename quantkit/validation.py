@@ -23,7 +23,9 @@ per-layer hidden states are kept: errors are taken as the layer finishes.
 
 Gates (`kl_max`, `top1_min`, `ppl_delta_max`, `layer_rel_err_max`, `greedy_agree_min`, ...) are
 bounds on these metrics; an unscoped gate holds for every row that measures the metric, a scoped one
-(`cross_phase.greedy_agree_min`) for that row only. The recipe recorded in convert-report.json
+(`cross_phase.greedy_agree_min`) for that row only. The FP8-KV rows (`--kv-cache-dtype`) answer only
+to `kv_delta_max` and to gates scoped to them (`decode_kv.kl_max`), so simulating the cache never
+fails the weights' gates. The recipe recorded in convert-report.json
 supplies the eval data, sizes and gates unless told otherwise.
 
 Writes DIR/validation.json (every number, the eval data's identity, device, dtype),
@@ -62,15 +64,21 @@ METRICS = {
     "greedy_agree": "mean fraction of the greedy continuation equal to the reference's (common prefix / K)",
     "greedy_exact": "fraction of prompts whose whole greedy continuation equals the reference's",
     "greedy_agree_decode": "cross-phase only: greedy_agree against INT4-only decoding instead of the reference",
+    "kv_delta": "KV rows only: KL added by the FP8 KV cache over the same weights and steps with a BF16 cache, nats",
 }
-PAIR_ROWS = ("prefill", "decode", "cross_phase")
+PAIR_ROWS = ("prefill", "decode", "cross_phase", "decode_kv", "cross_phase_kv")
+KV_ROWS = {"decode_kv": "decode", "cross_phase_kv": "cross_phase"}  # KV row -> the weights-only path it adds to
+STEP_ROWS = ("cross_phase", *KV_ROWS)  # rows measured on decode steps rather than the prompt pass
 ROW_TITLES = {
     "prefill": "prefill (FP8)",
     "decode": "decode (INT4)",
     "cross_phase": "cross-phase (FP8 cache -> INT4)",
+    "decode_kv": "decode (INT4) + FP8 KV cache",
+    "cross_phase_kv": "cross-phase + FP8 KV cache",
     "model": "model",
 }
-SHORT_TITLES = {"prefill": "prefill FP8", "decode": "decode INT4", "cross_phase": "cross-phase", "model": "model"}
+SHORT_TITLES = {"prefill": "prefill FP8", "decode": "decode INT4", "cross_phase": "cross-phase",
+                "decode_kv": "decode+FP8KV", "cross_phase_kv": "cross+FP8KV", "model": "model"}
 GATES_FAILED_EXIT = 3  # the CLI's exit code when a gate fails (1 is a usage/input error)
 
 
@@ -248,7 +256,9 @@ def check_gates(gates: dict[str, float], rows: dict[str, dict]) -> list[dict]:
     results = []
     for name, bound in gates.items():
         scope, metric, kind = _split_gate(name)
-        applies = [r for r in rows if (scope is None or r == scope) and rows[r]["metrics"].get(metric) is not None]
+        # unscoped gates bound the weights' rows; the FP8-KV rows answer to `kv_delta` and scoped gates
+        applies = [r for r in rows if (r == scope if scope else (r not in KV_ROWS or metric == "kv_delta"))
+                   and rows[r]["metrics"].get(metric) is not None]
         if not applies:
             results.append({"gate": name, "row": scope, "metric": metric, "bound": bound, "value": None, "passed": None,
                             "note": "not measured (no such row, or gen_tokens too small)"})
@@ -268,6 +278,7 @@ class Stream:
     model: str  # key of the checkpoint whose weights it runs
     caches: list[LayerCache]
     ids: torch.Tensor | None = None  # (B, T) tokens fed at the current step
+    kv: Any = None  # quantkit.kvcache.KVCache: how this stream's KV cache stores values (None: as computed)
     h: torch.Tensor | None = field(default=None, repr=False)  # (B, T, D)
     ctx: Context | None = field(default=None, repr=False)
     tokens: list[torch.Tensor] = field(default_factory=list, repr=False)  # generated, each (B,)
@@ -303,7 +314,7 @@ def step(ckpts: dict[str, Checkpoint], streams: list[Stream], device, dtype, on_
     for m, group in groups.items():
         for s in group:
             start = s.caches[0].length
-            s.ctx = Context.build(ckpts[m].arch, s.ids.shape[1], device, dtype, start=start, caches=s.caches)
+            s.ctx = Context.build(ckpts[m].arch, s.ids.shape[1], device, dtype, start=start, caches=s.caches, kv=s.kv)
         _embed(ckpts[m], group, device, dtype)
     for layer in range(next(iter(ckpts.values())).arch.num_hidden_layers):
         for m, group in groups.items():
@@ -372,6 +383,12 @@ def _nll(logits: torch.Tensor, ids: torch.Tensor) -> float:
     return total / (ids.shape[0] * (ids.shape[1] - 1))
 
 
+def _kl_positions(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """KL(ref || model) per position (B,) of (B, V) logits, float64."""
+    lp_ref = torch.log_softmax(ref_logits.double(), -1)
+    return (lp_ref.exp() * (lp_ref - torch.log_softmax(logits.double(), -1))).sum(-1).cpu()
+
+
 def _agreement(tokens: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     """(mean common-prefix fraction, exact-match fraction) of (B, K) continuations."""
     same = (tokens == ref).long()
@@ -379,14 +396,21 @@ def _agreement(tokens: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     return float(prefix.mean()), float((prefix == 1).double().mean())
 
 
-def _measure(ckpts: dict[str, Checkpoint], ids: torch.Tensor, K: int, pair: bool, device, dtype, bar) -> dict:
-    """Run every stream in lockstep and return the rows, per-layer curves and continuations."""
+def _measure(ckpts: dict[str, Checkpoint], ids: torch.Tensor, K: int, pair: bool, device, dtype, bar,
+             kv: dict[str, Any] | None = None, kv_calibrated: bool = False) -> dict:
+    """Run every stream in lockstep and return the rows, per-layer curves and continuations.
+    `kv`: variant -> quantkit.kvcache.KVCache; each adds the FP8-KV rows' streams (pairs only)."""
     L = ckpts["reference"].arch.num_hidden_layers
     models = [m for m in ckpts if m != "reference"]
     new = lambda: [LayerCache() for _ in range(L)]  # noqa: E731
+    kv = kv if pair and K > 1 else {}
 
-    # 1. prompt pass: every eval window through every checkpoint
+    # 1. prompt pass: every eval window through every checkpoint; with an FP8 KV cache, the decode and
+    # prefill checkpoints once more per scale variant, storing their caches as the engines do
     prompt = {m: Stream(m, m, new(), ids=ids) for m in ckpts}
+    for v, spec in kv.items():
+        for m in ("decode", "prefill"):
+            prompt[f"{m}+kv{v}"] = Stream(f"{m}+kv{v}", m, new(), ids=ids, kv=spec)
     errs = {m: _LayerErr(L) for m in models}
 
     def on_prompt_layer(layer, hs):
@@ -411,6 +435,10 @@ def _measure(ckpts: dict[str, Checkpoint], ids: torch.Tensor, K: int, pair: bool
         }
         last[m] = logits[:, -1]
         del logits
+    for v in kv:
+        for m in ("decode", "prefill"):
+            s = prompt[f"{m}+kv{v}"]
+            last[s.name] = _heads(ckpts[m], [s.h[:, -1:]], dtype)[0][:, -1]
     for s in prompt.values():
         s.h = None
     reference = {"ppl": math.exp(ref_nll)}
@@ -431,9 +459,17 @@ def _measure(ckpts: dict[str, Checkpoint], ids: torch.Tensor, K: int, pair: bool
         free["cross_phase"] = Stream("cross_phase", "decode", fork(handed_over), tokens=[first["prefill"]])
         forced = {"cross_phase": Stream("cross_phase@tf", "decode", fork(handed_over)),
                   "int4_only": Stream("int4_only@tf", "decode", fork(prompt["decode"].caches))}
+        for v, spec in kv.items():  # the same two paths over caches stored in FP8, read in FP8
+            dec, pre = prompt[f"decode+kv{v}"], prompt[f"prefill+kv{v}"]
+            free[f"decode_kv{v}"] = Stream(f"decode_kv{v}", "decode", dec.caches, tokens=[first[dec.name]], kv=spec)
+            free[f"cross_phase_kv{v}"] = Stream(f"cross_phase_kv{v}", "decode", fork(pre.caches),
+                                                tokens=[first[pre.name]], kv=spec)
+            forced[f"decode_kv{v}"] = Stream(f"decode_kv{v}@tf", "decode", fork(dec.caches), kv=spec)
+            forced[f"cross_phase_kv{v}"] = Stream(f"cross_phase_kv{v}@tf", "decode", fork(pre.caches), kv=spec)
     step_err = {k: _LayerErr(L) for k in forced}
     kl_sum = {k: 0.0 for k in forced}
     top1_sum = {k: 0.0 for k in forced}
+    kl_each: dict[str, list[torch.Tensor]] = {k: [] for k in forced}  # per-position KL, for paired differences
 
     def on_step_layer(layer, hs):
         for k, s in forced.items():
@@ -457,6 +493,7 @@ def _measure(ckpts: dict[str, Checkpoint], ids: torch.Tensor, K: int, pair: bool
             kl, agree, _ = _kl_top1(logits["reference"][:, None], logits[s.name][:, None])
             kl_sum[k] += kl
             top1_sum[k] += agree
+            kl_each[k].append(_kl_positions(logits["reference"], logits[s.name]))
 
     cont = {name: torch.stack(s.tokens, dim=1) for name, s in free.items()}  # (B, K)
     for m in models:
@@ -479,6 +516,10 @@ def _measure(ckpts: dict[str, Checkpoint], ids: torch.Tensor, K: int, pair: bool
             "measured_on": f"{K - 1} decode steps after each eval window, fed the reference's continuation",
             "int4_only": decode_steps["int4_only"],  # the same steps over INT4's own caches: the baseline
         }
+        if kv:
+            from quantkit.kvcache import kv_rows
+
+            rows.update(kv_rows(kv, decode_steps, kl_each, cont, kv_calibrated))
     result["continuations"] = {name: t.tolist() for name, t in cont.items()}
     return result
 
@@ -521,7 +562,7 @@ class ValidationResult:
                 v = r["metrics"].get(key)
                 text = "—" if v is None else fmt.format(v)
                 cells.append(f"[red]{text}[/red]" if (row, key) in failed else text)
-            t.add_row(SHORT_TITLES.get(row, row), "decode" if row == "cross_phase" else "prompts", *cells)
+            t.add_row(SHORT_TITLES.get(row, row), "decode" if row in STEP_ROWS else "prompts", *cells)
         io = d["rows"].get("cross_phase", {}).get("int4_only")
         if io and io["kl"] is not None:
             t.add_row("INT4-only", "decode", f"{io['kl']:.3g}", f"{io['top1']:.3f}", "—",
@@ -584,6 +625,9 @@ def render_markdown(d: dict) -> str:
     lines.append("|---:|" + "---:|" * len(curves))
     for i in range(d["num_layers"]):
         lines.append(f"| {i} | " + " | ".join(_f(c[i], '.4g') for c in curves.values()) + " |")
+    from quantkit.kvcache import kv_markdown
+
+    lines += kv_markdown(d)
     for n in d["notes"]:
         lines += ["", f"Note: {n}"]
     lines += ["", "Metrics: " + "; ".join(f"`{k}` {v}" for k, v in METRICS.items()) + ".", ""]
@@ -621,14 +665,16 @@ def plot(d: dict, report: dict | None, path: Path) -> Path:
             ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes, color="grey")
 
     rows = d["rows"]
-    colors = {"prefill": "tab:blue", "decode": "tab:orange", "model": "tab:orange", "cross_phase": "tab:green"}
-    prompt_series = [(ROW_TITLES.get(r, r), rows[r]["layers"], "o-", colors[r]) for r in rows if r != "cross_phase"]
+    colors = {"prefill": "tab:blue", "decode": "tab:orange", "model": "tab:orange", "cross_phase": "tab:green",
+              "decode_kv": "tab:red", "cross_phase_kv": "tab:purple"}
+    prompt_series = [(ROW_TITLES.get(r, r), rows[r]["layers"], "o-", colors[r]) for r in rows if r not in STEP_ROWS]
     curves(axes[0], prompt_series, f"Prompt pass: {d['eval_data']['num_samples']}x{d['eval_data']['seq_len']} eval tokens")
     step_series = []
     cp = rows.get("cross_phase")
     if cp and cp["layers"]:
         step_series = [(ROW_TITLES["cross_phase"], cp["layers"], "s-", colors["cross_phase"]),
                        ("INT4-only decoding", cp["int4_only"]["layers"], "^--", colors["decode"])]
+        step_series += [(ROW_TITLES[r], rows[r]["layers"], "v:", colors[r]) for r in KV_ROWS if r in rows]
     curves(axes[1], step_series, f"Decode steps: {max(d['gen_tokens'] - 1, 0)} per window, teacher-forced")
     _expert_histogram(axes[2], report)
     verdict = "PASSED" if d["passed"] else "FAILED"
@@ -708,6 +754,7 @@ def validate(
     progress: bool = True,
     dtype: torch.dtype = torch.float32,
     write: bool = True,
+    kv_cache_dtype: str = "bf16",
 ) -> ValidationResult:
     """Measure a converted pair (or one checkpoint) against its reference, layer by layer.
 
@@ -719,6 +766,9 @@ def validate(
         gen_tokens: greedy tokens generated after each window (default: the recipe's).
         gates: a YAML/JSON gate file or a dict (`{"kl_max": 0.05}`); default: the recipe's gates.
         write: write validation.json/.md/.png and the model cards (convert outputs only).
+        kv_cache_dtype: `bf16` (the cache holds what attention computed), `fp8_e4m3` (the engines'
+            static per-layer scale, run with the checkpoint's scales and with 1.0) or `fp8_ds_mla`
+            (vLLM's DSA layout); FP8 adds the KV rows (quantkit.kvcache).
     Returns:
         ValidationResult; `passed` is False when any gate fails (nothing is raised for that).
 
@@ -739,10 +789,11 @@ def validate(
     dev = resolve_device(device)
     notes = _notes(t, tokens)
 
+    kv, kv_info = _kv_variants(kv_cache_dtype, ckpts, t.pair, s.gen_tokens)
     L = arch.num_hidden_layers
     loads = len(ckpts) * L * (1 + max(s.gen_tokens - 1, 0))  # a pass loads each checkpoint's layers once
     with LayerProgress(progress, loads, "validate: layers") as bar, torch.no_grad():
-        m = _measure(ckpts, tokens.ids.to(dev), s.gen_tokens, t.pair, dev, dtype, bar)
+        m = _measure(ckpts, tokens.ids.to(dev), s.gen_tokens, t.pair, dev, dtype, bar, kv, kv_info.get("calibrated", False))
 
     gate_results = check_gates(s.gates, m["rows"])
     data = {
@@ -762,6 +813,7 @@ def validate(
         "reference_metrics": m["reference"],
         "rows": m["rows"],
         "continuations": m["continuations"],
+        "kv_cache": kv_info,
         "gates_from": s.gates_from,
         "gates": gate_results,
         "passed": all(g["passed"] is not False for g in gate_results),
@@ -791,6 +843,32 @@ def _write(t: Target, data: dict) -> dict[str, Path]:
         for which, path in write_cards(t.out, t.report, data).items():
             files[f"card_{which}"] = path
     return files
+
+
+def _kv_variants(kv_cache_dtype: str, ckpts: dict[str, Checkpoint], pair: bool, gen_tokens: int) -> tuple[dict, dict]:
+    """The KV cache variants to run (quantkit.kvcache) and what validation.json says about them."""
+    from quantkit.kvcache import KV_DTYPES, SCALE_1, KVCache, checkpoint_scales
+
+    if kv_cache_dtype not in KV_DTYPES:
+        raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype}: one of {', '.join(KV_DTYPES)}")
+    if kv_cache_dtype == "bf16":
+        return {}, {"dtype": "bf16"}
+    scales = checkpoint_scales(ckpts["decode"]) if pair else {}
+    info = {"dtype": kv_cache_dtype, "calibrated": bool(scales), "scales": scales,
+            "note": "KV rows: the decode steps of the INT4-only and cross-phase paths with the latent/rope cache "
+                    "(and GLM's index keys) stored as the engines store them; `kv_delta` is the KL they add over "
+                    "the same path with a BF16 cache. "
+                    + ("scale 1.0 is what the engines run without scales (and what an SGLang MLA pool that casts without one runs)" if kv_cache_dtype == "fp8_e4m3" else
+                       "fp8_ds_mla is vLLM's layout for DSA models; it ignores k_scale")
+                    + ("; for this DSA model vLLM stores fp8_ds_mla instead (--kv-cache-dtype fp8_ds_mla)."
+                       if ckpts["reference"].arch.has_dsa and kv_cache_dtype == "fp8_e4m3" else ".")}
+    if not pair or gen_tokens < 2:
+        info["note"] = "no KV rows: they need a convert output (prefill/ and decode/) and gen_tokens >= 2"
+        return {}, info
+    variants = {"": KVCache(kv_cache_dtype, "checkpoint")}
+    if kv_cache_dtype == "fp8_e4m3" and scales:
+        variants[SCALE_1] = KVCache(kv_cache_dtype, "one")
+    return variants, info
 
 
 def _check_compatible(ckpts: dict[str, Checkpoint]) -> None:

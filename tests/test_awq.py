@@ -287,13 +287,21 @@ def test_kimi_awq_decode_loads_in_transformers_and_matches(runs):
 
 
 def test_prefill_is_unchanged_by_awq(runs):
-    """AWQ only changes the decode experts: the FP8 prefill checkpoint is the same as with RTN."""
+    """AWQ only changes the decode experts: the FP8 prefill checkpoint is the same as with RTN, but for
+    the per-layer KV scales (quantkit.kvcache), which only a calibrated convert measures."""
+    from safetensors.torch import load_file
+
+    def weights(folder):
+        out = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            out |= {k: v for k, v in load_file(str(f)).items() if not k.endswith(("self_attn.k_scale", "self_attn.v_scale"))}
+        return out
+
     for name in ("glm", "kimi"):
-        a, b = runs[name].prefill, runs[name + "-rtn"].prefill
-        files = sorted(p.name for p in a.glob("*.safetensors"))
-        assert files == sorted(p.name for p in b.glob("*.safetensors"))
-        for f in files:
-            assert (a / f).read_bytes() == (b / f).read_bytes(), (name, f)
+        ta, tb = weights(runs[name].prefill), weights(runs[name + "-rtn"].prefill)
+        assert set(ta) == set(tb), name
+        for k in ta:
+            assert torch.equal(ta[k].view(torch.uint8), tb[k].view(torch.uint8)), (name, k)
 
 
 def test_cli_convert_method_awq(runs):
