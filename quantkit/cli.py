@@ -128,6 +128,8 @@ def convert(
     no_validate: Annotated[bool, typer.Option("--no-validate", help="Skip validating the pair afterwards.")] = False,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow the tokenizer's own code to run.")] = False,
     delete_source_after: Annotated[bool, typer.Option("--delete-source-after", help="hf:// sources: delete each shard once consumed.")] = False,
+    max_host_memory: Annotated[Optional[str], typer.Option(help="Host RAM budget, e.g. 8GB (default: available memory).")] = None,
+    max_gpu_memory: Annotated[Optional[str], typer.Option(help="GPU memory budget, e.g. 120GB (default: the device's).")] = None,
     json_out: Json = False,
 ):
     """Emit the FP8 prefill and INT4 decode checkpoints from one streaming pass, with calibrated per-expert GPTQ or AWQ."""
@@ -138,7 +140,8 @@ def convert(
     result = run_convert(model, out, recipe=recipe or preset, method=method, calib=calib, num_samples=num_samples,
                          seq_len=seq_len, group_size=group_size, device=device, resume=resume,
                          validate=not no_validate, progress=not json_out, trust_remote_code=trust_remote_code,
-                         delete_source_after=delete_source_after)
+                         delete_source_after=delete_source_after, max_host_memory=max_host_memory,
+                         max_gpu_memory=max_gpu_memory)
     if json_out:
         emit_json(result.to_json() | ({"validation": result.validation.to_json()} if result.validation else {}))
     else:
