@@ -507,8 +507,10 @@ def convert(
 
             calibrate = store is not None and not mtp
             routing = None
+            t_attention = 0.0
             if calibrate:  # h += attention (+ dense MLP, or shared expert), x and routing kept for the experts
                 routing = attention_pass(store, w, ctx, layer, topks, arch.is_moe(layer))
+            t_attention = time.time() - t0
             records: list[ExpertRecord] = []
             if arch.is_moe(layer) and calibrate:  # h += routed experts under the decode weights
                 records = convert_experts_streamed(ckpt, pair, decisions, layer, store, routing, rec, G, rec.method,
@@ -526,7 +528,8 @@ def convert(
 
             state.experts += [vars(r) for r in records]
             state.layers.append({"layer": layer, "kind": "mtp" if mtp else ("moe" if arch.is_moe(layer) else "dense"),
-                                 "seconds": round(time.time() - t0, 3), "calibrated": calibrate and arch.is_moe(layer)})
+                                 "seconds": round(time.time() - t0, 3), "attention_seconds": round(t_attention, 3),
+                                 "calibrated": calibrate and arch.is_moe(layer)})
             state.next_layer = layer + 1
             state.prefill_parts, state.decode_parts = wp.num_parts, wd.num_parts
             state.differ = pair.differ
@@ -555,7 +558,8 @@ def convert(
     if validate:
         from quantkit.validation import validate as run_validate
 
-        result.validation = run_validate(out, device=device, progress=progress)
+        result.validation = run_validate(out, device=device, progress=progress, max_host_memory=max_host_memory,
+                                         max_gpu_memory=max_gpu_memory)
     return result
 
 

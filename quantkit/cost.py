@@ -381,3 +381,80 @@ def plan_convert(
                        peak_device=int(peak_device) if peak_device is not None else None, disk=disk,
                        seconds={k: round(v, 1) for k, v in seconds.items()}, validate_seconds=validate_s,
                        notes=notes, fits=fits, reason=reason)
+
+
+def plan_convert_for(
+    model: str,
+    *,
+    recipe: str | None = None,
+    gpu: str = "h200",
+    method: str | None = None,
+    num_samples: int | None = None,
+    seq_len: int | None = None,
+    group_size: int | None = None,
+    max_host_memory: int | str | None = None,
+    max_gpu_memory: int | str | None = None,
+    validate: bool = True,
+) -> ConvertCost:
+    """`quantkit plan MODEL --convert`: the cost `convert` would predict for MODEL (a preset, a
+    folder, a tiny:/realshape: id or hf://org/repo@rev, headers only) with the recipe and overrides,
+    on `gpu` (h200, h100, b200) or on the CPU (`cpu`)."""
+    from pathlib import Path
+
+    from quantkit.arch import arch_from_config, load_preset, preset_names
+    from quantkit.recipe import default_recipe, load_recipe, recipe_overrides
+
+    if gpu != "cpu" and gpu not in GPU_SPECS:
+        raise ConfigError(f"--gpu {gpu!r}: choose one of {', '.join([*GPU_SPECS, 'cpu'])}")
+    is_preset = model in preset_names() and not Path(model).is_dir()
+    if is_preset:
+        arch = arch_from_config(load_preset(model), source=f"preset {model}")
+    else:
+        from quantkit.models import open_checkpoint
+
+        ckpt = open_checkpoint(model)
+        arch = ckpt.arch
+    rec = load_recipe(recipe) if recipe is not None else default_recipe(str(model), arch)
+    rec = recipe_overrides(rec, method=method, group_size=group_size, num_samples=num_samples, seq_len=seq_len)
+    G = rec.group_size
+    if is_preset:
+        from quantkit.planner import plan as size_plan
+
+        sizes = size_plan(model, group_size=G).checkpoints
+        source_bytes = sizes["source"].total_bytes
+        out = (sizes["prefill"].total_bytes, sizes["decode"].total_bytes)
+        src_group = None
+        qc = arch.quantization_config or {}
+        for grp in qc.get("config_groups", {}).values():
+            if (grp.get("weights") or {}).get("num_bits") == 4:
+                src_group = grp["weights"].get("group_size")
+        reused = src_group == G and rec.decode.reuse_source_int4
+        calibrate = rec.method != "rtn" and not reused
+    else:
+        from quantkit.conversion import _predicted_bytes, _source_int4_group
+        from quantkit.precision import INT4, decide
+
+        sg = _source_int4_group(arch)
+        decisions = {n: decide(st, rec, G, sg) for n, st in ckpt.tensors.items()}
+        calibrate = rec.method != "rtn" and any(
+            d.decode == INT4 and not ckpt.tensors[n].info.mtp for n, d in decisions.items())
+        source_bytes = sum(ckpt.storage_bytes(n) for n in ckpt.tensors)
+        out = _predicted_bytes(ckpt, decisions, G)
+    device = "cpu" if gpu == "cpu" else "cuda"
+    return plan_convert(arch, method=rec.method, group_size=G, num_samples=rec.calibration.num_samples,
+                        seq_len=rec.calibration.seq_len, calibrate=calibrate, device=device,
+                        gpu=None if gpu == "cpu" else gpu, max_host_memory=max_host_memory,
+                        max_gpu_memory=max_gpu_memory, source_bytes=source_bytes, output_bytes=out,
+                        validate=rec.validate if validate else None)
+
+
+def validate_expert_chunk(arch, device: str, max_host_memory=None, max_gpu_memory=None) -> int:
+    """Routed experts validate loads at once: what the budget leaves after the process, the
+    largest layer's other weights and their load transient, at two float32 copies per expert
+    (the dequantized weights and the dequantization's transient), 1 to CHUNK_MAX."""
+    x = layer_shapes(arch)
+    host = parse_bytes(max_host_memory, "--max-host-memory") or available_host_memory()
+    budget = (parse_bytes(max_gpu_memory, "--max-gpu-memory") or device_memory(device, None)) if device == "cuda" else host
+    fixed = (0 if device == "cuda" else BASE_BYTES) + x.layer_params * F32 + 3 * x.largest_tensor * F32
+    per = 2 * 3 * x.expert_width * x.hidden * F32
+    return int(min(max((budget - fixed) // per, 1), CHUNK_MAX))
