@@ -361,6 +361,7 @@ def convert(
     max_shard_bytes: int = 5 * 2**30,
     max_host_memory: int | str | None = None,
     max_gpu_memory: int | str | None = None,
+    activation_dtype: str | None = None,
 ) -> ConvertResult:
     """Convert `model` into `out/prefill` (FP8) and `out/decode` (INT4 experts), with a report.
 
@@ -377,6 +378,8 @@ def convert(
             machine's available memory, the device's total); quantkit.cost sizes the activation
             store, micro-batches and expert chunks to keep to them, prints the prediction, and
             refuses to start when even the smallest settings don't fit.
+        activation_dtype: force the calibration hidden states' dtype, "float32" or "bfloat16"
+            (default: float32 when the budget holds it; docs/benchmarks.md gives bfloat16's KL cost).
 
     Example:
         >>> res = quantkit.convert("tiny:glm-5.2", "out/glm")
@@ -436,7 +439,7 @@ def convert(
                         max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory,
                         source_bytes=sum(ckpt.storage_bytes(n) for n in ckpt.tensors),
                         output_bytes=_predicted_bytes(ckpt, decisions, G), max_shard_bytes=max_shard_bytes,
-                        validate=rec.validate if validate else None)
+                        validate=rec.validate if validate else None, activation_dtype=activation_dtype)
     if progress:
         from rich.console import Console
 

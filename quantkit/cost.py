@@ -244,10 +244,12 @@ def plan_convert(
     output_bytes: tuple[int, int],
     max_shard_bytes: int = 5 * GiB,
     validate=None,
+    activation_dtype: str | None = None,
 ) -> ConvertCost:
     """Settings and predicted cost of converting `arch` (see the module docstring for the terms).
 
-    output_bytes: (prefill, decode) sizes; validate: the recipe's validate section, or None.
+    output_bytes: (prefill, decode) sizes; validate: the recipe's validate section, or None;
+    activation_dtype: "float32" or "bfloat16" to force the store's dtype (default: the budget's choice).
     """
     x = layer_shapes(arch)
     host = parse_bytes(max_host_memory, "--max-host-memory") or available_host_memory()
@@ -277,6 +279,13 @@ def plan_convert(
             B = (B + 1) // 2
         work_mb = max(_attention_bytes(x, B, T) - 0, _expert_mb_bytes(x, B, T))
         options = [(torch.float32, "memory"), (torch.bfloat16, "memory"), (torch.bfloat16, "disk")]
+        if activation_dtype is not None:
+            from quantkit.activations import STORE_DTYPES
+
+            if activation_dtype not in STORE_DTYPES:
+                raise ConfigError(f"activation dtype {activation_dtype!r}: use float32 or bfloat16")
+            forced = STORE_DTYPES[activation_dtype]
+            options = [(forced, "memory"), (forced, "disk")]
         fallback = None
         for dt, backing in options:
             store_b = 2 * tokens * D * (4 if dt == torch.float32 else 2) if backing == "memory" else 0
@@ -326,7 +335,7 @@ def plan_convert(
     else:
         peak_device = None
         peak_host = host_fixed + store_b + routing + work
-    if calibrate and store.dtype == torch.bfloat16:
+    if calibrate and store.dtype == torch.bfloat16 and activation_dtype is None:
         notes.append("hidden states stored in bfloat16 (float32 does not fit the budget)")
     if calibrate and x.has_dsa and T > x.index_topk:
         notes.append(f"seq_len {T} > index_topk {x.index_topk}: DSA selections are kept per micro-batch")
