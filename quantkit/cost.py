@@ -29,9 +29,8 @@ C experts per chunk, B samples per micro-batch, w = 4 bytes per float32; compute
 On a GPU, layer/store/routing/attention/experts are device memory, base/writer and the source's
 pages host memory (plus the store when it lives in pinned host memory).
 
-Time is FLOPs over a sustained rate per device (CPU_FLOPS measured on the 2-core test machine with
-`python -m quantkit.cost --measure`, GPU rates from the data sheet at the efficiency stated in
-GPU_SPECS), bytes over disk bandwidth, and a per-column kernel-launch cost for GPTQ's column loop
+Time is FLOPs over a sustained rate per device (CPU_FLOPS_PER_THREAD measured on the 2-core test
+machine, GPU rates from the data sheet at the efficiency stated in GPU_SPECS), bytes over disk bandwidth, and a per-column kernel-launch cost for GPTQ's column loop
 on a GPU. It is an estimate; docs/benchmarks.md compares it with measurements.
 """
 
@@ -56,8 +55,9 @@ BASE_BYTES = int(0.40 * GB)  # RSS of `quantkit convert` before the first tensor
 MIN_SHARD = 256 * 2**20
 CHUNK_MAX = 16  # experts per chunk at most (one GPTQ batch)
 
-# Sustained rates. CPU: measured float32 matmul on 2 cores (scripts/bench_realshape.py records it).
-CPU_FLOPS = 50e9
+# Sustained rates. CPU: float32 matmul per torch thread, measured on the 2-core test machine
+# (2048x6144 @ 6144x2048: 36 GFLOP/s on one thread; 56 on two, 28 each); times torch's threads.
+CPU_FLOPS_PER_THREAD = 28e9
 CPU_DISK = 1.0e9  # bytes/s read or written
 # GPU: float32 (no TF32) matmul at 50% of the data sheet; NVMe at 2 GB/s; GPTQ's per-column step
 # is ~12 small kernels, launch bound.
@@ -350,7 +350,7 @@ def plan_convert(
         spec = GPU_SPECS.get(gpu or "h200", GPU_SPECS["h200"])
         flops, disk_bw, launch = spec["flops"], spec["disk"], spec["launch"]
     else:
-        flops, disk_bw, launch = CPU_FLOPS, CPU_DISK, 0.0
+        flops, disk_bw, launch = CPU_FLOPS_PER_THREAD * torch.get_num_threads(), CPU_DISK, 0.0
     I = x.expert_width
     n_dense = x.layers - x.moe_layers
     attn_flops = tokens * (2 * x.attn_params + 2 * 2 * x.heads * T * (x.qk_head + x.v_head)) * x.layers
@@ -359,7 +359,7 @@ def plan_convert(
     gptq_on = calibrate and method in ("gptq", "awq")
     hess_flops = routed * (2 * D * D + 2 * 2 * I * D + 2 * I * I) * x.moe_layers if gptq_on else 0
     out_flops = routed * 2 * 3 * I * D * x.moe_layers if calibrate else 0
-    per_expert_gptq = 2 * (2 * I) * D * D + 2 * D * I * I + 3 * (D**3 + I**3)  # lazy updates + factorizations
+    per_expert_gptq = 2 * (2 * I) * D * D + 2 * D * I * I + (D**3 + I**3)  # lazy updates + factorizations
     gptq_flops = x.experts * x.moe_layers * per_expert_gptq if gptq_on else 0
     chunks = x.moe_layers * math.ceil(x.experts / C)
     gptq_launch = chunks * (D + I) * LAUNCHES_PER_COLUMN * launch if gptq_on else 0.0

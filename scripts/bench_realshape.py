@@ -10,7 +10,8 @@ For each (model, calibration samples) it runs, in a child process,
 reused), then tabulates the measured peak RSS (getrusage of the convert process, also in
 convert-report.json), disk of both outputs, wall and CPU time against the prediction convert
 recorded (report["cost"], the same quantkit.cost.plan_convert that `quantkit plan --convert`
-prints). With --reuse, a finished ROOT/... folder is tabulated without running it again.
+prints; the time column is recomputed with the current model and this process's torch threads, so
+run it with the OMP_NUM_THREADS the converts ran with). With --reuse, a finished ROOT/... folder is tabulated without running it again.
 Then it prints the full-scale predictions (`quantkit plan MODEL --convert --gpu h200`) for the
 shipped recipes.
 
@@ -56,6 +57,12 @@ def run(model: str, samples: int, root: Path, budget: str, reuse: bool) -> dict:
     r = json.loads(report.read_text())
     m = json.loads(meta.read_text()) if meta.is_file() else {"wall": r["seconds"], "cpu": None}
     c = r["cost"]
+    # time: the current model (quantkit.cost) for the same run and thread count; memory/disk: as recorded
+    from quantkit.cost import plan_convert_for
+
+    now = plan_convert_for(f"realshape:{model}", gpu="cpu", method="gptq", num_samples=samples, seq_len=512,
+                           group_size=128 if model == "kimi-k2.6" else None, max_host_memory=budget, validate=False)
+    c["seconds_total"] = round(sum(now.seconds.values()), 1)
     return {"model": model, "tokens": samples * 512, "rss": r["peak_rss_bytes"], "rss_pred": c["peak_host"],
             "disk": r["outputs"]["prefill"]["bytes"] + r["outputs"]["decode"]["bytes"],
             "disk_pred": c["disk"]["prefill"] + c["disk"]["decode"], "wall": m["wall"], "cpu": m["cpu"],
