@@ -10,11 +10,11 @@ Memory, in bytes (D hidden, I expert width, N x T calibration tokens, k experts 
 C experts per chunk, B samples per micro-batch, w = 4 bytes per float32; compute is float32):
 
     base          the Python process with torch and quantkit imported (measured, BASE_BYTES)
-    layer         the largest layer's weights other than its routed experts, float32, plus the
-                  transient of dequantizing its largest tensor (3 float32 copies: FP8 values,
-                  expanded scales, product)
-    writer        the two output writers' buffers: one layer's tensors up to a shard each, and a
-                  serialized copy of one shard while it is written (safetensors' save_file)
+    writer        the two output writers' buffers: one layer's tensors, up to a shard each
+                  (safetensors 0.8 writes from the tensors' memory, no serialized copy)
+    dense_layer,  a dense layer's weights, and a MoE layer's weights other than its routed
+    moe_layer     experts, float32
+    load_transient dequantizing the largest tensor: 3 float32 copies (values, scales, product)
     store         h and x for every calibration token: 2 N T D bytes-per-element (MoE layers)
                   (0 in RAM when disk-backed)
     routing       top-k ids (int16) and weights (float32): 6 N T k
@@ -24,7 +24,9 @@ C experts per chunk, B samples per micro-batch, w = 4 bytes per float32; compute
                   row-stacked gate/up and, during GPTQ, H being factored and its inverse factor;
                   plus one micro-batch's gathered rows and down inputs, and the all-token H
 
-    peak = base + layer + writer + store + routing + max(attention, experts)
+    peak = base + writer + store + routing + max(attention phase, experts phase)
+    attention phase = max over dense/MoE layers of (layer weights + max(load_transient, attention))
+    experts phase   = moe_layer + experts
 
 On a GPU, layer/store/routing/attention/experts are device memory, base/writer and the source's
 pages host memory (plus the store when it lives in pinned host memory).
@@ -117,6 +119,8 @@ class LayerShapes:
     v_head: int
     max_dense_width: int  # the widest MLP a micro-batch runs (dense MLP or shared expert)
     layer_params: int  # the largest layer's parameters other than routed experts
+    dense_layer_params: int  # the largest dense layer's parameters (0 without one)
+    moe_layer_params: int  # the largest MoE layer's parameters other than routed experts
     largest_tensor: int  # parameters of the largest single tensor (dequantized at once)
     moe_layers: int
     layers: int  # decoder layers, MTP included
@@ -148,6 +152,8 @@ def layer_shapes(arch) -> LayerShapes:
         max_dense_width=max(a.intermediate_size if not all(a.is_moe(i) for i in range(a.num_hidden_layers)) else 0,
                             a.moe_intermediate_size * max(a.n_shared_experts, 1)),
         layer_params=max(per_layer.values()), largest_tensor=largest,
+        dense_layer_params=max([v for L, v in per_layer.items() if not a.is_moe(L)], default=0),
+        moe_layer_params=max([v for L, v in per_layer.items() if a.is_moe(L)], default=0),
         moe_layers=sum(a.is_moe(i) for i in range(a.num_layers_with_mtp)), layers=a.num_layers_with_mtp,
         attn_params=attn, index_heads=a.index_n_heads if a.has_dsa else 0,
         index_topk=a.index_topk if a.has_dsa else 0, has_dsa=a.has_dsa)
@@ -262,22 +268,33 @@ def plan_convert(
     on_gpu = device == "cuda"
     budget = gpu_mem if on_gpu else host  # where the compute work lives
 
-    layer = x.layer_params * F32 + 3 * x.largest_tensor * F32
+    w_dense, w_moe = x.dense_layer_params * F32, x.moe_layer_params * F32
+    transient = 3 * x.largest_tensor * F32  # dequantizing one FP8 tensor: values, expanded scales, product
     shard = min(max_shard_bytes, max(MIN_SHARD, host // 16))
-    layer_out = int((output_bytes[0] + output_bytes[1]) / max(x.layers, 1) * 1.5)  # an expert-heavy layer
-    writer = min(layer_out, 2 * shard) + min(layer_out, shard)
+    n_layers = max(x.layers, 1)
+    writer = sum(min(int(b / n_layers * 1.5), shard) for b in output_bytes)  # an expert-heavy layer's share
     routing = tokens * x.topk * 6
-    host_fixed = BASE_BYTES + writer + (0 if on_gpu else layer)
-    dev_fixed = (layer if on_gpu else host_fixed) + routing
+    host_fixed = BASE_BYTES + writer
+    dev_fixed = (0 if on_gpu else host_fixed) + routing
+    room = budget - dev_fixed
     notes: list[str] = []
+
+    def phase_attention(B: int) -> int:
+        """Loading a layer and running its attention half (and dense MLP / shared expert)."""
+        att = _attention_bytes(x, B, T) if calibrate else 0
+        return max(w_dense + max(transient, att), w_moe + max(transient, att))
+
+    def phase_experts(B: int, C: int) -> int:
+        """A MoE layer's routed experts, C at a time."""
+        if not calibrate:
+            return w_moe + C * 3 * x.expert_width * D * F32 * 2
+        return w_moe + C * _per_expert(x) + _expert_mb_bytes(x, B, T)
 
     choice = None
     B = max(N, 1)
     if calibrate:
-        room = budget - dev_fixed
         while B > 1 and max(_attention_bytes(x, B, T), _expert_mb_bytes(x, B, T)) > 0.15 * room:
             B = (B + 1) // 2
-        work_mb = max(_attention_bytes(x, B, T) - 0, _expert_mb_bytes(x, B, T))
         options = [(torch.float32, "memory"), (torch.bfloat16, "memory"), (torch.bfloat16, "disk")]
         if activation_dtype is not None:
             from quantkit.activations import STORE_DTYPES
@@ -295,10 +312,11 @@ def plan_convert(
                 location = "device"
             if location is None:
                 continue
-            dev_store = store_b if location == "device" else 0
-            left = room - dev_store - work_mb
-            C = int(left // _per_expert(x))
-            C = min(C, CHUNK_MAX, x.experts) if method == "gptq" else min(max(C, 0), CHUNK_MAX, x.experts)
+            left = room - (store_b if location == "device" else 0)
+            if phase_attention(B) > left:
+                continue
+            C = int((left - phase_experts(B, 0)) // _per_expert(x))
+            C = max(min(C, CHUNK_MAX, x.experts), 0)
             cand = (dt, backing, location, C, store_b)
             if C >= min(4, x.experts):
                 choice = cand
@@ -307,14 +325,13 @@ def plan_convert(
                 fallback = cand
         choice = choice or fallback
     else:
-        room = budget - dev_fixed
-        C = int((room - 0) // (3 * x.expert_width * D * F32 * 2))
-        choice = (torch.float32, "memory", "device", min(max(C, 0), CHUNK_MAX, x.experts), 0)
+        C = int((room - phase_experts(1, 0)) // (3 * x.expert_width * D * F32 * 2))
+        choice = (torch.float32, "memory", "device", max(min(C, CHUNK_MAX, x.experts), 0), 0)
 
     fits, reason = True, ""
     if choice is None or choice[3] < 1:
         fits = False
-        need = dev_fixed + _per_expert(x) + (_attention_bytes(x, 1, T) if calibrate else 0)
+        need = dev_fixed + max(phase_attention(1), phase_experts(1, 1))
         knob = "--max-gpu-memory" if on_gpu else "--max-host-memory"
         reason = (f"{knob} {budget / GB:.1f} GB cannot hold one layer's work even with the activations on disk "
                   f"and one expert at a time (needs about {need / GB:.1f} GB): raise {knob}"
@@ -323,15 +340,15 @@ def plan_convert(
     dt, backing, location, C, store_b = choice
     C = max(C, 1)
     store = StorePlan(dtype=dt, backing=backing, location=location, micro_batch=min(B, max(N, 1)))
-    work = max(_attention_bytes(x, B, T), C * _per_expert(x) + _expert_mb_bytes(x, B, T)) if calibrate else \
-        C * 3 * x.expert_width * D * F32 * 2
+    work = max(phase_attention(B), phase_experts(B, C))
 
-    memory = {"base": BASE_BYTES, "layer": layer, "writer": writer, "store": store_b, "routing": routing,
+    memory = {"base": BASE_BYTES, "writer": writer, "store": store_b, "routing": routing,
+              "dense_layer": w_dense, "moe_layer": w_moe, "load_transient": transient,
               "attention": _attention_bytes(x, B, T) if calibrate else 0,
-              "experts": C * _per_expert(x) + _expert_mb_bytes(x, B, T) if calibrate else work}
+              "experts": phase_experts(B, C) - w_moe, "work": work}
     if on_gpu:
-        peak_device = layer + (store_b if location == "device" else 0) + routing + work
-        peak_host = host_fixed + (store_b if location == "host" else 0) + 3 * x.largest_tensor * F32
+        peak_device = (store_b if location == "device" else 0) + routing + work
+        peak_host = host_fixed + (store_b if location == "host" else 0) + transient
     else:
         peak_device = None
         peak_host = host_fixed + store_b + routing + work

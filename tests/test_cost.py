@@ -40,7 +40,7 @@ def test_budget_drives_store_dtype_backing_and_chunk():
     assert mid.store.dtype == torch.bfloat16 and mid.store.backing == "memory"
     tight = _glm(max_host_memory="24GB")
     assert tight.store.backing == "disk"
-    tighter = _glm(max_host_memory="12GB")
+    tighter = _glm(max_host_memory="9GB")
     assert tighter.store.backing == "disk" and 1 <= tighter.expert_chunk < tight.expert_chunk
     for c in (roomy, mid, tight, tighter):
         assert c.fits and c.peak_host <= c.host_budget, c.summary()
