@@ -395,13 +395,13 @@ def plan_convert(
     validate_s = None
     if validate is not None:
         vt = validate.num_samples * validate.seq_len
-        passes = 1 + validate.gen_tokens
+        passes = max(validate.gen_tokens, 1)  # the prompt pass yields the first token; each further one is a pass
         three = source_bytes + output_bytes[0] + output_bytes[1]
         vflops = vt * 2 * (x.attn_params + 3 * x.topk * I * D) * x.layers * 3
         validate_s = passes * three / disk_bw + vflops / flops
         if validate.gen_tokens:
-            notes.append(f"validate streams the layers from disk: each of the {validate.gen_tokens} greedy tokens is one "
-                         f"more full pass over all three checkpoints ({passes} x {three / GB:.0f} GB read)")
+            notes.append(f"validate streams the layers from disk: each greedy token is one more full pass over all "
+                         f"three checkpoints ({validate.gen_tokens} tokens: {passes} x {three / GB:.0f} GB read)")
     return ConvertCost(device=device, gpu=gpu if on_gpu else None, host_budget=host, gpu_budget=gpu_mem, tokens=tokens,
                        store=store, expert_chunk=C, shard_bytes=shard, memory=memory, peak_host=int(peak_host),
                        peak_device=int(peak_device) if peak_device is not None else None, disk=disk,
