@@ -71,7 +71,7 @@ def test_full_scale_glm_on_one_h200_fits_and_says_validate_is_long():
     assert c.fits and c.peak_device <= c.gpu_budget
     assert c.tokens == 512 * 2048
     assert c.disk["resume_state"] > 0
-    assert any("greedy tokens" in n for n in c.notes)  # each one re-reads all three checkpoints
+    assert any("each greedy token is one more full pass" in n for n in c.notes)
 
 
 def test_plan_convert_cli_json():
