@@ -38,7 +38,7 @@ GB = 1e9
 def run(model: str, samples: int, root: Path, budget: str, reuse: bool) -> dict:
     out = root / f"{model}-{samples}x512"
     report = out / "convert-report.json"
-    meta = out.with_suffix(".bench.json")
+    meta = out.parent / (out.name + ".bench.json")
     if not (reuse and report.is_file()):
         import shutil
 
