@@ -134,7 +134,7 @@ def gptq(
     actorder: bool = False,
     scale_dtype: torch.dtype = torch.bfloat16,
     static_groups: bool = True,
-    consume_h: bool = False,
+    consume: bool = False,
 ) -> QuantizedWeight:
     """GPTQ-quantize W [..., out, in] given H [..., in, in] (any positive multiple of sum x x^T).
 
@@ -142,8 +142,9 @@ def gptq(
     static_groups=True (default, = llm-compressor 0.14): scales from the original W up front;
     False: each group's scale from the error-updated W when the group starts (paper's reference).
     loss: sum over rows and columns of err^2 / 2, in the units of H (llm-compressor's "loss").
-    consume_h=True lets gptq damp and factor the caller's float32 H in place instead of copying it
-    (the caller must not use H afterwards): at real width H is the largest thing here.
+    consume=True lets gptq work on the caller's float32 W and H in place instead of copying them
+    (the caller must not use either afterwards, and should hold no other reference, so that H is
+    freed once factored): at real width H and W are the largest things here.
     Raises HessianError naming the batch indices whose damped H is not positive definite.
     """
     _check_groups(W, group_size)
@@ -153,9 +154,10 @@ def gptq(
     if not static_groups and (actorder or block_size % group_size):
         raise ValueError("static_groups=False needs actorder=False, block_size % group_size == 0")
     device = W.device
-    W = W.reshape(-1, rows, columns).to(torch.float32, copy=True)  # [E, out, in], working copy
-    own = consume_h and H.dtype == torch.float32 and H.device == device and H.is_contiguous()
-    H = H.reshape(-1, columns, columns).to(device, torch.float32, copy=not own)  # [E, in, in]
+    own_w = consume and W.dtype == torch.float32 and W.is_contiguous()
+    W = W.reshape(-1, rows, columns).to(torch.float32, copy=not own_w)  # [E, out, in], working copy
+    own_h = consume and H.dtype == torch.float32 and H.device == device and H.is_contiguous()
+    H = H.reshape(-1, columns, columns).to(device, torch.float32, copy=not own_h)  # [E, in, in]
     E = W.shape[0]
 
     # Group scales from the original weights (llm-compressor's observer runs before GPTQ).
@@ -171,6 +173,7 @@ def gptq(
         H = H.gather(-1, perm.unsqueeze(-2).expand(-1, columns, -1))
         H = H.gather(-2, perm.unsqueeze(-1).expand(-1, -1, columns))
         g_idx = g_idx.gather(-1, perm)
+        del Hdiag
 
     # Dead inputs never contribute to the output: pin their H diagonal, zero their weights.
     diag = torch.diagonal(H, dim1=-2, dim2=-1)  # [E, in], a view into H
@@ -237,9 +240,11 @@ def gptq_shared_h(Ws: list[torch.Tensor], H: torch.Tensor, group_size: int, **op
     (an expert's gate and up). H is factored once: GPTQ treats rows independently given Hinv, so
     quantizing the row-stacked weight [..., sum(out_i), in] is the same computation as quantizing
     each weight with its own copy of H, without expanding H per weight. `options` go to gptq
-    (consume_h=True to factor H in place)."""
+    (consume=True to factor H in place)."""
     rows = [W.shape[-2] for W in Ws]
-    q = gptq(torch.cat(Ws, dim=-2), H, group_size, **options)  # [..., sum(out_i), in]
+    box = [H]
+    del H  # so that with consume=True the factored H is freed inside gptq
+    q = gptq(torch.cat(Ws, dim=-2), box.pop(), group_size, **options)  # [..., sum(out_i), in]
     qs, scales = q.q.split(rows, dim=-2), q.scale.split(rows, dim=-2)
     # loss: per weight it would need per-row losses; report the total on the first, 0 on the rest
     losses = [q.loss] + [torch.zeros_like(q.loss)] * (len(Ws) - 1)
