@@ -25,7 +25,9 @@ _API = {
     "logits": ("quantkit.forward", "logits"),
     "convert": ("quantkit.conversion", "convert"),
     "validate": ("quantkit.validation", "validate"),
+    "verify": ("quantkit.integrity", "verify"),
     "pull": ("quantkit.hub", "pull"),
+    "check_serving": ("quantkit.serving", "check_serving"),
     "Checkpoint": ("quantkit.checkpoint", "Checkpoint"),
     "QuantkitError": ("quantkit.errors", "QuantkitError"),
 }

@@ -155,6 +155,32 @@ def _rope(text: dict[str, Any]) -> dict[str, Any]:
     return rope
 
 
+_POSITIVE = ("num_hidden_layers", "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+             "n_routed_experts", "num_experts_per_tok", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
+             "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group", "moe_layer_freq",
+             "max_position_embeddings", "index_topk_freq")
+_NON_NEGATIVE = ("first_k_dense_replace", "n_shared_experts", "num_nextn_predict_layers", "index_n_heads",
+                 "index_head_dim", "index_topk", "index_skip_topk_offset")
+_NUMBERS = ("rms_norm_eps", "routed_scaling_factor", "rope_theta")
+
+
+def _check_types(text: dict[str, Any], source: str) -> None:
+    """Every field quantkit reads as a number is one (a string, bool or list is a one-line error,
+    not a traceback from int()); sizes are positive. null means "not set" and is left to the parser."""
+    for key in _POSITIVE + _NON_NEGATIVE:
+        v = text.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not (isinstance(v, int) or (isinstance(v, float) and v.is_integer())):
+            raise ConfigError(f"{source}: {key} is {v!r} ({type(v).__name__}); it must be an integer, fix config.json")
+        if v < (1 if key in _POSITIVE else 0):
+            raise ConfigError(f"{source}: {key} is {v!r}; it must be {'positive' if key in _POSITIVE else '>= 0'}, fix config.json")
+    for key in _NUMBERS:
+        v = text.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ConfigError(f"{source}: {key} is {v!r} ({type(v).__name__}); it must be a number, fix config.json")
+
+
 def arch_from_config(cfg: dict[str, Any], *, source: str = "config.json") -> ModelArch:
     """Parse a config.json dict of a supported family into a ModelArch."""
     model_type = cfg.get("model_type")
@@ -163,6 +189,7 @@ def arch_from_config(cfg: dict[str, Any], *, source: str = "config.json") -> Mod
             f"{source}: unknown model_type {model_type!r}; quantkit supports {', '.join(sorted(FAMILIES))}"
         )
     text, prefix, head = _text_config(cfg, model_type)
+    _check_types(text, source)
 
     def need(key: str) -> Any:
         if key not in text:

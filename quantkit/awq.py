@@ -73,6 +73,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from quantkit.experts import ExpertRecord, calibration_inputs, expert_weights, rtn_expert, run_gptq
 from quantkit.gptq import QuantizedWeight, quantize_rtn
 
 __all__ = [
@@ -276,6 +277,38 @@ def awq_smooth_scales(
 
 
 # ---- one MoE layer ------------------------------------------------------------------------------
+def _expert(qgu: QuantizedWeight, qd: QuantizedWeight, i: int) -> dict[str, QuantizedWeight]:
+    return {"gate_proj": QuantizedWeight(qgu.q[i, 0], qgu.scale[i, 0]),
+            "up_proj": QuantizedWeight(qgu.q[i, 1], qgu.scale[i, 1]),
+            "down_proj": QuantizedWeight(qd.q[i], qd.scale[i])}
+
+
+def _quantize_smoothed(X, Wg, Wu, Wd, s, Y, group_size, quantizer, g, a, layer, chunk):
+    """Fold s into up/down, quantize gate, up' and down' (down' against what the quantized gate/up'
+    really produce); returns (gate/up QuantizedWeight (C, 2, ...), down's, final mean squared
+    expert-output error per token (C,) against the float experts' outputs Y)."""
+    up_s, down_s = fold_up_down(Wu, Wd, s)
+    # gate and the smoothed up: one input statistic per expert, shared by both
+    Hx = torch.stack([_second_moment(xe) for xe in X])  # (C, D, D) = E[x x^T]
+    Wgu = torch.stack([Wg, up_s], 1)  # (C, 2, I, D)
+    if quantizer == "gptq":
+        qgu = run_gptq(Wgu, (2 * Hx)[:, None].expand(-1, 2, -1, -1), group_size, g, layer, chunk)
+    else:
+        qgu = quantize_clipped(Wgu, group_size, auto_clip(Wgu, Hx[:, None], group_size, a.grid))
+    gu_hat = qgu.dequantize()  # (C, 2, I, D)
+    # the smoothed down, against what the quantized gate / up' really produce
+    Z_hat = [F.silu(xe @ gu_hat[i, 0].T) * (xe @ gu_hat[i, 1].T) for i, xe in enumerate(X)]  # (n, I), ~ z / s
+    Hz_s = torch.stack([_second_moment(zh) for zh in Z_hat])  # (C, I, I)
+    if quantizer == "gptq":
+        qd = run_gptq(down_s, 2 * Hz_s, group_size, g, layer, chunk)
+    else:
+        qd = quantize_clipped(down_s, group_size, auto_clip(down_s, Hz_s, group_size, a.grid))
+    d_hat = qd.dequantize()  # (C, D, I)
+    err = torch.stack([(zh @ d_hat[i].T - Y[i]).square().sum(-1).mean() for i, zh in enumerate(Z_hat)])  # (C,)
+    return qgu, qd, err
+
+
+
 def quantize_experts_awq(
     x: torch.Tensor,
     w: dict[str, torch.Tensor],
@@ -286,6 +319,7 @@ def quantize_experts_awq(
     layer: int,
     *,
     quantizer: Literal["gptq", "rtn"] = "gptq",
+    alternatives: dict | None = None,
 ):
     """AWQ for the given routed experts of one layer; the contract of `conversion.quantize_experts`.
 
@@ -304,33 +338,30 @@ def quantize_experts_awq(
              No Hessian inverse and no per-weight error feedback; docs/awq.md says why it is not
              the default.
 
-    Per batch of experts (`gptq.expert_batch`, default 16):
-      1. z = silu(gate x) * (up x) on the expert's tokens (float) -> mean|z|, E[z z^T];
-      2. `awq_smooth_scales` for up->down, folded: up / s, down * s (`fold_up_down`);
-      3. gate, up' quantized (no smoothing on their input: it is the shared norm output);
-      4. down' quantized against z_hat' = silu(gate_q x) * (up'_q x) on the same tokens.
+    Per batch of 16 experts:
+      1. z = silu(gate x) * (up x) on the expert's fit tokens (float) -> mean|z|, E[z z^T];
+      2. `awq_smooth_scales` for up->down (scored with RTN, as AWQ's search);
+      3. for the searched s and for s = 1: fold (up / s, down * s), quantize gate and up' (no
+         smoothing on their input: it is the shared norm output), then down' against
+         z_hat' = silu(gate_q x) * (up'_q x) on the same tokens, with `quantizer`;
+      4. with `alternatives` (a dict, filled per expert), the s = 1 result too ("awq-s1"): the
+         caller's held-out guard keeps whichever of AWQ, AWQ with s = 1 and RTN has the lowest
+         error on tokens neither was fitted on, since the search's RTN proxy can disagree with GPTQ.
 
-    Starved experts (< gptq.min_tokens routed tokens, or none at all) follow gptq.fallback as
-    GPTQ does: "all_tokens" calibrates on every token reaching the layer (fallback "all_tokens"),
-    "rtn" rounds to nearest (method "rtn", fallback "rtn"). ExpertRecord.loss is the final mean
-    squared expert-output error per calibration token vs the float expert (not GPTQ's units).
+    Which tokens are fitted and what starved experts get is quantkit.experts' policy, shared with
+    GPTQ. ExpertRecord.loss is the final mean squared expert-output error per fit token vs the
+    float expert (not GPTQ's units).
     """
-    from quantkit.conversion import PROJS, ExpertRecord, _gptq, expert_weights  # conversion imports this module lazily
-
     g, a = recipe.gptq, recipe.awq
-    records, quantized = [], {}
-    # an expert with no tokens cannot be calibrated even when min_tokens is 0
-    starved = [e for e in experts if len(tokens[e]) < max(g.min_tokens, 1)]
-    inputs: dict[int, torch.Tensor] = {}
-    for e in experts:
-        if e in starved and g.fallback == "rtn":
-            quantized[e] = {p: quantize_rtn(t, group_size) for p, t in zip(PROJS, expert_weights(w, e))}
+    records, quantized, inputs, fallback = [], {}, {}, {}
+    for e in experts:  # quantkit.experts' one policy: held-out tokens never fitted, starved experts' fallback
+        inputs[e], fallback[e] = calibration_inputs(x, tokens[e], g)
+        if inputs[e] is None:
+            quantized[e] = rtn_expert(w, e, group_size)
             records.append(ExpertRecord(layer, e, len(tokens[e]), "rtn", fallback="rtn"))
-            continue
-        inputs[e] = x if e in starved else x[tokens[e]]
-    run = list(inputs)
+    run = [e for e in experts if inputs[e] is not None]
 
-    batch = getattr(g, "expert_batch", 16)  # experts per batched call (memory: batch x (D^2 + 3 D I) floats)
+    batch = 16  # experts per batched call (memory: batch x (D^2 + 3 D I) floats)
     for start in range(0, len(run), batch):
         chunk = run[start: start + batch]
         X = [inputs[e].float() for e in chunk]  # C x (n_e, D)
@@ -341,35 +372,18 @@ def quantize_experts_awq(
         z_mean = torch.stack([activation_means(z) for z in Z])  # (C, I)
         Hz = torch.stack([_second_moment(z) for z in Z])  # (C, I, I)
 
-        # 2. smoothing scales, folded into up's rows and down's columns
+        # 2. smoothing scales (searched with RTN, as AWQ), then 3-4 with the quantizer that writes the
+        #    weights; the same for s = 1 as an alternative the caller's held-out guard may keep
+        #    (quantkit.experts.guard_against_rtn): the search's RTN proxy can disagree with GPTQ
         s, _, _ = awq_smooth_scales(Wd, z_mean, Hz, group_size, a.grid, a.duo_scaling)  # (C, I)
-        up_s, down_s = fold_up_down(Wu, Wd, s)
-
-        # 3. gate and the smoothed up: one input statistic per expert, shared by both
-        Hx = torch.stack([_second_moment(xe) for xe in X])  # (C, D, D) = E[x x^T]
-        Wgu = torch.stack([Wg, up_s], 1)  # (C, 2, I, D)
-        if quantizer == "gptq":
-            qgu = _gptq(Wgu, (2 * Hx)[:, None].expand(-1, 2, -1, -1), group_size, g, layer, chunk)
-        else:
-            qgu = quantize_clipped(Wgu, group_size, auto_clip(Wgu, Hx[:, None], group_size, a.grid))
-        gu_hat = qgu.dequantize()  # (C, 2, I, D)
-
-        # 4. the smoothed down, against what the quantized gate / up' really produce
-        Z_hat = [F.silu(xe @ gu_hat[i, 0].T) * (xe @ gu_hat[i, 1].T) for i, xe in enumerate(X)]  # (n, I), ~ z / s
-        Hz_s = torch.stack([_second_moment(zh) for zh in Z_hat])  # (C, I, I)
-        if quantizer == "gptq":
-            qd = _gptq(down_s, 2 * Hz_s, group_size, g, layer, chunk)
-        else:
-            qd = quantize_clipped(down_s, group_size, auto_clip(down_s, Hz_s, group_size, a.grid))
-        d_hat = qd.dequantize()  # (C, D, I)
-
+        Y = [z @ Wd[i].T for i, z in enumerate(Z)]  # C x (n, D): the float experts' outputs
+        qgu, qd, err = _quantize_smoothed(X, Wg, Wu, Wd, s, Y, group_size, quantizer, g, a, layer, chunk)
+        if alternatives is not None:
+            qgu1, qd1, _ = _quantize_smoothed(X, Wg, Wu, Wd, torch.ones_like(s), Y, group_size, quantizer, g, a, layer, chunk)
         for i, e in enumerate(chunk):
-            err = (Z_hat[i] @ d_hat[i].T - Z[i] @ Wd[i].T).square().sum(-1).mean().item()
-            quantized[e] = {
-                "gate_proj": QuantizedWeight(qgu.q[i, 0], qgu.scale[i, 0]),
-                "up_proj": QuantizedWeight(qgu.q[i, 1], qgu.scale[i, 1]),
-                "down_proj": QuantizedWeight(qd.q[i], qd.scale[i]),
-            }
-            records.append(ExpertRecord(layer, e, len(tokens[e]), "awq", "all_tokens" if e in starved else None, err))
+            quantized[e] = _expert(qgu, qd, i)
+            if alternatives is not None:
+                alternatives[e] = {"awq-s1": _expert(qgu1, qd1, i)}
+            records.append(ExpertRecord(layer, e, len(tokens[e]), "awq", fallback[e], err[i].item()))
     records.sort(key=lambda r: r.expert)
     return quantized, records

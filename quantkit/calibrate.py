@@ -9,11 +9,14 @@ reads one micro-batch of samples as float32, works on it, and writes it back.
                      MoE layer:   store x; route x (kept: top-k ids and weights, 12 B per slot);
                                   h += shared_expert(x)
     per chunk of routed experts (their count from the budget, quantkit.cost):
-      Hessians       per micro-batch, each expert's routed tokens: H_e += x_e^T x_e (gate and up
-                     share it); a starved expert with fallback all_tokens uses every token's
+      Hessians       per micro-batch, each expert's fit tokens (quantkit.experts' policy: every
+                     HOLDOUT-th routed token is held out): H_e += x_e^T x_e (gate and up share it);
+                     a starved expert with fallback all_tokens uses the layer's fit tokens; the
+                     held-out rows are kept for the guard
       GPTQ           gate and up as one row-stacked weight against one factored H_e
       down Hessians  per micro-batch: z = silu(x_e gate_hat^T) * (x_e up_hat^T), Hd_e += z^T z
       GPTQ           down
+      guard          each expert's held-out output error vs RTN's; the lower is stored
       output pass    per micro-batch: h += sum_e w_e * expert_e(x_e) under the decode weights
 
 So the work space is one micro-batch of tokens plus one chunk of experts (weights, Hessians and
@@ -29,7 +32,8 @@ import torch.nn.functional as F
 
 from quantkit.activations import ActivationStore
 from quantkit.errors import OutputError
-from quantkit.gptq import HessianError, QuantizedWeight, gptq, quantize_rtn
+from quantkit.experts import HOLDOUT
+from quantkit.gptq import HessianError, QuantizedWeight, gptq
 from quantkit.reference import mla_attention, rms_norm, route, swiglu
 
 
@@ -42,7 +46,8 @@ class LayerRouting:
         self.starts = [0]
         for n in tokens_per_batch:
             self.starts.append(self.starts[-1] + n)
-        self.counts = torch.bincount(self.idx.flatten().long(), minlength=n_experts)
+        flat = self.idx.flatten().long()  # counts without a data-dependent shape (bincount's is)
+        self.counts = torch.zeros(n_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
     def batch(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         a, b = self.starts[i], self.starts[i + 1]
@@ -91,16 +96,42 @@ def _passes(store: ActivationStore, routing: LayerRouting):
         yield i, sl, store.x.read(sl).reshape(-1, D), idx_b, wt_b
 
 
+def _rows(idx_b: torch.Tensor, e: int, seen: int, start: int, use_all: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fit rows, held-out rows) of this micro-batch for expert e, by quantkit.experts' one policy:
+    every HOLDOUT-th entry of the expert's routed-token list (or, with use_all, of the layer's
+    token list) is held out. `seen`: the expert's routed tokens in earlier micro-batches; `start`:
+    the micro-batch's first token in the layer."""
+    if use_all:
+        rows = torch.arange(len(idx_b), device=idx_b.device)
+        pos = start + rows
+    else:
+        rows = _tokens(idx_b, e)[0]
+        pos = seen + torch.arange(len(rows), device=rows.device)
+    held = pos % HOLDOUT == HOLDOUT - 1
+    return rows[~held], rows[held]
+
+
 def expert_hessians(store: ActivationStore, routing: LayerRouting, run: list[int], all_tokens: set[int],
-                    inputs=None) -> torch.Tensor:
-    """H_e = 2/n_e sum x x^T [len(run), in, in] over each expert's routed tokens (all tokens for the
-    experts in `all_tokens`), accumulated one micro-batch at a time. `inputs(i, e, x_e)` maps an
-    expert's input rows to the rows of the Linear whose Hessian this is (default: x itself)."""
+                    inputs=None, held: dict | None = None) -> torch.Tensor:
+    """H_e = 2/n_e sum x x^T [len(run), in, in] over each expert's fit tokens (the layer's fit
+    tokens for the experts in `all_tokens`), accumulated one micro-batch at a time; held-out tokens
+    never enter. `inputs(j, x_e)` maps an expert's input rows to the rows of the Linear whose Hessian
+    this is (default: x itself). `held`, when a dict, receives each expert's held-out input rows
+    (the guard's data: 1/HOLDOUT of its routed tokens)."""
     H = None
     n = torch.zeros(len(run), dtype=torch.float64)
+    seen = {e: 0 for e in run}
+    parts: dict[int, list] = {e: [] for e in run}
     for i, _, xb, idx_b, _ in _passes(store, routing):
+        start = routing.starts[i]
         for j, e in enumerate(run):
-            xe = xb if e in all_tokens else xb[_tokens(idx_b, e)[0]]
+            fit, out = _rows(idx_b, e, seen[e], start, e in all_tokens)
+            if held is not None:  # the guard judges on the expert's own held-out routed tokens
+                routed_out = _rows(idx_b, e, seen[e], start, False)[1] if e in all_tokens else out
+                if len(routed_out):
+                    parts[e].append(xb[routed_out])
+            seen[e] += int((idx_b == e).sum())
+            xe = xb[fit]
             if inputs is not None:
                 xe = inputs(j, xe)
             if H is None:
@@ -111,7 +142,22 @@ def expert_hessians(store: ActivationStore, routing: LayerRouting, run: list[int
         del xb
     for j in range(len(run)):
         H[j] *= 2.0 / max(float(n[j]), 1.0)
+    if held is not None:
+        for e in run:
+            held[e] = torch.cat(parts[e]) if parts[e] else None
     return H
+
+
+def _layer_heldout(store: ActivationStore) -> torch.Tensor:
+    """Every held-out token of the layer (the guard's data for an expert with none of its own)."""
+    D = store.shape[-1]
+    rows = []
+    for i, sl in enumerate(store.slices()):
+        xb = store.x.read(sl).reshape(-1, D)
+        start = sl.start * store.shape[1]
+        pos = start + torch.arange(len(xb), device=xb.device)
+        rows.append(xb[pos % HOLDOUT == HOLDOUT - 1])
+    return torch.cat(rows)
 
 
 def _gptq(W, H, group_size, g, layer, experts) -> QuantizedWeight:
@@ -126,26 +172,30 @@ def _gptq(W, H, group_size, g, layer, experts) -> QuantizedWeight:
 
 def gptq_experts(store: ActivationStore, routing: LayerRouting, ew: dict[str, torch.Tensor], experts: list[int],
                  recipe, group_size: int, layer: int):
-    """GPTQ for a chunk of routed experts from streamed Hessians; same contract and fallbacks as
-    conversion.quantize_experts. Pops the experts' source weights from `ew` as they are consumed."""
-    from quantkit.conversion import PROJS, ExpertRecord, expert_weights
+    """GPTQ for a chunk of routed experts from streamed Hessians, with quantkit.experts' policy:
+    fit on the non-held-out tokens, starved experts take gptq.fallback, and each expert is kept
+    only if its held-out output error beats RTN's (guard_against_rtn). Same contract as
+    conversion.quantize_experts followed by the guard."""
+    from quantkit.experts import ExpertRecord, guard_against_rtn, rtn_expert
 
     g = recipe.gptq
     counts = routing.counts
-    starved = {e for e in experts if int(counts[e]) < g.min_tokens}
-    records, quantized = [], {}
+    # an expert's fit tokens: its routed tokens less every HOLDOUT-th (quantkit.experts.split_heldout)
+    starved = {e for e in experts if int(counts[e]) - int(counts[e]) // HOLDOUT < max(g.min_tokens, 1)}
+    records, quantized = {}, {}
     for e in experts:
         if e in starved and g.fallback == "rtn":
-            quantized[e] = {p: quantize_rtn(t, group_size) for p, t in zip(PROJS, expert_weights(ew, e))}
-            records.append(ExpertRecord(layer, e, int(counts[e]), "rtn", fallback="rtn"))
+            quantized[e] = rtn_expert(ew, e, group_size)
+            records[e] = ExpertRecord(layer, e, int(counts[e]), "rtn", fallback="rtn")
     run = [e for e in experts if e not in quantized]
     if run:
         all_tokens = starved & set(run)
         I = ew[f"mlp.experts.{run[0]}.gate_proj.weight"].shape[0]
         # gate and up: one Hessian per expert, shared; the weights stacked by rows [C, 2I, D]
-        H = expert_hessians(store, routing, run, all_tokens)
-        Wgu = torch.stack([torch.cat([ew.pop(f"mlp.experts.{e}.gate_proj.weight"),
-                                      ew.pop(f"mlp.experts.{e}.up_proj.weight")]) for e in run]).float()
+        held: dict = {}
+        H = expert_hessians(store, routing, run, all_tokens, held=held)
+        Wgu = torch.stack([torch.cat([ew[f"mlp.experts.{e}.gate_proj.weight"],
+                                      ew[f"mlp.experts.{e}.up_proj.weight"]]) for e in run]).float()
         box = [H]
         del H
         qgu = _gptq(Wgu, box.pop(), group_size, g, layer, run)
@@ -157,21 +207,28 @@ def gptq_experts(store: ActivationStore, routing: LayerRouting, ew: dict[str, to
 
         Hd = expert_hessians(store, routing, run, all_tokens, inputs=z)
         del gu_hat
-        Wd = torch.stack([ew.pop(f"mlp.experts.{e}.down_proj.weight") for e in run]).float()  # [C, D, I]
+        Wd = torch.stack([ew[f"mlp.experts.{e}.down_proj.weight"] for e in run]).float()  # [C, D, I]
         box = [Hd]
         del Hd
         qd = _gptq(Wd, box.pop(), group_size, g, layer, run)
         del Wd
+        layer_held = None
         for j, e in enumerate(run):
-            quantized[e] = {
+            q = {
                 "gate_proj": QuantizedWeight(qgu.q[j, :I], qgu.scale[j, :I]),
                 "up_proj": QuantizedWeight(qgu.q[j, I:], qgu.scale[j, I:]),
                 "down_proj": QuantizedWeight(qd.q[j], qd.scale[j]),
             }
-            records.append(ExpertRecord(layer, e, int(counts[e]), "gptq", "all_tokens" if e in starved else None,
-                                        float(qgu.loss[j] + qd.loss[j])))
-    records.sort(key=lambda r: r.expert)
-    return quantized, records
+            r = ExpertRecord(layer, e, int(counts[e]), "gptq", "all_tokens" if e in starved else None,
+                             float(qgu.loss[j] + qd.loss[j]))
+            x_held = held.get(e)
+            if x_held is None:  # no held-out routed token: every held-out token of the layer
+                layer_held = _layer_heldout(store) if layer_held is None else layer_held
+                x_held = layer_held
+            quantized[e] = guard_against_rtn(x_held, ew, e, q, group_size, r)
+            records[e] = r
+        del held, layer_held
+    return quantized, [records[e] for e in sorted(records)]
 
 
 def add_expert_outputs(store: ActivationStore, routing: LayerRouting, weights: dict[int, tuple]) -> None:
@@ -193,7 +250,8 @@ def convert_experts_streamed(ckpt, pair, decisions, layer: int, store: Activatio
     """conversion.convert_experts for a calibrated layer: `chunk` experts at a time, loaded,
     quantized from streamed Hessians (GPTQ), written to both outputs, and their outputs under the
     decode weights added to h. Returns one ExpertRecord per expert."""
-    from quantkit.conversion import PROJS, ExpertRecord, expert_weights, quantize_experts
+    from quantkit.conversion import quantize_experts
+    from quantkit.experts import PROJS, ExpertRecord, expert_weights, guard_against_rtn, heldout_inputs
     from quantkit.precision import INT4
     from quantkit.tensors import TensorClass
 
@@ -214,12 +272,20 @@ def convert_experts_streamed(ckpt, pair, decisions, layer: int, store: Activatio
             bar.update(note=f"layer {layer}: quantizing experts {need[0]}-{need[-1]} of {len(experts)}")
             if method == "gptq":
                 quantized, recs = gptq_experts(store, routing, ew, need, recipe, group_size, layer)
-            else:  # rtn, awq: the per-expert inputs gathered (AWQ's search needs them; not budgeted)
+            else:  # rtn, awq: the per-expert inputs gathered, as conversion.convert_experts (AWQ's search
+                # needs them; not budgeted)
                 D = store.shape[-1]
-                x = store.x.data.reshape(-1, D).to(dev, torch.float32) if method == "awq" else None
+                x = torch.cat([store.x.read(sl).reshape(-1, D) for sl in store.slices()]) if method == "awq" else None
                 idx = routing.idx.to(dev)
                 tokens = {e: (idx == e).any(-1).nonzero(as_tuple=True)[0] for e in need}
-                quantized, recs = quantize_experts(x, ew, tokens, need, recipe, group_size, method, layer)
+                alternatives: dict = {}
+                quantized, recs = quantize_experts(x, ew, tokens, need, recipe, group_size, method, layer, alternatives)
+                if method != "rtn":  # never worse than RTN on held-out routed tokens (quantkit.experts)
+                    for r in recs:
+                        if r.method != "rtn":
+                            quantized[r.expert] = guard_against_rtn(heldout_inputs(x, tokens[r.expert]), ew, r.expert,
+                                                                    quantized[r.expert], group_size, r,
+                                                                    alternatives.get(r.expert))
                 del x
             records += recs
         records += [ExpertRecord(layer, e, int(routing.counts[e]), "reused") for e in part if e not in need]

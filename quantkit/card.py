@@ -10,13 +10,17 @@ checkpoint's shared experts are BF16), following docs/serving.md.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+from quantkit.integrity import atomic_write_text
 
 ROLE = {
     "prefill": ("FP8 prefill checkpoint", "the compute-bound prefill pool",
                 "FP8 128x128 block weights in DeepSeek's native layout (`weight_scale_inv`)"),
     "decode": ("INT4 decode checkpoint", "the bandwidth-bound decode pool",
-               "INT4 routed experts, compressed-tensors `mixed-precision` (`pack-quantized` experts, FP8 block elsewhere)"),
+               "INT4 routed experts in compressed-tensors `pack-quantized`, the rest as listed under precision below "
+               "(FP8 128x128 blocks shared with prefill, unless converted with `--decode-rest bf16`)"),
 }
 
 
@@ -33,7 +37,9 @@ def write_cards(out: str | Path, report: dict, validation: dict) -> dict[str, Pa
     for which in ("prefill", "decode"):
         path = out / report["outputs"][which]["path"] / "README.md"
         license = _license_fields(path.read_text(encoding="utf-8", errors="replace")) if path.is_file() else {}
-        path.write_text(render_card(which, report, validation, license=license))
+        config = out / report["outputs"]["decode"]["path"] / "config.json"
+        decode_config = json.loads(config.read_text()) if config.is_file() else None
+        atomic_write_text(path, render_card(which, report, validation, license=license, decode_config=decode_config))
         paths[which] = path
     return paths
 
@@ -54,7 +60,8 @@ def _license_fields(text: str) -> dict[str, str]:
     return {k: str(meta[k]) for k in LICENSE_KEYS if meta.get(k) is not None}
 
 
-def render_card(which: str, report: dict, validation: dict, *, license: dict[str, str] | None = None) -> str:
+def render_card(which: str, report: dict, validation: dict, *, license: dict[str, str] | None = None,
+                decode_config: dict | None = None) -> str:
     """The model card (markdown with YAML front matter) of the `which` checkpoint of a pair."""
     other = "decode" if which == "prefill" else "prefill"
     title, pool, storage = ROLE[which]
@@ -71,8 +78,12 @@ def render_card(which: str, report: dict, validation: dict, *, license: dict[str
         f"One half of a matched pair for disaggregated serving. This folder is the **{which}** checkpoint, for "
         f"{pool}: {storage}. `../{other}` is the {ROLE[other][0]}, for {ROLE[other][1]}. The two hold identical "
         f"bytes for every tensor except the {', '.join(report['shared_tensors']['differ_classes']) or 'none'} tensors "
-        f"({report['shared_tensors']['identical']} identical, {report['shared_tensors']['differ']} differ), so the decode "
-        "pool attends over KV that the prefill pool computed with the same attention weights.",
+        f"({report['shared_tensors']['identical']} identical, {report['shared_tensors']['differ']} differ)"
+        + (", so the decode pool attends over KV that the prefill pool computed with the same attention weights."
+           if "attention" not in report["shared_tensors"]["differ_classes"] else
+           ". The attention weights are among them (recipe `decode.rest: bf16`): the decode pool attends over KV the "
+           "prefill pool computed with its FP8 attention, while its own new tokens use BF16 attention; the cross-phase "
+           "row below measures that hand-over."),
         "",
         "## Source",
         "",
@@ -82,6 +93,8 @@ def render_card(which: str, report: dict, validation: dict, *, license: dict[str
         f"| revision | {f'`{revision}`' if revision else 'not recorded (a local folder); see the file hashes below'} |",
         f"| model_type | `{src.get('model_type', '?')}` |",
         f"| config.json sha256 | `{(src.get('files') or {}).get('config.json', '?')}` |",
+        f"| this folder's manifest.json sha256 | `{report['outputs'][which].get('manifest_sha256') or 'not recorded'}` "
+        "(`quantkit verify` checks every file and tensor against it) |",
         f"| converted with | quantkit {report.get('quantkit_version', '?')}, {report.get('seconds', 0):.0f} s, "
         f"peak RSS {report.get('peak_rss_bytes', 0) / 2**30:.2f} GiB |",
         "",
@@ -102,7 +115,7 @@ def render_card(which: str, report: dict, validation: dict, *, license: dict[str
     for cls in sorted(set(prec) | set(prec_other)):
         lines.append(f"| {cls} | {prec.get(cls, '—')} | {prec_other.get(cls, '—')} |")
     lines.append(f"| **size** | {_size(report['outputs'][which]['bytes'])} | {_size(report['outputs'][other]['bytes'])} |")
-    lines += ["", *_recipe(report), "", *_measured(which, validation), "", *_serving(which, report, name), ""]
+    lines += ["", *_recipe(report), "", *_measured(which, validation), "", *_serving(which, report, name, decode_config), ""]
     return "\n".join(lines)
 
 
@@ -185,14 +198,17 @@ def _measured(which: str, v: dict) -> list[str]:
     return out
 
 
-def _serving(which: str, report: dict, name: str) -> list[str]:
+def _serving(which: str, report: dict, name: str, decode_config: dict | None = None) -> list[str]:
     """Engine commands for both sides (they must agree), with the flags that apply to this pair."""
+    from quantkit.serving import sglang_fusion_flags
+
     family = _family(report["source"].get("model_type", ""))
     mount = "/models/" + "".join(c if c.isalnum() or c in "._-" else "-" for c in name.split("/")[-1].lower())
     remote = " \\\n  --trust-remote-code" if family == "kimi" else ""
-    shared = report["outputs"]["decode"]["precision"].get("shared_expert", "")
-    shared_bf16 = "bf16" in shared
-    fusion = " \\\n  --disable-shared-experts-fusion" if shared_bf16 else ""
+    precision = report["outputs"]["decode"]["precision"]
+    shared = precision.get("shared_expert", "")
+    needs_flag = bool(decode_config and sglang_fusion_flags(decode_config, precision.get("routed_expert", ""), shared))
+    fusion = " \\\n  --disable-shared-experts-fusion" if needs_flag else ""
     mtp = any(layer.get("kind") == "mtp" for layer in report.get("layers", []))
     out = [
         "## How to serve it",
@@ -236,12 +252,15 @@ def _serving(which: str, report: dict, name: str) -> list[str]:
         f"Decode: {report['outputs']['decode']['precision'].get('routed_expert', '?')} routed experts through "
         "compressed-tensors' Marlin MoE kernels.",
     ]
-    if shared_bf16:
-        out.append("- SGLang: the decode checkpoint has INT4 routed experts with **BF16** shared experts, so it needs "
-                   "`--disable-shared-experts-fusion` (in the decode command above).")
+    if needs_flag:
+        out.append(f"- SGLang: `--disable-shared-experts-fusion` on the decode side (in the command above). SGLang fuses "
+                   f"the shared expert into the routed MoE for this architecture unless the `Linear` group is INT4; here "
+                   f"the shared expert is {shared} and the routed experts "
+                   f"{precision.get('routed_expert', '?')}, so fusion would load it into the wrong scheme.")
     else:
-        out.append(f"- SGLang `--disable-shared-experts-fusion` is **not** needed: the shared experts are "
-                   f"{shared or 'not BF16'}, not BF16 beside INT4 routed experts.")
+        out.append(f"- SGLang `--disable-shared-experts-fusion` is **not** needed for this decode checkpoint: SGLang "
+                   f"does not fuse its shared expert ({shared or '?'}) into the routed experts. "
+                   f"`quantkit check-serving` shows what each engine resolves.")
     if family == "kimi":
         out.append("- Kimi's tokenizer ships its own code: `--trust-remote-code` on both sides. The vision tower is "
                    "BF16 and identical in both checkpoints.")

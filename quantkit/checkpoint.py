@@ -27,6 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from quantkit import faults
 from quantkit.arch import ModelArch, load_arch
 from quantkit.errors import CheckpointError, OutputError
 from quantkit.formats import fp8, int4
@@ -127,9 +128,11 @@ def _entry_ok(v) -> bool:
 class Checkpoint:
     """A model folder opened for streaming: index validated, tensors classified, nothing loaded."""
 
-    def __init__(self, folder: str | Path, *, check_finite: bool = True, remote=None, release_consumed: bool = False):
+    def __init__(self, folder: str | Path, *, check_finite: bool = True, remote=None, release_consumed: bool = False,
+                 complete: bool = True):
         """`remote`: a quantkit.hub.HubSource; shards are then fetched when first needed (and,
-        with `release_consumed`, deleted once every tensor in them has been read)."""
+        with `release_consumed`, deleted once every tensor in them has been read). `complete`:
+        require every tensor the architecture needs (False only to read a partial folder)."""
         self.remote = remote
         if remote is not None:
             folder = remote.local_path("config.json").parent
@@ -137,6 +140,8 @@ class Checkpoint:
                 if not name.endswith(WEIGHT_FILES):
                     remote.fetch(name)
         self.folder = Path(folder)
+        if remote is None:
+            _check_links(self.folder)
         self.arch: ModelArch = load_arch(self.folder)
         self.check_finite = check_finite
         self.release_consumed = release_consumed
@@ -149,10 +154,17 @@ class Checkpoint:
         for name, f in self.weight_map.items():
             if name not in self.headers[f]:
                 raise CheckpointError(f"the index names tensor {name!r} but the shard does not hold it", file=str(self.folder / f))
+        for f, header in self.headers.items():
+            unlisted = sorted(set(header) - {n for n, g in self.weight_map.items() if g == f})
+            if unlisted:
+                raise CheckpointError(f"the shard holds {len(unlisted)} tensor(s) the index does not list ({unlisted[0]!r}...): "
+                                      f"the index is stale or damaged; re-download {INDEX}", file=str(self.folder / f))
         self.tensors: dict[str, Stored] = self._group()
         self._by_layer: dict[int | None, list[str]] = defaultdict(list)
         for name, st in self.tensors.items():
             self._by_layer[st.info.layer].append(name)
+        if complete:
+            self._check_complete()
 
     # ---- index -------------------------------------------------------------------------------
     def _weight_map(self) -> dict[str, str]:
@@ -223,6 +235,30 @@ class Checkpoint:
                 )
         return out
 
+    def _check_complete(self) -> None:
+        """Every tensor the architecture needs is there (a one-line error here, not a KeyError
+        halfway through a conversion); a layer with no tensors at all means the config's layer count
+        does not match the weights."""
+        a = self.arch
+        where = str(self.folder / (INDEX if (self.folder / INDEX).is_file() else SINGLE))
+        by_layer = {layer: {n[len(a.layer_prefix(layer)):] for n in names} for layer, names in self._by_layer.items() if layer is not None}
+        for layer in range(a.num_layers_with_mtp):
+            have = by_layer.get(layer, set())
+            if not have:
+                raise CheckpointError(
+                    f"config.json says {a.num_hidden_layers} decoder layers + {a.num_mtp_layers} MTP, but the shards hold no "
+                    f"tensor of layer {layer}: the config does not match these weights; use the config.json that came with them",
+                    file=where)
+            for rel in required_layer_tensors(a, layer):
+                if rel not in have:
+                    raise CheckpointError("required tensor is missing from the index and the shards; the checkpoint is "
+                                          "incomplete, re-download it", file=where, tensor=a.layer_prefix(layer) + rel)
+        top = [f"{a.prefix}embed_tokens.weight", f"{a.prefix}norm.weight"] + ([] if a.tie_word_embeddings else [a.head_name])
+        for name in top:
+            if name not in self.tensors:
+                raise CheckpointError("required tensor is missing from the index and the shards; the checkpoint is "
+                                      "incomplete, re-download it", file=where, tensor=name)
+
     # ---- access ------------------------------------------------------------------------------
     def _file(self, storage: str) -> Path:
         return self.folder / self.weight_map[storage]
@@ -254,8 +290,13 @@ class Checkpoint:
         return sorted({self.weight_map[s] for n in self.names(layer) for s in self.tensors[n].parts.values()})
 
     def raw(self, storage: str) -> torch.Tensor:
-        """A stored tensor exactly as on disk (for byte-for-byte pass-through)."""
-        return self._raw(storage)
+        """A stored tensor exactly as on disk (for byte-for-byte pass-through), checked for NaN/Inf:
+        what is passed through is written as is, so this is its only check."""
+        t = self._raw(storage)
+        if self.check_finite and not all_finite(t):
+            raise CheckpointError("contains NaN or Inf; the source checkpoint is damaged, re-download this shard",
+                                  file=str(self._file(storage)), tensor=storage)
+        return t
 
     def names(self, layer: int | None = ..., klass: TensorClass | None = None) -> list[str]:
         """Logical names, optionally of one layer (None: outside any layer) and/or one class."""
@@ -322,9 +363,68 @@ class Checkpoint:
         return total
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN or Inf, in chunks (no full-size temporary). FP8 by bit pattern (torch has no isfinite
+    for it): e4m3fn has no Inf and NaN is S.1111.111; e5m2 Inf/NaN have the exponent all ones."""
+    if not t.is_floating_point():
+        return True
+    flat = t.reshape(-1)  # a view of a contiguous stored tensor
+    for chunk in flat.split(1 << 24):
+        if t.dtype == torch.float8_e4m3fn:
+            bad = ((chunk.view(torch.uint8) & 0x7F) == 0x7F).any()
+        elif t.dtype == torch.float8_e5m2:
+            bad = ((chunk.view(torch.uint8) & 0x7C) == 0x7C).any()
+        else:
+            bad = ~torch.isfinite(chunk).all()
+        if bad:
+            return False
+    return True
+
+
+def required_layer_tensors(a: ModelArch, layer: int) -> list[str]:
+    """Logical names (relative to the layer prefix) every decoder layer of this architecture holds."""
+    req = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    req += [f"self_attn.{p}.weight" for p in ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa",
+                                               "kv_a_layernorm", "kv_b_proj", "o_proj")]
+    projs = ("gate_proj", "up_proj", "down_proj")
+    if a.is_moe(layer):
+        req.append("mlp.gate.weight")
+        req += [f"mlp.experts.{e}.{p}.weight" for e in range(a.n_routed_experts) for p in projs]
+        if a.n_shared_experts:
+            req += [f"mlp.shared_experts.{p}.weight" for p in projs]
+    else:
+        req += [f"mlp.{p}.weight" for p in projs]
+    return req
+
+
+def _check_links(folder: Path) -> None:
+    """A symlink in a local model folder may only point inside it, or, for a Hugging Face cache
+    snapshot (snapshots/<commit>/), into that repo's blobs/; anything else would be read, and
+    carried into both outputs, from outside what the user named."""
+    root = os.path.realpath(folder)
+    allowed = [root]
+    if Path(folder).resolve().parent.name == "snapshots":
+        allowed.append(os.path.realpath(Path(folder).resolve().parent.parent / "blobs"))
+    for p in Path(folder).rglob("*"):
+        if p.is_symlink():
+            target = os.path.realpath(p)
+            if not any(target == r or target.startswith(r.rstrip(os.sep) + os.sep) for r in allowed):
+                raise CheckpointError(f"is a symlink to {target}, outside the model folder; refusing to follow it: "
+                                      "copy the file into the folder or remove the link", file=str(p))
+
+
 def expected_shape(info: TensorInfo, a: ModelArch) -> tuple[int, ...] | None:
-    """The [out, in] a config implies for a projection; None where the config does not say."""
+    """The [out, in] a config implies for a projection, the length of a norm; None where the
+    config does not say."""
     h, k = a.hidden_size, a.kv_lora_rank
+    if info.klass == TensorClass.NORM:
+        return {"q_a_layernorm": (a.q_lora_rank,), "kv_a_layernorm": (k,)}.get(info.name.rsplit(".", 2)[-2], (h,))
+    if info.klass == TensorClass.MTP and info.name.endswith(("enorm.weight", "hnorm.weight", "shared_head.norm.weight")):
+        return (h,)
+    if info.klass == TensorClass.MTP and info.proj == "eh_proj":
+        return (h, 2 * h)  # [embedding; hidden] -> hidden
+    if info.klass == TensorClass.INDEXER and info.proj is None:  # k_norm weight and bias
+        return (a.index_head_dim,)
     if info.klass in (TensorClass.ROUTED_EXPERT, TensorClass.SHARED_EXPERT, TensorClass.DENSE_MLP):
         inter = {
             TensorClass.ROUTED_EXPERT: a.moe_intermediate_size,
@@ -391,6 +491,7 @@ class CheckpointWriter:
         name = f"part-{len(self._parts):06d}.safetensors"
         tmp = self.tmp / (name + ".tmp")
         save_file(dict(sorted(self._buf.items())), str(tmp), metadata={"format": "pt"})
+        faults.point("flush:tmp")
         os.replace(tmp, self.tmp / name)
         self._parts.append(name)
         self._buf, self._buf_bytes = {}, 0
@@ -398,6 +499,11 @@ class CheckpointWriter:
     @property
     def num_parts(self) -> int:
         return len(self._parts)
+
+    @property
+    def parts(self) -> list[str]:
+        """The part files written so far, in order (quantkit.finish names them model-*-of-N)."""
+        return list(self._parts)
 
     def truncate_parts(self, n: int) -> None:
         """Resume: drop parts written after the last completed layer (a crash mid-layer)."""

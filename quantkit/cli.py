@@ -29,6 +29,7 @@ console = Console(stderr=True)
 Model = Annotated[str, typer.Argument(help="A model folder, an hf://org/repo@rev id, or tiny:kimi-k2.6 / tiny:glm-5.2.")]
 Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (for scripts).")]
 Device = Annotated[str, typer.Option(help="auto (CUDA when present, else CPU), cuda or cpu.")]
+Unverified = Annotated[bool, typer.Option("--allow-unverified", help="hf:// only: accept files the Hub lists without a checksum (size only; recorded in the report).")]
 
 
 def user_errors(fn):
@@ -55,11 +56,11 @@ def emit_json(data) -> None:
 
 @app.command()
 @user_errors
-def inspect(model: Model, json_out: Json = False):
+def inspect(model: Model, json_out: Json = False, allow_unverified: Unverified = False):
     """Family, layers, parameters and bytes by tensor class, storage format per class, shard count."""
     from quantkit.inspection import inspect as run_inspect
 
-    result = run_inspect(model)
+    result = run_inspect(model, allow_unverified=allow_unverified)
     if json_out:
         emit_json(result.to_json())
     else:
@@ -119,12 +120,13 @@ def pull(
     out: Annotated[Path, typer.Option("--out", help="Folder to download into.")],
     include: Annotated[Optional[list[str]], typer.Option(help="Only files matching this pattern (repeatable).")] = None,
     workers: Annotated[int, typer.Option(help="Parallel downloads.")] = 8,
+    allow_unverified: Unverified = False,
     json_out: Json = False,
 ):
     """Download a Hub repo at one pinned commit: parallel, resumable, every file checksum-verified."""
     from quantkit.hub import pull as run_pull
 
-    result = run_pull(repo, out, include=include, max_workers=workers, progress=not json_out)
+    result = run_pull(repo, out, include=include, max_workers=workers, progress=not json_out, allow_unverified=allow_unverified)
     if json_out:
         emit_json({k: str(v) if isinstance(v, Path) else v for k, v in vars(result).items()})
     else:
@@ -143,11 +145,13 @@ def convert(
     num_samples: Annotated[Optional[int], typer.Option(help="Calibration samples.")] = None,
     seq_len: Annotated[Optional[int], typer.Option(help="Tokens per calibration sample.")] = None,
     group_size: Annotated[Optional[int], typer.Option(help="INT4 group size: 32, 64 or 128.")] = None,
+    decode_rest: Annotated[Optional[str], typer.Option(help="Decode's non-expert weights: prefill (same bytes as prefill, default) or bf16 (Kimi's official look).")] = None,
     device: Device = "auto",
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from its last completed layer.")] = False,
     no_validate: Annotated[bool, typer.Option("--no-validate", help="Skip validating the pair afterwards.")] = False,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow the tokenizer's own code to run.")] = False,
     delete_source_after: Annotated[bool, typer.Option("--delete-source-after", help="hf:// sources: delete each shard once consumed.")] = False,
+    allow_unverified: Unverified = False,
     max_host_memory: Annotated[Optional[str], typer.Option(help="Host RAM budget, e.g. 8GB (default: available memory).")] = None,
     max_gpu_memory: Annotated[Optional[str], typer.Option(help="GPU memory budget, e.g. 120GB (default: the device's).")] = None,
     json_out: Json = False,
@@ -157,11 +161,16 @@ def convert(
 
     if recipe and preset:
         raise typer.BadParameter("give --recipe or --preset, not both")
-    result = run_convert(model, out, recipe=recipe or preset, method=method, calib=calib, num_samples=num_samples,
-                         seq_len=seq_len, group_size=group_size, device=device, resume=resume,
-                         validate=not no_validate, progress=not json_out, trust_remote_code=trust_remote_code,
-                         delete_source_after=delete_source_after, max_host_memory=max_host_memory,
-                         max_gpu_memory=max_gpu_memory)
+    try:
+        result = run_convert(model, out, recipe=recipe or preset, method=method, calib=calib, num_samples=num_samples,
+                             seq_len=seq_len, group_size=group_size, decode_rest=decode_rest, device=device, resume=resume,
+                             validate=not no_validate, progress=not json_out, trust_remote_code=trust_remote_code,
+                             delete_source_after=delete_source_after, allow_unverified=allow_unverified,
+                             max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory)
+    except KeyboardInterrupt:
+        console.print(f"[red]interrupted:[/red] {out} is not complete; run the same command with --resume to continue "
+                      "from the last completed layer", highlight=False, soft_wrap=True)
+        raise typer.Exit(130) from None
     if json_out:
         emit_json(result.to_json() | ({"validation": result.validation.to_json()} if result.validation else {}))
     else:
@@ -199,6 +208,50 @@ def validate(
         Console().print(result.table())
     if not result.passed:
         _gates_failed(result)
+
+
+@app.command("check-serving")
+@user_errors
+def check_serving(
+    path: Annotated[Path, typer.Argument(help="A checkpoint folder, or a convert output (checks prefill/ and decode/).")],
+    engine: Annotated[str, typer.Option(help="vllm, sglang or all.")] = "all",
+    json_out: Json = False,
+):
+    """Ask vLLM's and SGLang's own code (pinned releases) which scheme each module gets; exit 2 if one would refuse."""
+    from quantkit.serving import ENGINES, check_serving_many, render, serving_folders
+
+    engines = ENGINES if engine == "all" else (engine,)
+    reports = check_serving_many(serving_folders(path), engines)
+    if json_out:
+        emit_json([r.to_dict() for r in reports])
+    else:
+        for r in reports:
+            Console().print(render(r))
+    if not all(r.loads for r in reports):
+        for r in reports:
+            for e in r.engines:
+                for p in e.problems[:5]:
+                    console.print(f"[red]{e.engine} refuses {r.folder}:[/red] {p}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
+
+
+@app.command()
+@user_errors
+def verify(
+    folder: Annotated[Path, typer.Argument(metavar="DIR", help="A convert output (prefill/, decode/, convert-report.json) or one of its checkpoints.")],
+    json_out: Json = False,
+):
+    """Re-hash an output against its manifest.json and check the pair's shared tensors are identical. Exit 1 on any difference."""
+    from quantkit.integrity import verify as run_verify
+
+    result = run_verify(folder)
+    if json_out:
+        emit_json(result.to_json())
+    else:
+        Console().print(result.table())
+        for p in result.problems:
+            console.print(f"[red]{p}[/red]", highlight=False, soft_wrap=True)
+    result.raise_for_problems()
 
 
 def _gates_failed(result) -> None:

@@ -22,8 +22,11 @@ attention weights are the shared (FP8) ones both pools run.
 
 from __future__ import annotations
 
+import errno
+import functools
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -37,29 +40,22 @@ from safetensors.torch import load_file, save_file
 
 from quantkit import __version__
 from quantkit.checkpoint import Checkpoint, CheckpointWriter, file_sha256
+from quantkit import faults
 from quantkit.errors import OutputError
 from quantkit.formats import fp8, int4
-from quantkit.gptq import HessianError, QuantizedWeight, gptq, hessian_from_inputs, quantize_rtn
+from quantkit.experts import (
+    HOLDOUT, PROJS, ExpertRecord, calibration_inputs, expert_weights, guard_against_rtn, heldout_inputs, rtn_expert, run_gptq,
+)
+from quantkit.gptq import QuantizedWeight, hessian_from_inputs
 from quantkit.precision import (
     BF16, FP8, INT4, PASS, REUSE_INT4, Decision, decide, decode_quantization_config, precision_summary,
-    prefill_quantization_config, set_quantization_config,
+    prefill_quantization_config, set_quantization_config, stored_as,
 )
 from quantkit.progress import LayerProgress, rich_html
 from quantkit.reference import Context, route, swiglu
 from quantkit.tensors import TensorClass
 
 STATE_DIR = ".quantkit-convert"
-PROJS = ("gate_proj", "up_proj", "down_proj")
-
-
-@dataclass
-class ExpertRecord:
-    layer: int
-    expert: int
-    tokens: int
-    method: str  # gptq | rtn | reused
-    fallback: str | None = None  # why this expert did not get its own Hessian
-    loss: float | None = None
 
 
 @dataclass
@@ -109,11 +105,6 @@ def _peak_rss() -> int:
 
 
 # ---- per-layer pieces --------------------------------------------------------------------------
-def expert_weights(w: dict[str, torch.Tensor], e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    p = f"mlp.experts.{e}."
-    return w[p + "gate_proj.weight"], w[p + "up_proj.weight"], w[p + "down_proj.weight"]
-
-
 def quantize_experts(
     x: torch.Tensor,
     w: dict[str, torch.Tensor],
@@ -123,66 +114,54 @@ def quantize_experts(
     group_size: int,
     method: str,
     layer: int,
+    alternatives: dict | None = None,
 ) -> tuple[dict[int, dict[str, QuantizedWeight]], list[ExpertRecord]]:
-    """GPTQ (or RTN) for the given routed experts of one layer, batched across experts.
+    """GPTQ, AWQ or RTN for the given routed experts of one layer, batched across experts.
 
     x: (N, D) the MoE input of every calibration token; tokens[e]: indices of the tokens routed to e.
-    gate and up share the Hessian of their input; down's Hessian comes from the *quantized* gate/up
-    output on the same tokens. An expert with fewer than `gptq.min_tokens` tokens uses every
-    calibration token instead (fallback "all_tokens") or plain RTN (fallback "rtn").
+    Which tokens an expert is fitted on, and what a starved one gets, is quantkit.experts' one
+    policy (held-out tokens never enter a Hessian). GPTQ: gate and up share the Hessian of their
+    input; down's Hessian comes from the *quantized* gate/up output on the same tokens.
+    `alternatives`, when a dict, receives other candidates per expert for the held-out guard (AWQ: s = 1).
     """
-    g = recipe.gptq
-    records, quantized = [], {}
-    starved = [e for e in experts if len(tokens[e]) < g.min_tokens]
     if method == "awq":  # activation-aware smoothing + clipping per expert (quantkit.awq), same contract
         from quantkit.awq import quantize_experts_awq
 
-        return quantize_experts_awq(x, w, tokens, experts, recipe, group_size, layer)
+        return quantize_experts_awq(x, w, tokens, experts, recipe, group_size, layer, alternatives=alternatives)
     if method == "rtn":
-        for e in experts:
-            quantized[e] = {p: quantize_rtn(t, group_size) for p, t in zip(PROJS, expert_weights(w, e))}
-            records.append(ExpertRecord(layer, e, len(tokens[e]), "rtn"))
-        return quantized, records
+        return ({e: rtn_expert(w, e, group_size) for e in experts},
+                [ExpertRecord(layer, e, len(tokens[e]), "rtn") for e in experts])
 
-    inputs: dict[int, torch.Tensor] = {}
+    g = recipe.gptq
+    records, quantized, inputs, fallback = [], {}, {}, {}
     for e in experts:
-        if e in starved and g.fallback == "rtn":
-            continue
-        inputs[e] = x if e in starved else x[tokens[e]]
-    run = list(inputs)
-    for e in experts:
-        if e not in inputs:
-            quantized[e] = {p: quantize_rtn(t, group_size) for p, t in zip(PROJS, expert_weights(w, e))}
+        inputs[e], fallback[e] = calibration_inputs(x, tokens[e], g)
+        if inputs[e] is None:
+            quantized[e] = rtn_expert(w, e, group_size)
             records.append(ExpertRecord(layer, e, len(tokens[e]), "rtn", fallback="rtn"))
+    run = [e for e in experts if inputs[e] is not None]
 
     if run:  # one batched GPTQ call; the caller bounds how many experts that is (EXPERT_CHUNK)
         # gate and up: one Hessian per expert, shared by both projections
         H = torch.stack([hessian_from_inputs(inputs[e].float()) for e in run])  # (C, D, D)
         Wgu = torch.stack([torch.stack(expert_weights(w, e)[:2]) for e in run]).float()  # (C, 2, I, D)
-        qgu = _gptq(Wgu, H[:, None].expand(-1, 2, -1, -1), group_size, g, layer, run)
+        qgu = run_gptq(Wgu, H[:, None].expand(-1, 2, -1, -1), group_size, g, layer, run)
         # down: inputs are what the quantized gate/up produce on the same tokens
         gu_hat = qgu.dequantize(torch.float32)  # (C, 2, I, D)
         Z = [F.silu(inputs[e].float() @ gu_hat[i, 0].T) * (inputs[e].float() @ gu_hat[i, 1].T) for i, e in enumerate(run)]
         Hd = torch.stack([hessian_from_inputs(z) for z in Z])  # (C, I, I)
         Wd = torch.stack([expert_weights(w, e)[2] for e in run]).float()  # (C, D, I)
-        qd = _gptq(Wd, Hd, group_size, g, layer, run)
+        qd = run_gptq(Wd, Hd, group_size, g, layer, run)
         for i, e in enumerate(run):
             quantized[e] = {
                 "gate_proj": QuantizedWeight(qgu.q[i, 0], qgu.scale[i, 0]),
                 "up_proj": QuantizedWeight(qgu.q[i, 1], qgu.scale[i, 1]),
                 "down_proj": QuantizedWeight(qd.q[i], qd.scale[i]),
             }
-            loss = float(qgu.loss[i].sum() + qd.loss[i]) if qgu.loss is not None else None
-            records.append(ExpertRecord(layer, e, len(tokens[e]), "gptq", "all_tokens" if e in starved else None, loss))
+            loss = (qgu.loss[i].sum() + qd.loss[i]).item() if qgu.loss is not None else None
+            records.append(ExpertRecord(layer, e, len(tokens[e]), "gptq", fallback[e], loss))
     records.sort(key=lambda r: r.expert)
     return quantized, records
-
-
-def _gptq(W, H, group_size, g, layer, experts) -> QuantizedWeight:
-    try:
-        return gptq(W, H, group_size, block_size=g.block_size, dampening=g.dampening, actorder=g.actorder)
-    except HessianError as e:
-        raise OutputError(f"layer {layer}, experts {experts}: {e}; raise gptq.dampening in the recipe") from None
 
 
 def routed_tokens(x: torch.Tensor, w: dict[str, torch.Tensor], arch) -> dict[int, torch.Tensor]:
@@ -227,7 +206,14 @@ def convert_experts(ckpt: Checkpoint, pair: "PairWriter", decisions: dict[str, D
         quantized: dict[int, dict[str, QuantizedWeight]] = {}
         if need:
             bar.update(note=f"layer {layer}: quantizing experts {need[0]}-{need[-1]} of {len(experts)}")
-            quantized, recs = quantize_experts(x, ew, tokens, need, recipe, group_size, method, layer)
+            alternatives: dict = {}
+            quantized, recs = quantize_experts(x, ew, tokens, need, recipe, group_size, method, layer, alternatives)
+            if method != "rtn":  # never worse than RTN on held-out routed tokens (quantkit.experts)
+                for r in recs:
+                    if r.method != "rtn":
+                        quantized[r.expert] = guard_against_rtn(heldout_inputs(x, tokens[r.expert]), ew, r.expert,
+                                                                quantized[r.expert], group_size, r,
+                                                                alternatives.get(r.expert))
             records += recs
         records += [ExpertRecord(layer, e, len(tokens.get(e, ())), "reused") for e in chunk if e not in need]
         for e in chunk:
@@ -265,6 +251,15 @@ class PairWriter:
     def write_shared(self, name: str, d: Decision) -> torch.Tensor | None:
         """A tensor both outputs hold identically; returns its dequantized value for compute."""
         base = name.rpartition(".")[0] + "." if name.endswith(".weight") else None
+        if d.decode != d.prefill and stored_as(d.decode, self.ckpt.tensors[name]) != stored_as(d.prefill, self.ckpt.tensors[name]):
+            # decode.rest: bf16: each output its own bytes; the decode model's are what calibration computes with
+            for suffix, t in self.stored(name, d.prefill, scale_name="weight_scale_inv").items():
+                self.prefill.add(base + suffix if base else name, t)
+            parts = self.stored(name, d.decode, scale_name="weight_scale")
+            for suffix, t in parts.items():
+                self.decode.add(base + suffix if base else name, t)
+            self.differ.append(name)
+            return parts
         parts = self.stored(name, d.prefill, scale_name="weight_scale_inv")
         for suffix, t in parts.items():
             key = base + suffix if base else name
@@ -317,17 +312,27 @@ def _save_state(folder: Path, state: State, store, topks: list) -> None:
     """Progress after a layer, written atomically. The hidden states (the largest thing here: tokens
     x hidden, in the store's dtype) go to disk as raw bytes a sample at a time, one copy (the next
     layer's replaces it); the DSA selections (only kept when seq_len > index_topk) as safetensors."""
+    # The files are named by the layer they precede and only state.json names them, so a crash
+    # between any two of these writes leaves state.json and its hidden states agreeing.
+    tag = state.next_layer
     if store is not None:
-        store.h.save(folder / "hidden.bin")
-        state_h = {"shape": list(store.shape), "dtype": str(store.plan.dtype)}
+        store.h.save(folder / f"hidden.{tag}.bin")
+        state_h = {"shape": list(store.shape), "dtype": str(store.plan.dtype), "file": f"hidden.{tag}.bin"}
         topk = {f"topk.{i}": t.cpu().contiguous() for i, t in enumerate(topks) if t is not None}
         if topk:
             save_file(topk, str(folder / "topk.tmp"))
-            os.replace(folder / "topk.tmp", folder / "topk.safetensors")
+            os.replace(folder / "topk.tmp", folder / f"topk.{tag}.safetensors")
+            state_h["topk"] = f"topk.{tag}.safetensors"
+        faults.point("state:hidden")
     else:
         state_h = None
     (folder / "state.tmp").write_text(json.dumps(vars(state) | {"hidden": state_h}))
     os.replace(folder / "state.tmp", folder / "state.json")
+    keep = set((state_h or {}).get(k) for k in ("file", "topk"))
+    for old in [*folder.glob("hidden.*.bin"), *folder.glob("topk.*.safetensors")]:
+        if old.name not in keep:
+            old.unlink()
+    faults.point("state:saved")
 
 
 def _load_hidden(folder: Path, n_topks: int, store, dev) -> list:
@@ -335,12 +340,67 @@ def _load_hidden(folder: Path, n_topks: int, store, dev) -> list:
     if meta["dtype"] != str(store.plan.dtype) or meta["shape"] != list(store.shape):
         raise OutputError(f"{folder}: the interrupted run kept its hidden states as {meta['dtype']}, this run would "
                           f"use {store.plan.dtype}; resume with the same --max-host-memory / --max-gpu-memory")
-    store.h.load(folder / "hidden.bin")
-    topk = load_file(str(folder / "topk.safetensors")) if (folder / "topk.safetensors").is_file() else {}
+    store.h.load(folder / meta["file"])
+    topk = load_file(str(folder / meta["topk"])) if meta.get("topk") else {}
     return [topk[f"topk.{i}"].to(dev) if f"topk.{i}" in topk else None for i in range(n_topks)]
 
 
 # ---- the conversion ----------------------------------------------------------------------------
+logger = logging.getLogger("quantkit")
+
+
+def _owned_output(fn):
+    """convert's guard: the device is resolved before any folder exists, `out` has one owner
+    (quantkit.outlock), and a full disk is a one-line error naming the folder."""
+
+    @functools.wraps(fn)
+    def wrapper(model, out, *args, device: str = "auto", **kwargs):
+        from quantkit.outlock import acquire
+        from quantkit.reference import resolve_device
+
+        resolve_device(device)
+        out = Path(out)
+        lock = acquire(out, "convert")
+        if lock.took_over:
+            logger.warning("%s: took over the lock of a run that died (pid %s on %s)", out,
+                           lock.took_over.get("pid"), lock.took_over.get("host"))
+        try:
+            return fn(model, out, *args, device=device, **kwargs)
+        except Exception as e:
+            if not _disk_full(e):
+                raise
+            free = shutil.disk_usage(out).free
+            need = _NEEDS.get(str(out))
+            needed = f", and this run needed about {_size(need)} when it started" if need else ""
+            raise OutputError(f"{out}: disk full while writing ({_size(free)} free there{needed}); free space, then "
+                              "rerun with --resume to continue") from None
+        finally:
+            lock.release()
+
+    return wrapper
+
+
+_NEEDS: dict[str, int] = {}  # out -> bytes the disk precheck predicted (for the disk-full message)
+
+
+def _disk_full(e: BaseException) -> bool:
+    """ENOSPC, from Python's I/O or from safetensors' writer (which reports it in its message)."""
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    import re
+
+    from safetensors import SafetensorError
+
+    # e.g. "Error while serializing: I/O error: No space left on device (os error 28)"
+    codes = {str(errno.ENOSPC), str(errno.EDQUOT)}
+    return isinstance(e, SafetensorError) and any(m in codes for m in re.findall(r"(?:os error|code:) ?(\d+)", str(e)))
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{int(n)} bytes"
+
+
+@_owned_output
 def convert(
     model: str | Path,
     out: str | Path,
@@ -351,12 +411,14 @@ def convert(
     num_samples: int | None = None,
     seq_len: int | None = None,
     group_size: int | None = None,
+    decode_rest: str | None = None,
     device: str = "auto",
     resume: bool = False,
     validate: bool = True,
     progress: bool = True,
     trust_remote_code: bool = False,
     delete_source_after: bool = False,
+    allow_unverified: bool = False,
     dtype: torch.dtype = torch.float32,
     max_shard_bytes: int = 5 * 2**30,
     max_host_memory: int | str | None = None,
@@ -370,10 +432,14 @@ def convert(
         out: output folder; `prefill/`, `decode/` and `convert-report.json` appear when complete.
         recipe: a recipe file or name (default: the model family's recipe); the keyword options
             below override its fields when given.
+        decode_rest: "bf16" stores everything but the routed experts BF16 in decode (Kimi's official
+            INT4 look; recipe `decode.rest`); default "prefill": the prefill checkpoint's bytes.
         resume: continue an interrupted run from its last completed layer (byte-identical result).
         validate: run `quantkit.validate` on the pair afterwards.
         delete_source_after: with an `hf://` source, delete each downloaded shard once every
             tensor in it has been consumed (local disk then holds a few shards at a time).
+        allow_unverified: with an `hf://` source, accept files the Hub lists without a checksum
+            (size only); the report lists them.
         max_host_memory, max_gpu_memory: budgets in bytes or "8GB"-style strings (default: the
             machine's available memory, the device's total); quantkit.cost sizes the activation
             store, micro-batches and expert chunks to keep to them, prints the prediction, and
@@ -392,11 +458,12 @@ def convert(
 
     t_start = time.time()
     out = Path(out)
-    ckpt = open_checkpoint(model, release_consumed=delete_source_after)
+    ckpt = open_checkpoint(model, release_consumed=delete_source_after, allow_unverified=allow_unverified)
     src_path = ckpt.folder
     arch = ckpt.arch
     rec = load_recipe(recipe) if recipe is not None else default_recipe(str(model), arch)
-    rec = recipe_overrides(rec, method=method, group_size=group_size, num_samples=num_samples, seq_len=seq_len, calib=calib)
+    rec = recipe_overrides(rec, method=method, group_size=group_size, num_samples=num_samples, seq_len=seq_len, calib=calib,
+                           decode_rest=decode_rest)
     G = rec.group_size
     dev = resolve_device(device)
 
@@ -408,9 +475,17 @@ def convert(
     )
 
     state_dir = out / STATE_DIR
+    from quantkit.finish import finish_pair, journal
+
+    shutil.rmtree(out / (STATE_DIR + ".done"), ignore_errors=True)  # a finished run's state, left by a crash
+    if resume and (out / "convert-report.json").is_file() and not state_dir.exists():
+        report = json.loads((out / "convert-report.json").read_text())  # the interrupted run had finished
+        return _done(ConvertResult(out, out / "prefill", out / "decode", report), validate, device, progress)
+    finishing = resume and journal(state_dir) is not None  # the layers are done; only the finish is left
     for final in (out / "prefill", out / "decode"):
-        if final.exists():
-            raise OutputError(f"{final}: already exists; remove it or choose another --out")
+        if final.exists() and not finishing:
+            hint = " (an interrupted convert is there: add --resume to complete it)" if (state_dir / "state.json").is_file() else ""
+            raise OutputError(f"{final}: already exists{hint}; remove it or choose another --out")
     tokens = None
     if needs_calibration:
         tokens = load_tokens(rec.calibration.dataset, tokenizer=src_path, num_samples=rec.calibration.num_samples,
@@ -447,13 +522,15 @@ def convert(
     if not cost.fits:
         raise OutputError(cost.reason)
     max_shard_bytes = cost.shard_bytes
-    _check_disk(ckpt, decisions, out, G, extra=cost.disk["resume_state"])
 
     digits = _shard_digits(ckpt)
-    wp = CheckpointWriter(out / "prefill", digits=digits, resume=resume, max_shard_bytes=max_shard_bytes)
-    wd = CheckpointWriter(out / "decode", digits=digits, resume=resume, max_shard_bytes=max_shard_bytes)
-    wp.truncate_parts(state.prefill_parts)
-    wd.truncate_parts(state.decode_parts)
+    wp = wd = None
+    if not finishing:
+        _check_disk(ckpt, decisions, out, G, extra=cost.disk["resume_state"])
+        wp = CheckpointWriter(out / "prefill", digits=digits, resume=resume, max_shard_bytes=max_shard_bytes)
+        wd = CheckpointWriter(out / "decode", digits=digits, resume=resume, max_shard_bytes=max_shard_bytes)
+        wp.truncate_parts(state.prefill_parts)
+        wd.truncate_parts(state.decode_parts)
     pair = PairWriter(ckpt, wp, wd)
     pair.differ = list(state.differ)
 
@@ -520,7 +597,7 @@ def convert(
                                                    dtype, dev, bar, cost.expert_chunk)
                 del routing
             elif arch.is_moe(layer):
-                tok = {e: torch.empty(0, dtype=torch.long) for e in range(arch.n_routed_experts)}
+                tok = {e: torch.empty(0, dtype=torch.long, device=dev) for e in range(arch.n_routed_experts)}
                 _, records = convert_experts(ckpt, pair, decisions, layer, None, w, tok, rec, G, "rtn", dtype, dev, bar,
                                              chunk=cost.expert_chunk)
                 if mtp:
@@ -528,6 +605,7 @@ def convert(
                         if r.method != "reused":
                             r.fallback = "mtp: no calibration path (RTN)"
             pair.flush()
+            faults.point("layer:written")
 
             state.experts += [vars(r) for r in records]
             state.layers.append({"layer": layer, "kind": "mtp" if mtp else ("moe" if arch.is_moe(layer) else "dense"),
@@ -543,26 +621,32 @@ def convert(
             if delay := float(os.environ.get("QUANTKIT_CONVERT_LAYER_DELAY", 0)):
                 time.sleep(delay)  # debug knob: widens the window for crash/resume tests
 
-    # 3. configs, carried files, rename into place
+    # 3. configs, carried files, rename into place: journaled in the state folder so that --resume
+    #    completes an interrupted finish from any step (quantkit.finish); the report comes last
     block = rec.prefill.fp8_block
     prefill_cfg = set_quantization_config(arch.raw, arch, prefill_quantization_config(ckpt, decisions, block))
     decode_cfg = set_quantization_config(arch.raw, arch, decode_quantization_config(ckpt, decisions, G, block))
     carried = ckpt.other_files()
-    wp.finish(prefill_cfg, files=carried)
-    wd.finish(decode_cfg, files=carried)
-
+    parts = None
     if store is not None:
         store.close()
-    report = _report(model, src_path, source_files, rec, tokens, state, ckpt, decisions, out, t_start, G, block)
-    report["cost"] = cost.to_json()
-    (out / "convert-report.json").write_text(json.dumps(report, indent=2) + "\n")
-    shutil.rmtree(state_dir, ignore_errors=True)
-    result = ConvertResult(out, out / "prefill", out / "decode", report)
+    if wp is not None:
+        pair.flush()
+        parts = {"prefill": wp.parts, "decode": wd.parts}
+    report = finish_pair(
+        out, state_dir, parts, digits, {"prefill": prefill_cfg, "decode": decode_cfg}, carried, set(state.differ),
+        lambda manifests: _report(model, src_path, source_files, rec, tokens, state, ckpt, decisions, out, t_start, G,
+                                  block, manifests) | {"cost": cost.to_json()},
+    )
+    return _done(ConvertResult(out, out / "prefill", out / "decode", report), validate, device, progress,
+                 {"max_host_memory": max_host_memory, "max_gpu_memory": max_gpu_memory})
+
+
+def _done(result: ConvertResult, validate: bool, device, progress, budgets: dict | None = None) -> ConvertResult:
     if validate:
         from quantkit.validation import validate as run_validate
 
-        result.validation = run_validate(out, device=device, progress=progress, max_host_memory=max_host_memory,
-                                         max_gpu_memory=max_gpu_memory)
+        result.validation = run_validate(result.out, device=device, progress=progress, **(budgets or {}))
     return result
 
 
@@ -635,16 +719,20 @@ def _predicted_bytes(ckpt: Checkpoint, decisions: dict[str, Decision], G: int) -
     return sizes[0], sizes[1]
 
 
-def _check_disk(ckpt, decisions, out: Path, G: int, extra: int = 0) -> None:
-    """Both outputs plus `extra` (the resume state: one copy of h, and the store when disk-backed)."""
-    need = sum(_predicted_bytes(ckpt, decisions, G)) + extra
-    free = shutil.disk_usage(out).free
+def _check_disk(ckpt, decisions, out: Path, G: int, free: int | None = None, extra: int = 0) -> None:
+    """Refuse a run that cannot fit: the predicted pair, less what an interrupted run already wrote,
+    plus `extra` (the resume state: one copy of h in its stored dtype, and the store when disk-backed)."""
+    written = sum(p.stat().st_size for w in ("prefill", "decode") for p in (out / f"{w}.partial").glob("part-*"))
+    need = sum(_predicted_bytes(ckpt, decisions, G)) - written + extra
+    _NEEDS[str(out)] = need
+    free = shutil.disk_usage(out).free if free is None else free
     if need > free:
-        raise OutputError(f"{out}: the pair and the resume state need about {need / 1e9:.1f} GB, only {free / 1e9:.1f} GB free; "
+        raise OutputError(f"{out}: the pair needs about {_size(need)} more, only {_size(free)} free there; "
                           "free space or choose another --out")
 
 
-def _report(model, src_path, source_files, rec, tokens, state: State, ckpt, decisions, out: Path, t_start, G, block) -> dict:
+def _report(model, src_path, source_files, rec, tokens, state: State, ckpt, decisions, out: Path, t_start, G, block,
+            manifests: dict[str, str] | None = None) -> dict:
     experts = state.experts
     counts = {m: sum(1 for e in experts if e["method"] == m) for m in ("gptq", "awq", "rtn", "reused")}
     fallbacks = [e for e in experts if e["fallback"]]
@@ -656,6 +744,7 @@ def _report(model, src_path, source_files, rec, tokens, state: State, ckpt, deci
                    "repo": ckpt.remote.repo_id if ckpt.remote else None,
                    "revision": ckpt.remote.revision if ckpt.remote else None,
                    "commit": ckpt.remote.commit if ckpt.remote else None,
+                   "unverified_files": ckpt.remote.unverified if ckpt.remote else [],
                    "files": source_files},
         "recipe": rec.model_dump(mode="json"),
         "method": rec.method,
@@ -668,11 +757,16 @@ def _report(model, src_path, source_files, rec, tokens, state: State, ckpt, deci
         "layers": state.layers,
         "experts": experts,
         "experts_summary": {"total": len(experts), **counts, "fallbacks": len(fallbacks),
-                            "starved": sum(1 for e in experts if e["fallback"] == "all_tokens" or e["fallback"] == "rtn")},
+                            "starved": sum(1 for e in experts if e["fallback"] == "all_tokens" or e["fallback"] == "rtn"),
+                            "guarded": sum(1 for e in experts if e.get("heldout")),
+                            "guard_kept_rtn": sum(1 for e in experts if e.get("guard") == "rtn"),
+                            "awq_kept_s1": sum(1 for e in experts if e.get("guard") == "awq-s1")},
+        "guard": "each calibrated expert is compared with RTN on its held-out routed tokens (every "
+                 f"{HOLDOUT}th calibration token, never fitted on); the lower output error is stored",
         "outputs": {
-            "prefill": {"path": "prefill", "bytes": sizes["prefill"],
+            "prefill": {"path": "prefill", "bytes": sizes["prefill"], "manifest_sha256": (manifests or {}).get("prefill"),
                         "precision": precision_summary(ckpt, decisions, "prefill", G, block)},
-            "decode": {"path": "decode", "bytes": sizes["decode"],
+            "decode": {"path": "decode", "bytes": sizes["decode"], "manifest_sha256": (manifests or {}).get("decode"),
                        "precision": precision_summary(ckpt, decisions, "decode", G, block)},
         },
         "shared_tensors": {

@@ -25,3 +25,11 @@ class CheckpointError(QuantkitError):
 
 class OutputError(QuantkitError):
     """The output folder exists, the disk is too small, or a resume does not match."""
+
+
+class IntegrityError(QuantkitError):
+    """A finished output differs from its manifest, or a convert into it did not finish."""
+
+
+class LockedError(OutputError):
+    """Another live quantkit process owns the output folder."""

@@ -16,6 +16,8 @@ from quantkit.reference import Context, LayerCache, decoder_layer, head_weight_n
 
 
 def embed(ckpt: Checkpoint, input_ids: torch.Tensor, device, dtype) -> torch.Tensor:
+    """Hidden states (B, T, D) on `device`. The lookup runs on the CPU, where the checkpoint puts the
+    table (vocab x D, gigabytes at full scale), so only the B x T x D result crosses to the device."""
     table = ckpt.get(f"{ckpt.arch.prefix}embed_tokens.weight", dtype)
     return torch.nn.functional.embedding(input_ids.cpu(), table).to(device)  # (B, T, D)
 

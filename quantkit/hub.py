@@ -37,7 +37,7 @@ from huggingface_hub import hf_hub_url
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import build_hf_headers, validate_repo_id
 
-from .hub_repo import _SHA1, _Missing, _Repo, _repo_folder
+from .hub_repo import _SHA1, _check_commit, _Missing, _Repo, _repo_folder
 from .hub_store import (
     ChecksumError,
     HubError,
@@ -78,6 +78,7 @@ class PullResult:
     seconds: float
     downloaded: int = 0  # bytes actually transferred over the network by this run
     out: Path | None = None
+    unverified: list[str] | None = None  # accepted on size alone (allow_unverified: no checksum listed)
 
 
 def parse_hf_id(spec: str) -> tuple[str, str | None]:
@@ -122,18 +123,20 @@ class HubSource:
         endpoint: str | None = None,
         token: str | None = None,
         hf_cache_dir: Path | None = None,
+        allow_unverified: bool = False,
     ):
         rid, spec_rev = parse_hf_id(repo_id)
         if revision and spec_rev and revision != spec_rev:
             raise HubError(f"{repo_id}: revision given twice ({spec_rev!r} and {revision!r}); fix: pass only one")
-        self._repo = _Repo(rid, revision or spec_rev, endpoint=endpoint, token=token, hf_cache=hf_cache_dir)
+        self._repo = _Repo(rid, revision or spec_rev, endpoint=endpoint, token=token, hf_cache=hf_cache_dir,
+                           allow_unverified=allow_unverified)
         self.cache_dir = Path(cache_dir)
         self._base = self.cache_dir / "hub" / _repo_folder(rid)
         ref_file = self._base / "refs" / quote(self._repo.revision, safe="")
         manifests = []
         known = self._repo.revision if _SHA1.fullmatch(self._repo.revision) else None
         if known is None and ref_file.is_file():
-            known = ref_file.read_text().strip()
+            known = _check_commit(rid, ref_file.read_text().strip(), f"the cached ref {ref_file}")
         if known:
             manifests.append(_Layout(self._base / "snapshots" / known).manifest)
         self._repo.resolve(manifests)
@@ -152,6 +155,7 @@ class HubSource:
     revision = property(lambda self: self._repo.revision)
     commit = property(lambda self: self._repo.commit)
     files = property(lambda self: self._repo.files)
+    unverified = property(lambda self: list(self._repo.unverified))  # accepted on size alone (allow_unverified)
     endpoint = property(lambda self: self._repo.endpoint)
 
     def __repr__(self) -> str:
@@ -266,6 +270,7 @@ def pull(
     max_workers: int = 8,
     progress: bool = True,
     cache_dir: Path | None = None,
+    allow_unverified: bool = False,
 ) -> PullResult:
     """Download ``repo`` (``hf://org/repo[@rev]`` or ``org/repo[@rev]``) at one pinned commit into ``out``.
 
@@ -279,7 +284,8 @@ def pull(
         raise HubError(f"{repo}: revision given twice ({spec_rev!r} and {revision!r}); fix: pass only one")
     out = Path(out)
     layout = _Layout(out)
-    r = _Repo(repo_id, revision or spec_rev, endpoint=endpoint, token=token, hf_cache=cache_dir)
+    r = _Repo(repo_id, revision or spec_rev, endpoint=endpoint, token=token, hf_cache=cache_dir,
+              allow_unverified=allow_unverified)
     r.resolve([layout.manifest])
 
     selected = sorted(_select(r.files, include), key=lambda f: (-f.size, f.name))
@@ -369,6 +375,7 @@ def pull(
         seconds=time.monotonic() - t0,
         downloaded=downloaded,
         out=out,
+        unverified=sorted(set(r.unverified) & set(names)),
     )
     logger.info(
         "%s: %d files (%s) complete in %s, %s downloaded in %.1fs",

@@ -89,15 +89,47 @@ def _repo_folder(repo_id: str) -> str:
 
 
 def _check_name(repo_id: str, name: str) -> None:
-    parts = name.split("/")
+    """A listed file name becomes a path under the cache: every component must be a plain name
+    (no '..', no separators, no NUL or control characters, at most 255 bytes; the whole at most 1024)."""
+    parts = name.split("/") if isinstance(name, str) else [""]
     if (
         not name
         or name.startswith("/")
         or "\\" in name
         or any(p in ("", ".", "..") for p in parts)
         or tuple(parts[:2]) == _STATE
+        or any(ord(c) < 32 or ord(c) == 127 for c in name)
+        or any(len(p.encode("utf-8", "surrogatepass")) > 255 for p in parts)
+        or len(name) > 1024
     ):
-        raise HubError(f"{repo_id}: refusing unsafe file name {name!r} from the Hub listing", repo_id=repo_id)
+        raise HubError(f"{repo_id}: refusing unsafe file name {name!r:.80} from the Hub listing (path components must be "
+                       "plain names of at most 255 bytes); fix: check HF_ENDPOINT points to a trusted Hub", repo_id=repo_id)
+
+
+def _check_commit(repo_id: str, commit, where: str) -> str:
+    """The commit becomes a folder name under snapshots/: it must be a 40-hex git sha."""
+    if not isinstance(commit, str) or not _SHA1.fullmatch(commit):
+        raise HubError(f"{repo_id}: {where} gave commit {str(commit)[:60]!r}, not a 40-hex git sha; refusing it "
+                       "(it would name a folder); fix: check HF_ENDPOINT points to a trusted Hub", repo_id=repo_id)
+    return commit
+
+
+def _check_checksums(repo_id: str, rf: RemoteFile, allow_unverified: bool) -> bool:
+    """True when `rf` has a well-formed checksum; False (accepted on size alone) only with
+    allow_unverified; otherwise a HubError."""
+    if rf.sha256 is not None and not _SHA256.fullmatch(str(rf.sha256)):
+        raise HubError(f"{repo_id} file {rf.name!r}: malformed sha256 {str(rf.sha256)[:70]!r} in the Hub listing; "
+                       "fix: check HF_ENDPOINT points to a trusted Hub", repo_id=repo_id, filename=rf.name)
+    if rf.blob_id is not None and not _SHA1.fullmatch(str(rf.blob_id)):
+        raise HubError(f"{repo_id} file {rf.name!r}: malformed blob id {str(rf.blob_id)[:50]!r} in the Hub listing; "
+                       "fix: check HF_ENDPOINT points to a trusted Hub", repo_id=repo_id, filename=rf.name)
+    if rf.sha256 or rf.blob_id:
+        return True
+    if not allow_unverified:
+        raise HubError(f"{repo_id} file {rf.name!r}: the Hub listing gives no checksum (no LFS sha256, no blob id), so "
+                       "it could only be checked by size; fix: check HF_ENDPOINT, or pass --allow-unverified to accept "
+                       "such files (recorded in the report)", repo_id=repo_id, filename=rf.name)
+    return False
 
 
 class _Missing(Exception):
@@ -110,8 +142,11 @@ class _Missing(Exception):
 
 
 class _Repo:
-    def __init__(self, repo_id: str, revision: str | None, *, endpoint: str | None, token: str | None, hf_cache: Path | None):
+    def __init__(self, repo_id: str, revision: str | None, *, endpoint: str | None, token: str | None, hf_cache: Path | None,
+                 allow_unverified: bool = False):
         self.repo_id = repo_id
+        self.allow_unverified = allow_unverified
+        self.unverified: list[str] = []  # files accepted on size alone (allow_unverified)
         self.revision = revision or constants.DEFAULT_REVISION
         self.endpoint = _endpoint(endpoint)
         self._token = token  # None => huggingface_hub reads HF_TOKEN / the stored token; never logged
@@ -191,6 +226,7 @@ class _Repo:
             raise self.error(e) from e
         if not info.sha:
             raise HubError(f"{self.label}: the Hub returned no commit sha; fix: check HF_ENDPOINT", repo_id=self.repo_id)
+        _check_commit(self.repo_id, info.sha, "the Hub listing")
         files = {}
         for s in info.siblings or []:
             _check_name(self.repo_id, s.rfilename)
@@ -203,6 +239,8 @@ class _Repo:
             files[s.rfilename] = RemoteFile(
                 s.rfilename, int(size), s.lfs.sha256 if s.lfs is not None else None, s.blob_id
             )
+            if not _check_checksums(self.repo_id, files[s.rfilename], self.allow_unverified):
+                self.unverified.append(s.rfilename)
         self.commit, self.files, self.listing_source = info.sha, files, "hub"
 
     def resolve_offline(self, manifests: list[Path]) -> None:
@@ -211,6 +249,11 @@ class _Repo:
             got = _read_manifest(path, self.repo_id, self.revision)
             if got is not None:
                 self.commit, self.files = got
+                _check_commit(self.repo_id, self.commit, f"the manifest {path}")
+                for name, rf in self.files.items():
+                    _check_name(self.repo_id, name)
+                    if not _check_checksums(self.repo_id, rf, self.allow_unverified):
+                        self.unverified.append(name)
                 self.listing_source = str(path)
                 return
         commit = self.revision if _SHA1.fullmatch(self.revision) else None
@@ -220,6 +263,8 @@ class _Repo:
                 commit = (repo_dir / "refs" / self.revision).read_text().strip()
             except OSError:
                 commit = None
+        if commit is not None:
+            _check_commit(self.repo_id, commit, f"the HF cache ref {repo_dir / 'refs' / self.revision}")
         snap = repo_dir / "snapshots" / commit if commit else None
         if snap is None or not snap.is_dir():
             raise HubError(

@@ -120,7 +120,7 @@ def _preset_label(spec, fmt) -> str:
     return "fp8-block128"
 
 
-def inspect(model: str | Path) -> Inspection:
+def inspect(model: str | Path, *, allow_unverified: bool = False) -> Inspection:
     """Summarise a model folder, tiny id, hf:// id (headers only) or preset name (kimi-k2.6,
     glm-5.2, deepseek-v3: from the real config, no weights): family, layers, params and bytes per
     class, storage format."""
@@ -133,7 +133,7 @@ def inspect(model: str | Path) -> Inspection:
         from quantkit.errors import ConfigError
 
         raise ConfigError(f"{model}: not a folder, a tiny:<name> or hf://org/repo id, or a preset ({', '.join(preset_names())})")
-    ckpt = open_checkpoint(model)
+    ckpt = open_checkpoint(model, allow_unverified=allow_unverified)
     classes: dict[str, ClassSummary] = defaultdict(ClassSummary)
     for name, st in ckpt.tensors.items():
         c = classes[st.info.klass.value]

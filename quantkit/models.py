@@ -55,7 +55,8 @@ def hub_source(spec: str, **kwargs):
     return HubSource(spec, cache_dir=kwargs.pop("cache_dir", cache_dir()), **kwargs)
 
 
-def open_checkpoint(spec: str | Path, *, release_consumed: bool = False) -> Checkpoint:
+def open_checkpoint(spec: str | Path, *, release_consumed: bool = False, allow_unverified: bool = False) -> Checkpoint:
+    """`allow_unverified`: accept Hub files that the listing gives no checksum for (size only)."""
     if is_hub(spec):
-        return Checkpoint(None, remote=hub_source(spec), release_consumed=release_consumed)
+        return Checkpoint(None, remote=hub_source(spec, allow_unverified=allow_unverified), release_consumed=release_consumed)
     return Checkpoint(resolve(spec))

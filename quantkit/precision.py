@@ -13,8 +13,8 @@ same KV cache from the same hidden states:
 
 A tensor already stored as FP8 blocks in the source (GLM-5.2) passes through untouched. The prefill
 checkpoint uses DeepSeek's native FP8 layout (`weight_scale_inv`, `quant_method: fp8`); the decode
-checkpoint is compressed-tensors `mixed-precision`, which names the same FP8 multiplier
-`weight_scale`: identical bytes under the name each loader expects.
+checkpoint is compressed-tensors (INT4 `pack-quantized` experts + an FP8 block group), which names
+the same FP8 multiplier `weight_scale`: identical bytes under the name each loader expects.
 """
 
 from __future__ import annotations
@@ -48,6 +48,17 @@ def _fp8_or_pass(st: Stored) -> str:
 
 def decide(st: Stored, recipe, group_size: int, source_group: int | None) -> Decision:
     """Where one source tensor goes in each output; pure, so a dry run can check every name."""
+    d = _decide_both(st, recipe, group_size, source_group)
+    info = st.info
+    linear = info.is_linear and info.klass in (TensorClass.ATTENTION, TensorClass.INDEXER, TensorClass.SHARED_EXPERT,
+                                               TensorClass.DENSE_MLP) and info.proj != "weights_proj"
+    if linear and recipe.decode.rest == "bf16" and stored_as(d.decode, st) != "dense":
+        # decode.rest: bf16 (Kimi's official look): the decode pool's non-expert weights differ from prefill's
+        return Decision(d.prefill, BF16, "recipe decode.rest: bf16")
+    return d
+
+
+def _decide_both(st: Stored, recipe, group_size: int, source_group: int | None) -> Decision:
     info = st.info
     k = info.klass
     if k == TensorClass.ROUTED_EXPERT:
@@ -107,10 +118,44 @@ def _vision(module: str) -> bool:
     return module.startswith(("vision_tower.", "mm_projector.", "multi_modal_projector."))
 
 
+# Fused modules the engines build from two stored projections (SGLang `fused_qkv_a_proj_with_mqa`
+# and vLLM `fused_qkv_a_proj` in deepseek_v2.py; `gate_up_proj` in both). A fused module is in one
+# scheme only when both shards are, so its name is listed only when both shards are.
+FUSED = {
+    ("q_a_proj", "kv_a_proj_with_mqa"): ("fused_qkv_a_proj_with_mqa", "fused_qkv_a_proj"),
+    ("gate_proj", "up_proj"): ("gate_up_proj",),
+}
+# The MTP layer's extras that SGLang's draft model (deepseek_nextn.py) keeps at `model.`, not
+# under `model.decoder.` with the rest of the layer.
+MTP_EXTRAS = ("eh_proj", "enorm", "hnorm", "shared_head")
+
+
+def engine_names(modules: list[str], arch: ModelArch) -> list[str]:
+    """`modules` (stored names) plus the names engines give them at runtime: the fused modules whose
+    shards are all listed, and for MTP layers SGLang's draft names (`model.decoder.<rest>`, or
+    `model.<extra>` for eh_proj & co.; vLLM keeps `model.layers.N.`)."""
+    listed = set(modules)
+    out = set(modules)
+    for m in modules:
+        parent, _, leaf = m.rpartition(".")
+        for shards, fused in FUSED.items():
+            if leaf == shards[0] and all(f"{parent}.{s}" in listed for s in shards):
+                out |= {f"{parent}.{f}" for f in fused}
+    for m in list(out):
+        if not m.startswith(arch.prefix):
+            continue  # vision towers and the head: no MTP naming
+        hit = re.match(r"^(.*?)layers\.(\d+)\.(.*)$", m)
+        if hit and int(hit.group(2)) >= arch.num_hidden_layers:
+            rest = hit.group(3)
+            out.add(f"{hit.group(1)}{rest}" if rest.startswith(MTP_EXTRAS) else f"{hit.group(1)}decoder.{rest}")
+    return sorted(out)
+
+
 def ct_patterns(modules: list[str], arch: ModelArch) -> list[str]:
-    """compressed-tensors `re:` patterns matching exactly these modules under any loader's prefix.
-    Vision modules (renamed freely by loaders) are covered by one pattern per tower."""
-    out = {f"re:(^|.*\\.){re.escape(_short(m, arch))}$" for m in modules if not _vision(m)}
+    """compressed-tensors `re:` patterns matching exactly these modules (and the engines' runtime
+    names for them, see `engine_names`) under any loader's prefix. Vision modules (renamed freely
+    by loaders) are covered by one pattern per tower."""
+    out = {f"re:(^|.*\\.){re.escape(_short(m, arch))}$" for m in engine_names(modules, arch) if not _vision(m)}
     out |= {f"re:.*{m.split('.')[0]}.*" for m in modules if _vision(m)}
     return sorted(out)
 
@@ -120,8 +165,10 @@ def prefill_quantization_config(ckpt: Checkpoint, decisions: dict[str, Decision]
 
     Names are listed as stored and, where the decoder prefix is not `model.` (Kimi), also without
     it: transformers matches by suffix on its renamed modules, vLLM and SGLang by stored name.
+    Fused and MTP runtime names are listed too (`engine_names`).
     """
     not_fp8 = {m for fmt in ("dense", "int4") for m in _linear_modules(ckpt, decisions, "prefill", fmt)}
+    not_fp8 = set(engine_names(sorted(not_fp8), ckpt.arch))
     if ckpt.arch.prefix != "model.":
         not_fp8 |= {_short(m, ckpt.arch) for m in not_fp8}
     return {
@@ -133,30 +180,54 @@ def prefill_quantization_config(ckpt: Checkpoint, decisions: dict[str, Decision]
     }
 
 
+EXPERTS_TARGET = r"re:.*mlp\.experts\..*"
+
+
+def fp8_block_group(block: int) -> dict:
+    """compressed-tensors FP8 block scheme: e4m3 weights with one multiplier per block x block,
+    activations quantized per token-group at run time (what DeepSeek-native FP8 means)."""
+    return {
+        "targets": ["Linear"],
+        "weights": {
+            "num_bits": 8, "type": "float", "symmetric": True, "strategy": "block",
+            "block_structure": [block, block], "dynamic": False, "observer": "minmax",
+        },
+        "input_activations": {
+            "num_bits": 8, "type": "float", "symmetric": True, "strategy": "group",
+            "group_size": block, "dynamic": True, "observer": None,
+        },
+        "output_activations": None,
+        "format": "float-quantized",
+    }
+
+
 def decode_quantization_config(ckpt: Checkpoint, decisions: dict[str, Decision], group_size: int, block: int) -> dict:
-    """compressed-tensors mixed-precision: INT4 group targeting `Linear` (the MoE scheme SGLang and
-    vLLM pick), FP8 block group with exact-name targets, BF16 modules in `ignore`."""
+    """compressed-tensors config both engines load (checked by running their code, tests/test_serving.py).
+
+    - top-level `format: pack-quantized`: SGLang's W4A16 MoE schemes check the top-level format,
+      not the group's (`CompressedTensorsWNA16MoE.__init__`); vLLM and compressed-tensors use each
+      group's own `format`, so the FP8 group still decompresses as `float-quantized`.
+    - the FP8 block group targets `Linear`: SGLang matches a module's class name before expanding
+      fused modules (`find_matched_target`), so the group owning `Linear` is the one fused
+      `gate_up_proj` / `fused_qkv_a_proj_with_mqa` get, and SGLang reads `weight_block_size` only
+      from it (`CompressedTensorsConfig.weight_block_size`).
+    - the INT4 group targets the routed experts by pattern only, which matches every engine's
+      per-expert names (MTP draft layers included).
+    - without FP8 modules (`decode.rest: bf16`) the INT4 group targets `Linear` as well: Kimi's
+      official layout, everything else in `ignore`.
+    BF16 modules are listed in `ignore` under their stored and runtime names (`engine_names`).
+    """
     fp8_modules = _linear_modules(ckpt, decisions, "decode", "fp8")
     bf16_modules = _linear_modules(ckpt, decisions, "decode", "dense")
     cfg = int4.quantization_config(group_size, ignore=ct_patterns(bf16_modules, ckpt.arch))
-    cfg["format"] = "mixed-precision"
-    # Name the routed experts explicitly too: transformers picks the experts' scheme as the first
-    # group with an `re:` target mentioning "experts" (the FP8 group's shared_experts would win).
-    cfg["config_groups"]["group_0"]["targets"].append(r"re:.*mlp\.experts\..*")
+    int4_group = cfg["config_groups"]["group_0"]
     if fp8_modules:
-        cfg["config_groups"]["group_1"] = {
-            "targets": ct_patterns(fp8_modules, ckpt.arch),
-            "weights": {
-                "num_bits": 8, "type": "float", "symmetric": True, "strategy": "block",
-                "block_structure": [block, block], "dynamic": False, "observer": "minmax",
-            },
-            "input_activations": {
-                "num_bits": 8, "type": "float", "symmetric": True, "strategy": "group",
-                "group_size": block, "dynamic": True, "observer": None,
-            },
-            "output_activations": None,
-            "format": "float-quantized",
-        }
+        int4_group["targets"] = [EXPERTS_TARGET]
+        cfg["config_groups"]["group_1"] = fp8_block_group(block)
+    else:
+        # Name the routed experts explicitly too: transformers picks the experts' scheme as the first
+        # group with an `re:` target mentioning "experts".
+        int4_group["targets"].append(EXPERTS_TARGET)
     return cfg
 
 

@@ -7,8 +7,8 @@ field path and the fix:
     recipes/x.yaml: gptq.dampening: must be > 0 (got 0)
     recipes/x.yaml: gptq.dampning: unknown field; did you mean 'dampening'?
 
-Shipped recipes live in the repo's `recipes/` folder (kimi-k2.6, glm-5.2 and the tiny-* ones for
-the embedded tiny models); `load_recipe("kimi-k2.6")` finds them by name. docs/recipes.md is the
+Shipped recipes live in the repo's `recipes/` folder (kimi-k2.6, glm-5.2, deepseek-v3 and the
+tiny-* ones for the embedded tiny models); `load_recipe("kimi-k2.6")` finds them by name. docs/recipes.md is the
 field reference.
 """
 
@@ -38,6 +38,7 @@ _OVERRIDES = {
     "seq_len": ("calibration", "seq_len"),
     "calib": ("calibration", "dataset"),
     "seed": ("calibration", "seed"),
+    "decode_rest": ("decode", "rest"),
 }
 
 
@@ -87,6 +88,9 @@ class PrefillSettings(_Section):
 
 class DecodeSettings(_Section):
     reuse_source_int4: bool = True  # copy source INT4 experts bit for bit when already in the target scheme
+    # everything but the routed experts: "prefill" = the prefill checkpoint's bytes (FP8 blocks, shared
+    # KV-producing weights); "bf16" = BF16 (Kimi's official INT4 look; the pools' attention then differs)
+    rest: Literal["prefill", "bf16"] = "prefill"
 
 
 class ValidateSettings(_Section):
@@ -197,12 +201,16 @@ def _find(path_or_name: str | Path) -> Path:
 
 
 def default_recipe(model_spec: str, arch) -> Recipe:
-    """The shipped recipe for a model: tiny:<name> -> tiny-<name>, else by family (kimi, glm)."""
+    """The shipped recipe for a model: tiny:<name> -> tiny-<name>, else by family.
+
+    kimi (model_type kimi_k2 / kimi_k25) -> kimi-k2.6, glm -> glm-5.2, deepseek_v3 (DeepSeek-V3/R1
+    and BF16 Kimi K2 variants that ship model_type deepseek_v3) -> deepseek-v3.
+    """
     spec = str(model_spec)
     if spec.startswith("tiny:"):
         return load_recipe(f"tiny-{spec[len('tiny:'):]}")
     family = getattr(arch, "family", arch)
-    by_family = {"kimi": "kimi-k2.6", "glm": "glm-5.2"}
+    by_family = {"kimi": "kimi-k2.6", "glm": "glm-5.2", "deepseek_v3": "deepseek-v3"}
     if family not in by_family:
         raise ConfigError(f"{spec}: no default recipe for the {family} family; pass one with --recipe "
                           f"(start from {' or '.join(by_family.values())})")
@@ -210,7 +218,7 @@ def default_recipe(model_spec: str, arch) -> Recipe:
 
 
 def recipe_overrides(recipe: Recipe, **cli_options: Any) -> Recipe:
-    """`recipe` with CLI options applied: method, group_size, num_samples, seq_len, calib, seed.
+    """`recipe` with CLI options applied: method, group_size, num_samples, seq_len, calib, seed, decode_rest.
 
     None keeps the recipe's value. The result is validated again (e.g. a new group_size must still
     divide gptq.block_size); errors name the CLI option.

@@ -91,9 +91,13 @@ def softmax_scale(arch: ModelArch) -> float:
 
 
 def rope_tables(arch: ModelArch, positions: torch.Tensor, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (T, rope_dim/2) for the given absolute positions."""
-    inv_freq, attention_factor = rope_inv_freq(arch)
-    freqs = positions.to(torch.float32)[:, None].cpu() * inv_freq[None, :]  # (T, rope/2)
+    """cos, sin of shape (T, rope_dim/2) for the given absolute positions, on `device`.
+
+    Computed on the CPU in float32 whatever the device, then moved once: a GPU's sin/cos can
+    differ from the CPU's in the last bit, and the tables would then differ between machines.
+    """
+    inv_freq, attention_factor = rope_inv_freq(arch)  # CPU
+    freqs = positions.to("cpu", torch.float32)[:, None] * inv_freq[None, :]  # (T, rope/2)
     cos, sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
     return cos.to(device, dtype), sin.to(device, dtype)
 
@@ -141,7 +145,7 @@ class Context:
 
     @classmethod
     def build(cls, arch: ModelArch, T: int, device, dtype, *, start: int = 0, caches=None, **options) -> "Context":
-        positions = torch.arange(start, start + T)
+        positions = torch.arange(start, start + T)  # CPU: the rope tables are computed there
         cos, sin = rope_tables(arch, positions, device, dtype)
         return cls(arch, positions.to(device), cos, sin, caches, **options)
 
@@ -296,6 +300,22 @@ def head_weight_name(arch: ModelArch) -> str:
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
+    """auto, cpu, cuda or cuda:N, checked against this machine (a one-line error, before any work)."""
+    from quantkit.errors import ConfigError
+
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"--device {device!r}: not a device; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise ConfigError(f"--device {device}: no CUDA device on this machine (torch {torch.__version__}); "
+                              "use --device cpu or auto")
+        if dev.index is not None and dev.index >= n:
+            raise ConfigError(f"--device {device}: this machine has {n} CUDA device(s) (cuda:0..cuda:{n - 1}); pick one of them")
+    elif dev.type != "cpu":
+        raise ConfigError(f"--device {device}: quantkit runs on cpu or cuda; use auto, cpu, cuda or cuda:N")
+    return dev

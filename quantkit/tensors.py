@@ -103,7 +103,8 @@ def classify(name: str, arch: ModelArch) -> TensorInfo:
 def _classify_layer(name: str, layer: int, rest: str, arch: ModelArch) -> TensorInfo:
     if layer >= arch.num_layers_with_mtp:
         raise CheckpointError(
-            f"layer {layer} is beyond num_hidden_layers ({arch.num_hidden_layers}) + MTP layers ({arch.num_mtp_layers})",
+            f"layer {layer} is beyond num_hidden_layers ({arch.num_hidden_layers}) + MTP layers ({arch.num_mtp_layers}) "
+            "in config.json: the config does not match these weights; use the config.json that came with them",
             tensor=name,
         )
     mtp = layer >= arch.num_hidden_layers
@@ -128,6 +129,12 @@ def _classify_layer(name: str, layer: int, rest: str, arch: ModelArch) -> Tensor
     if mtp and (m := _MTP.match(rest)):
         proj = "eh_proj" if m.group(1) == "eh_proj" else None
         return TensorInfo(name, TensorClass.MTP, layer, None, proj, True)
+    if _MTP.match(rest):  # an MTP layer where config.json expects a decoder layer: the layer counts disagree
+        raise CheckpointError(
+            f"layer {layer} holds MTP tensors, but config.json's num_hidden_layers ({arch.num_hidden_layers}) makes it a "
+            "decoder layer: the config does not match these weights; use the config.json that came with them",
+            tensor=name,
+        )
     raise CheckpointError(
         f"cannot classify tensor in layer {layer} for model_type {arch.model_type}; "
         "if this is a new tensor kind, add a rule to quantkit/tensors.py",

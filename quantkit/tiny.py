@@ -10,7 +10,8 @@ The weights are not random: each model is briefly trained, with quantkit's own r
 on a generated corpus (a small grammar with agreement, arithmetic and key-value recall), so that
 perplexity, KL and top-1 agreement between a model and its quantized copy mean something. The
 same name always gives the same bytes on the same machine: a fixed seed, one thread, a fixed
-number of steps. Models are built once into a cache folder (QUANTKIT_CACHE, default
+number of steps. Another CPU (other SIMD width) gives other bytes: `tiny_seed` says why, and why
+tests must hold for any build. Models are built once into a cache folder (QUANTKIT_CACHE, default
 ~/.cache/quantkit) and reused.
 """
 
@@ -396,11 +397,21 @@ def _tokenizer_files() -> dict[str, str]:
         return {p.name: p.read_text() for p in Path(d).iterdir()}
 
 
-def build(name: str, out: Path, *, steps: int = STEPS) -> Path:
+def tiny_seed() -> int:
+    """The training seed: QUANTKIT_TINY_SEED, default 0.
+
+    Training is not bit-reproducible across CPUs (float32 summation order differs with the SIMD
+    width, and top-k routing turns last-bit differences into different models within ~100 steps),
+    so every machine builds its own honest variant of the same model. Tests must hold for any such
+    build; building with other seeds is how that is checked (docs/benchmarks.md, "tiny models")."""
+    return int(os.environ.get("QUANTKIT_TINY_SEED", "0"))
+
+
+def build(name: str, out: Path, *, steps: int = STEPS, seed: int | None = None) -> Path:
     """Generate tiny model `name` into folder `out` (which must not exist)."""
     config = tiny_config(name)
     arch = arch_from_config(config)
-    t = train(arch, seed=0, steps=steps)
+    t = train(arch, seed=tiny_seed() if seed is None else seed, steps=steps)
     (save_kimi if name == "kimi-k2.6" else save_glm)(t, arch, config, Path(out))
     return Path(out)
 
@@ -416,9 +427,10 @@ def tiny_path(name: str) -> Path:
 
         raise ConfigError(f"unknown tiny model {name!r}; choose one of: " + ", ".join(f"tiny:{n}" for n in TINY_NAMES))
     # Keyed by this file's source too, so any change to how tiny models are made rebuilds them.
-    key = hashlib.sha256(json.dumps([TINY_VERSION, name, tiny_config(name), STEPS, BATCH, SEQ, LR]).encode()
+    seed = tiny_seed()
+    key = hashlib.sha256(json.dumps([TINY_VERSION, name, tiny_config(name), STEPS, BATCH, SEQ, LR, seed]).encode()
                          + Path(__file__).read_bytes()).hexdigest()[:12]
-    folder = cache_dir() / "tiny" / f"{name}-{key}"
+    folder = cache_dir() / "tiny" / (f"{name}-{key}" if seed == 0 else f"{name}-seed{seed}-{key}")
     if not folder.is_dir():
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = folder.with_name(folder.name + f".build-{os.getpid()}")

@@ -36,6 +36,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -671,6 +672,31 @@ def _expert_histogram(ax, report: dict | None) -> None:
 
 
 # ---- the entry point -----------------------------------------------------------------------------
+def _owned_and_verified(fn):
+    """validate's guard: one owner per folder (quantkit.outlock), and a convert output is checked
+    against its manifests (quantkit.integrity.verify) before anything is measured or written."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(dir, *args, write: bool = True, **kwargs):
+        from quantkit.integrity import MANIFEST, REPORT, verify
+        from quantkit.outlock import acquire
+
+        out = Path(dir)
+        lock = acquire(out, "validate") if write and out.is_dir() else None
+        try:
+            ours = [out / REPORT, out / ".quantkit-convert", out / MANIFEST, out / "prefill" / MANIFEST, out / "decode" / MANIFEST]
+            if any(p.exists() for p in ours):  # a quantkit output (a hand-assembled pair has none of these)
+                verify(out).raise_for_problems()
+            return fn(dir, *args, write=write, **kwargs)
+        finally:
+            if lock is not None:
+                lock.release()
+
+    return wrapper
+
+
+@_owned_and_verified
 def validate(
     dir: str | Path,
     *,
@@ -760,9 +786,14 @@ def validate(
 
 def _write(t: Target, data: dict) -> dict[str, Path]:
     files = {"json": t.out / "validation.json", "md": t.out / "validation.md", "png": t.out / "validation.png"}
-    files["json"].write_text(json.dumps(data, indent=2) + "\n")
-    files["md"].write_text(render_markdown(data))
-    plot(data, t.report, files["png"])
+    from quantkit.integrity import atomic_write_text
+
+    # each file whole or not at all (a full disk must not leave a 0-byte validation.json)
+    atomic_write_text(files["json"], json.dumps(data, indent=2) + "\n")
+    atomic_write_text(files["md"], render_markdown(data))
+    png_tmp = files["png"].with_name("validation.tmp.png")
+    plot(data, t.report, png_tmp)
+    os.replace(png_tmp, files["png"])
     if t.pair and t.report is not None:
         from quantkit.card import write_cards
 

@@ -347,6 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depth-hidden", type=int, default=256)
     ap.add_argument("--depth-experts", type=int, default=32)
     ap.add_argument("--depth-moe-inter", type=int, default=256)
+    ap.add_argument("--random", metavar="LAYERS,HIDDEN,EXPERTS,MOE_INTER", default=None,
+                    help="benchmark a random-weight checkpoint of --model's architecture at this size instead "
+                         "(e.g. 6,1024,32,256 for the DeepSeek-V3-layout model of docs/benchmarks.md with "
+                         "--model tiny:kimi-k2.6): a router near uniform, where few-token Hessians mislead")
     ap.add_argument("--out", type=Path, default=None, help="work folder, kept (default: a temporary one, removed)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
     args = ap.parse_args(argv)
@@ -376,6 +380,11 @@ def main(argv: list[str] | None = None) -> int:
                  "calibration": f"synthetic:train {args.num_samples}x{args.seq_len}",
                  "eval": f"corpus seed {EVAL_SEED}, {args.eval_samples}x{args.eval_seq_len}", "runs": {}}
     src = resolve(args.model)  # builds a tiny model once, outside any timing
+    if args.random:
+        L, H, E, I = (int(v) for v in args.random.split(","))
+        size = argparse.Namespace(**{**vars(args), "depth_hidden": H, "depth_experts": E, "depth_moe_inter": I})
+        src = random_checkpoint(work / "random-source", src, L, size)
+        res["model"] = f"random {args.model} architecture, {L} layers, hidden {H}, {E} experts, moe_inter {I}"
     arch = Checkpoint(src).arch
     res["model_type"] = arch.model_type
     family_recipe = {"glm": "tiny-glm-5.2", "kimi": "tiny-kimi-k2.6"}.get(arch.family, "tiny-glm-5.2")

@@ -18,6 +18,10 @@ file and then closes the connection; ``inject(name, "status", 500)`` answers the
 Actions queue up and are consumed one per GET.  ``corrupt(name)`` serves different bytes (same size) while
 the metadata keeps announcing the sha256 of the true content.
 
+Malicious answers: ``listing_hook`` (a function of the model_info JSON body) rewrites the listing
+(bad commit sha, unsafe names, missing checksums); ``truncate(name, n)`` serves the file ``n`` bytes
+short, in a complete HTTP response whose headers agree with the short body.
+
 Every body byte sent is counted (``bytes_served``, ``bytes_by_file``) and every request is recorded
 (``requests``), so tests can assert how much was (re)transferred and which headers were sent.
 """
@@ -113,6 +117,8 @@ class FakeHub:
         self.required_token = required_token
         self._faults: dict[str, deque] = defaultdict(deque)
         self._corrupt: set[str] = set()
+        self._short: dict[str, int] = {}
+        self.listing_hook = None  # callable(body: dict) -> dict, applied to every model_info answer
         self._lock = threading.Lock()
         self.requests: list[Request] = []
         self.bytes_served = 0
@@ -134,6 +140,10 @@ class FakeHub:
     def corrupt(self, name: str, on: bool = True) -> None:
         with self._lock:
             (self._corrupt.add if on else self._corrupt.discard)(name)
+
+    def truncate(self, name: str, n: int) -> None:
+        with self._lock:
+            self._short[name] = n
 
     def _next_fault(self, name: str):
         with self._lock:
@@ -317,6 +327,8 @@ class _Handler(BaseHTTPRequestHandler):
             "library_name": "transformers",
             "siblings": siblings,
         }
+        if self.hub.listing_hook is not None:
+            body = self.hub.listing_hook(body)
         self._send(200, json.dumps(body).encode(), {"Content-Type": "application/json"})
 
     def _resolve(self, path: str) -> None:
@@ -368,6 +380,9 @@ class _Handler(BaseHTTPRequestHandler):
         data = entry.data
         if entry.name in self.hub._corrupt:
             data = bytes(b ^ 0xFF for b in data[:64]) + data[64:]
+        if entry.name in self.hub._short:
+            data = data[: len(data) - self.hub._short[entry.name]]
+            headers.pop("X-Linked-Size", None)
         total = len(data)
         start, end = 0, total - 1
         status = 200

@@ -19,6 +19,7 @@ from quantkit.forward import embed, layer_weights, logits
 from quantkit.gptq import quantize_rtn
 from quantkit.recipe import load_recipe
 from quantkit.reference import Context, decoder_layer, route, swiglu
+from quantkit.stats import paired, token_kl
 from quantkit.tiny import batches
 
 IDS = torch.tensor([[1, 5, 9, 13, 40, 41, 42, 7, 8, 100, 101, 3]])
@@ -206,19 +207,22 @@ def runs(tmp_path_factory):
     return out
 
 
-def _heldout_kl(src, folder) -> float:
-    ids = batches(8, 64, seed=2000)
-    ref = logits(src, ids).log_softmax(-1)
-    lp = logits(folder, ids).log_softmax(-1)
-    return (ref.exp() * (ref - lp)).sum(-1).mean().item()
+# 16384 held-out tokens (corpus seed 3000): per-token KL is heavy-tailed, so verdicts rest on the
+# paired difference on these tokens and its standard error (quantkit.stats), not on two means.
+EVAL = batches(256, 64, seed=3000)
 
 
-# GLM's experts start from FP8 (INT4 costs real accuracy); Kimi's from QAT INT4 g32, so g128 loses
-# little either way: AWQ must still win. Measured: GLM ~0.002 vs 0.0081, Kimi 0.00041 vs 0.00045.
-@pytest.mark.parametrize("name,src,margin", [("glm", "tiny:glm-5.2", 0.5), ("kimi", "tiny:kimi-k2.6", 1.0)])
-def test_awq_beats_rtn_on_heldout_kl(runs, name, src, margin):
-    kl_awq, kl_rtn = _heldout_kl(src, runs[name].decode), _heldout_kl(src, runs[name + "-rtn"].decode)
-    assert kl_awq < margin * kl_rtn, (kl_awq, kl_rtn)
+def _token_kl(src, folder) -> torch.Tensor:
+    return token_kl(logits(src, EVAL), logits(folder, EVAL))
+
+
+# GLM's experts start from FP8, so INT4 costs real accuracy and AWQ must beat RTN clearly (scripts/
+# quality.py: ~6 standard errors on three builds of the tiny GLM). Kimi's start from QAT INT4 g32,
+# so g128 loses little either way: AWQ must not be worse than RTN.
+@pytest.mark.parametrize("name,src,claim", [("glm", "tiny:glm-5.2", "better"), ("kimi", "tiny:kimi-k2.6", "not_worse")])
+def test_awq_vs_rtn_on_heldout_kl(runs, name, src, claim):
+    d = paired(_token_kl(src, runs[name].decode), _token_kl(src, runs[name + "-rtn"].decode))
+    assert getattr(d, claim)(z=2.0), f"AWQ - RTN KL: {d}"
 
 
 def test_report_says_awq(runs):
@@ -226,22 +230,24 @@ def test_report_says_awq(runs):
         r = runs[name].report
         assert r["method"] == "awq"
         calibrated = [e for e in r["experts"] if not (e["fallback"] or "").startswith("mtp")]  # MTP: RTN, said so
-        assert calibrated and all(e["method"] == "awq" for e in calibrated)
+        # stored as AWQ unless the held-out guard found RTN better for that expert, which it says
+        assert calibrated and all(e["method"] == "awq" or e["guard"] == "rtn" for e in calibrated)
+        assert all(e["heldout"] > 0 and e["err"] is not None and e["err_rtn"] is not None for e in calibrated)
+        assert all(e["guard"] in (None, "awq-s1", "rtn") for e in calibrated)
         assert r["experts_summary"]["awq"] == len([e for e in r["experts"] if e["method"] == "awq"]) > 0
         assert r["shared_tensors"]["differ_classes"] == ["routed_expert"]
 
 
-def test_routing_on_calibration_data_is_preserved(runs, glm_moe_inputs):
-    """The router sees the same x and the same weights: identical top-k for every calibration token."""
-    src = glm_moe_inputs
+def test_router_norm_and_shared_expert_are_the_sources_bytes(runs, glm_moe_inputs):
+    """AWQ folds nothing into shared tensors: the decode checkpoint's router, its correction bias and
+    the norm before it are the source's bytes, so on the same MoE input routing is the source's.
+    (Top-k on identical inputs and weights would be identical by definition; the bytes are the claim.)"""
     dec = Checkpoint(runs["glm"].decode)
-    arch = dec.arch
-    for layer, (x, w) in src.items():
+    for layer, (_, w) in glm_moe_inputs.items():
         wd = layer_weights(dec, layer, "cpu", torch.float32)
-        for k in ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "post_attention_layernorm.weight"):
+        for k in ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "post_attention_layernorm.weight",
+                  "mlp.shared_experts.down_proj.weight"):
             assert torch.equal(w[k], wd[k]), (layer, k)
-        a, b = route(x, w, arch)[0].sort(-1).values, route(x, wd, arch)[0].sort(-1).values
-        assert torch.equal(a, b), layer
 
 
 def _rel(a, b):
@@ -293,7 +299,8 @@ def test_prefill_is_unchanged_by_awq(runs):
 def test_cli_convert_method_awq(runs):
     report = runs["kimi"].report  # made by the CLI in the fixture
     assert report["method"] == "awq" and report["group_size"] == 128
-    assert report["experts_summary"]["awq"] == 3 * 16  # 3 MoE layers x 16 experts, none reused at g128
+    s = report["experts_summary"]  # 3 MoE layers x 16 experts, none reused at g128: AWQ unless the guard chose RTN
+    assert s["awq"] + s["guard_kept_rtn"] == 3 * 16 and s["awq"] > 0
 
 
 def test_starved_expert_takes_fallback_and_is_reported(tiny_glm, tmp_path):

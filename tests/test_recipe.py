@@ -3,17 +3,21 @@ the field and the fix, and CLI overrides are validated like the file."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
+from conftest import small_config, write_random
+from oracle import dequantized_state_dict
 from quantkit.arch import arch_from_config
 from quantkit.calib import parse_spec
+from quantkit.conversion import convert
 from quantkit.errors import ConfigError
 from quantkit.recipe import Recipe, available_recipes, default_recipe, load_recipe, recipe_dirs, recipe_overrides
 from quantkit.tiny import tiny_config
 
-SHIPPED = ["glm-5.2", "kimi-k2.6", "tiny-glm-5.2", "tiny-kimi-k2.6"]
+SHIPPED = ["deepseek-v3", "glm-5.2", "kimi-k2.6", "tiny-glm-5.2", "tiny-kimi-k2.6"]
 REPO_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
 
@@ -42,11 +46,14 @@ def test_shipped_recipes_load(name):
 
 def test_shipped_recipe_settings():
     assert set(SHIPPED) <= set(available_recipes()) and recipe_dirs()[0] == REPO_RECIPES
-    kimi, glm = load_recipe("kimi-k2.6"), load_recipe("glm-5.2")
+    kimi, glm, ds = load_recipe("kimi-k2.6"), load_recipe("glm-5.2"), load_recipe("deepseek-v3")
     assert kimi.group_size == 32 and kimi.decode.reuse_source_int4
     assert kimi.prefill.keep_bf16 == ["q_a_proj", "kv_a_proj_with_mqa"] and glm.prefill.keep_bf16 == []
     assert glm.group_size == 128
-    for r in (kimi, glm):
+    # DeepSeek-V3 has Kimi's attention shapes (the fused 1536 + 576 q_a/kv_a) and GLM's BF16/FP8 source
+    assert (ds.method, ds.group_size, ds.prefill.keep_bf16) == ("gptq", 128, ["q_a_proj", "kv_a_proj_with_mqa"])
+    assert ds.gptq == glm.gptq and ds.validate == glm.validate
+    for r in (kimi, glm, ds):
         assert (r.calibration.dataset, r.calibration.num_samples, r.calibration.seq_len) == (
             "hf:HuggingFaceH4/ultrachat_200k@train_sft", 512, 2048)
     for name in ("tiny-kimi-k2.6", "tiny-glm-5.2"):
@@ -123,7 +130,7 @@ def test_structural_errors(tmp_path):
     assert line.endswith("name: required; add it")
     (line,) = errors(write(tmp_path, "name: x\nmethod: rtn\nprefil: {}\n"))
     assert line.endswith("prefil: unknown field; did you mean 'prefill'?")
-    with pytest.raises(ConfigError, match="no such recipe file or name; pass a YAML path or one of: glm-5.2"):
+    with pytest.raises(ConfigError, match="no such recipe file or name; pass a YAML path or one of: deepseek-v3, glm-5.2"):
         load_recipe("kimi-k3")
 
 
@@ -134,8 +141,30 @@ def test_default_recipe_by_model():
     assert default_recipe("tiny:glm-5.2", glm_arch).name == "tiny-glm-5.2"
     assert default_recipe("/models/Kimi-K2.6", kimi_arch).name == "kimi-k2.6"
     assert default_recipe("hf://zai-org/GLM-5.2-FP8", glm_arch).name == "glm-5.2"
-    with pytest.raises(ConfigError, match="no default recipe for the deepseek_v3 family; pass one with --recipe"):
-        default_recipe("/models/DeepSeek-V3", "deepseek_v3")
+    assert default_recipe("/models/DeepSeek-V3", arch_from_config(small_config("deepseek_v3"))).name == "deepseek-v3"
+    with pytest.raises(ConfigError, match="no default recipe for the qwen3_moe family; pass one with --recipe"):
+        default_recipe("/models/Qwen3", "qwen3_moe")
+
+
+@pytest.mark.slow
+def test_deepseek_v3_bf16_source_converts_with_the_default_recipe(tmp_path):
+    """A BF16 deepseek_v3 checkpoint (no --recipe) gets deepseek-v3: GPTQ group 128 experts, q_a/kv_a kept
+    BF16, the rest FP8. Calibration comes from the command line because tests don't reach the Hub."""
+    src, w = write_random(tmp_path / "src", small_config("deepseek_v3"))
+    res = convert(src, tmp_path / "out", calib="synthetic:train", num_samples=8, seq_len=32, validate=False, progress=False)
+    r = res.report
+    assert r["recipe"]["name"] == "deepseek-v3" and r["group_size"] == 128
+    assert r["experts_summary"]["gptq"] == 2 * 8 and r["experts_summary"]["fallbacks"] == 0  # 2 MoE layers x 8
+    d = r["decisions"]
+    assert d["model.layers.1.self_attn.q_a_proj.weight"]["prefill"] == "pass"  # stays BF16
+    assert d["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"]["prefill"] == "pass"
+    assert d["model.layers.1.self_attn.q_b_proj.weight"]["prefill"] == "fp8"
+    cfg = json.loads((res.decode / "config.json").read_text())["quantization_config"]
+    assert cfg["config_groups"]["group_0"]["weights"]["group_size"] == 128
+    # the decode experts, dequantized by compressed-tensors, are close to the source
+    name = "model.layers.2.mlp.experts.5.down_proj.weight"
+    wq = dequantized_state_dict(res.decode)[name]
+    assert wq.shape == w[name].shape and (wq - w[name]).norm() / w[name].norm() < 0.2
 
 
 def test_overrides():

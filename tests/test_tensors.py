@@ -159,7 +159,7 @@ def test_classify_fields(ds):
     ("model.layers.3.input_layernorm.weight", "beyond"),  # 3 layers, no MTP
     ("model.layers.0.self_attn.rotary_emb.inv_freq", "cannot classify"),
     ("model.layers.0.self_attn.indexer.wk.weight", "cannot classify"),  # no DSA in DeepSeek-V3
-    ("model.layers.1.enorm.weight", "cannot classify"),  # MTP names outside an MTP layer
+    ("model.layers.1.enorm.weight", "holds MTP tensors.*num_hidden_layers"),  # MTP names outside an MTP layer: layer counts disagree
     ("model.rotary.weight", "cannot classify"),
     ("language_model.model.embed_tokens.weight", "cannot classify"),  # wrong prefix for this family
 ])

@@ -92,14 +92,34 @@ def _damage(pair: Path, dst: Path) -> tuple[Path, int]:
     return dst, e
 
 
+def _reseal(out: Path) -> None:
+    """Rewrite both manifests (keeping the shared list) and the report's digests, as a buggy convert would."""
+    from quantkit.integrity import MANIFEST, build_manifest, write_manifest
+
+    report = json.loads((out / "convert-report.json").read_text())
+    for which in ("prefill", "decode"):
+        shared = json.loads((out / which / MANIFEST).read_text())["shared"]
+        report["outputs"][which]["manifest_sha256"] = write_manifest(out / which, build_manifest(out / which, shared))
+    (out / "convert-report.json").write_text(json.dumps(report))
+
+
 def test_damaged_expert_shows_at_its_layer_and_fails_a_gate(tmp_path, pairs):
     intact = tmp_path / "intact"
     shutil.copytree(pairs["glm"], intact)
-    damaged, _ = _damage(pairs["glm"], tmp_path / "damaged")
+    damaged, e = _damage(pairs["glm"], tmp_path / "damaged")
+    # The gate is set from the intact pair's own worst layer (x3), not from one machine's numbers:
+    # the claim is that one broken expert stands out at its layer, whatever the build of the model.
+    probe = validate(intact, num_samples=4, gen_tokens=4, device="cpu", progress=False, write=False).data["rows"]
+    bound = 3 * max(max(probe[r]["layers"]) for r in ("decode", "cross_phase"))
     gates = tmp_path / "gates.yaml"
-    gates.write_text("gates:\n  kl_max: 0.05\n  top1_min: 0.9\n  layer_rel_err_max: 0.1\n")
+    gates.write_text(f"gates:\n  kl_max: 0.05\n  top1_min: 0.9\n  layer_rel_err_max: {bound}\n")
 
     opts = ["--device", "cpu", "--num-samples", "4", "--gen-tokens", "4", "--gate", str(gates)]
+    # validate verifies first: bytes changed after convert are refused before anything is measured
+    refused = runner.invoke(app, ["validate", str(damaged), *opts])
+    assert refused.exit_code == 1 and f"experts.{e}.down_proj.weight_scale" in refused.output, refused.output
+    assert not (damaged / "validation.json").exists()
+    _reseal(damaged)  # from here on the damage is the converter's own (a manifest that agrees with it)
     good = runner.invoke(app, ["validate", str(intact), *opts])
     assert good.exit_code == 0, good.output
     ok = json.loads((intact / "validation.json").read_text())
@@ -110,11 +130,11 @@ def test_damaged_expert_shows_at_its_layer_and_fails_a_gate(tmp_path, pairs):
 
     before, after = ok["rows"]["decode"]["layers"], hurt["rows"]["decode"]["layers"]
     assert after[:DAMAGED_LAYER] == before[:DAMAGED_LAYER]  # identical weights up to there: identical error
-    assert after[DAMAGED_LAYER] > 10 * before[DAMAGED_LAYER] and after[DAMAGED_LAYER] > 0.1
+    assert after[DAMAGED_LAYER] > 10 * before[DAMAGED_LAYER] and after[DAMAGED_LAYER] > bound
     assert max(range(len(after)), key=lambda i: after[i] - before[i]) == DAMAGED_LAYER  # the jump is at that layer
     assert hurt["rows"]["prefill"]["layers"] == ok["rows"]["prefill"]["layers"]  # prefill/ was not touched
     cp_before, cp_after = ok["rows"]["cross_phase"]["layers"], hurt["rows"]["cross_phase"]["layers"]
-    assert cp_after[:DAMAGED_LAYER] == cp_before[:DAMAGED_LAYER] and cp_after[DAMAGED_LAYER] > 0.1
+    assert cp_after[:DAMAGED_LAYER] == cp_before[:DAMAGED_LAYER] and cp_after[DAMAGED_LAYER] > bound
     failed = {(g["gate"], g["row"]) for g in hurt["gates"] if g["passed"] is False}
     assert ("layer_rel_err_max", "decode") in failed and ("layer_rel_err_max", "cross_phase") in failed
     assert not hurt["passed"] and ok["passed"]
@@ -149,7 +169,7 @@ def test_cross_phase_equals_a_mixed_weights_forward(pairs, tiny_glm):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     # the check has teeth: INT4-only and FP8-only forwards of the same sequence are far outside that tolerance
     for other in (run(decode, seq, device="cpu")[:, -1], run(prefill, seq, device="cpu")[:, -1]):
-        assert (other - want).abs().max() > 50 * 1e-4
+        assert not torch.allclose(other, want, rtol=1e-4, atol=1e-4)
 
     # and it is the path validate() measures: its greedy cross-phase continuation starts with the prefill
     # checkpoint's token, then the decode checkpoint's argmax on top of the prefill caches ...
@@ -165,7 +185,8 @@ def test_cross_phase_equals_a_mixed_weights_forward(pairs, tiny_glm):
     lp_mix = torch.log_softmax(_mixed_forward(prefill, decode, seq_r, P).double(), -1)
     kl = float((lp_ref.exp() * (lp_ref - lp_mix)).sum(-1).mean())
     assert res.data["rows"]["cross_phase"]["metrics"]["kl"] == pytest.approx(kl, rel=1e-2)
-    assert abs(res.data["rows"]["cross_phase"]["int4_only"]["kl"] - kl) > 0.2 * kl  # INT4-only is told apart
+    # INT4-only is told apart at the tolerance that equality was checked with
+    assert res.data["rows"]["cross_phase"]["int4_only"]["kl"] != pytest.approx(kl, rel=1e-2)
 
 
 @pytest.mark.parametrize("name", ["glm", "kimi"])
@@ -196,7 +217,7 @@ def test_cli_writes_table_json_md_png_and_cards(cli_runs, pairs, name):
         assert report["outputs"][which]["precision"]["routed_expert"] in card
         assert report["calibration"] is None or report["calibration"]["sha256"] in card
         assert data["eval_data"]["sha256"] in card and "--kv-cache-dtype fp8_e4m3" in card
-        assert "disable-shared-experts-fusion` is **not** needed" in card  # shared experts are FP8
+        assert "disable-shared-experts-fusion` is **not** needed" in card  # tiny: 16 routed experts, SGLang never fuses
         assert format(data["rows"][which]["metrics"]["kl"], ".4g") in card  # numbers come from the JSON
     assert format(data["rows"]["cross_phase"]["metrics"]["kl"], ".4g") in (folder / "decode" / "README.md").read_text()
     assert ("--trust-remote-code" in (folder / "decode" / "README.md").read_text()) == (name == "kimi")

@@ -30,7 +30,7 @@ def pack(q: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if pad:
         u = torch.nn.functional.pad(u, (0, pad), value=0)  # padding nibbles are 0 bits, as compressed-tensors writes them
     u = u.view(rows, -1, PER_WORD)  # (rows, words, 8)
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64)  # (8,)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=u.device)  # (8,)
     words = (u << shifts).sum(-1)  # (rows, words), in [0, 2^32)
     words = torch.where(words >= 2**31, words - 2**32, words)  # two's complement into int32
     return words.to(torch.int32)
@@ -43,7 +43,7 @@ def unpack(packed: torch.Tensor, shape: tuple[int, int], dim: int = -1) -> torch
     rows, cols = shape
     if dim == 0:
         return unpack(packed.transpose(0, 1).contiguous(), (cols, rows), -1).transpose(0, 1).contiguous()
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)  # (8,)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)  # (8,)
     u = (packed.unsqueeze(-1) >> shifts) & 0xF  # (rows, words, 8); arithmetic shift, masked
     return (u.reshape(rows, -1)[:, :cols] - OFFSET).to(torch.int8)
 
@@ -73,7 +73,7 @@ def store(q: torch.Tensor, scale: torch.Tensor) -> dict[str, torch.Tensor]:
     return {
         "weight_packed": pack(q),
         "weight_scale": scale.contiguous(),
-        "weight_shape": torch.tensor(list(q.shape), dtype=torch.int32),
+        "weight_shape": torch.tensor(list(q.shape), dtype=torch.int32, device=q.device),
     }
 
 

@@ -1,0 +1,77 @@
+"""quantkit.experts: the one policy every expert quantizer follows (held-out tokens, starved
+experts, the guard against RTN)."""
+
+from __future__ import annotations
+
+import torch
+
+from quantkit.conversion import quantize_experts
+from quantkit.experts import (
+    HOLDOUT, PROJS, ExpertRecord, calibration_inputs, guard_against_rtn, heldout_inputs, split_heldout,
+)
+from quantkit.gptq import quantize_rtn
+from quantkit.recipe import load_recipe
+
+D, I, E = 64, 32, 3
+
+
+def _layer(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = {f"mlp.experts.{e}.{p}.weight": torch.randn(*((I, D) if p != "down_proj" else (D, I)), generator=g) * 0.1
+         for e in range(E) for p in PROJS}
+    x = torch.randn(400, D, generator=g)
+    return x, w
+
+
+def test_split_heldout_partitions_and_holds_out_every_nth():
+    tok = torch.arange(100)
+    fit, held = split_heldout(tok)
+    assert sorted(torch.cat([fit, held]).tolist()) == tok.tolist()
+    assert held.tolist() == list(range(HOLDOUT - 1, 100, HOLDOUT))
+
+
+def test_starved_expert_is_never_fitted_on_nothing():
+    x, _ = _layer()
+    g = load_recipe("tiny-glm-5.2").gptq
+    g.min_tokens = 0  # the schema allows it; an expert with no tokens must still not get H = 0
+    inp, fb = calibration_inputs(x, torch.empty(0, dtype=torch.long), g)
+    assert fb == "all_tokens" and len(inp) == len(split_heldout(torch.arange(len(x)))[0])
+    g.fallback = "rtn"
+    assert calibration_inputs(x, torch.empty(0, dtype=torch.long), g) == (None, "rtn")
+    inp, fb = calibration_inputs(x, torch.arange(7), g)  # 7 tokens, none held out: fitted on all 7
+    assert fb is None and len(inp) == 7
+
+
+def test_gptq_with_min_tokens_zero_never_zeroes_an_expert():
+    x, w = _layer()
+    rec = load_recipe("tiny-glm-5.2")
+    rec.gptq.min_tokens = 0
+    tokens = {0: torch.arange(200), 1: torch.empty(0, dtype=torch.long), 2: torch.tensor([7])}
+    q, records = quantize_experts(x, w, tokens, [0, 1, 2], rec, 32, "gptq", 1)
+    for e in (1, 2):
+        assert all(q[e][p].dequantize().abs().sum() > 0 for p in PROJS)
+    assert records[1].fallback == "all_tokens" and records[2].fallback is None  # one token is something to fit
+
+
+def test_guard_picks_the_best_alternative():
+    x, w = _layer()
+    xh = heldout_inputs(x, torch.arange(200))
+    rtn = {p: quantize_rtn(w[f"mlp.experts.0.{p}.weight"], 32) for p in PROJS}
+    bad = {p: quantize_rtn(-w[f"mlp.experts.0.{p}.weight"], 32) for p in PROJS}
+    fine = {p: quantize_rtn(w[f"mlp.experts.0.{p}.weight"], 16) for p in PROJS}  # finer groups beat RTN g32
+    r = ExpertRecord(1, 0, 200, "awq")
+    kept = guard_against_rtn(xh, w, 0, bad, 32, r, {"awq-s1": fine})
+    assert kept is fine and r.guard == "awq-s1" and r.method == "awq"
+
+
+def test_guard_keeps_whichever_is_better_on_heldout_tokens():
+    x, w = _layer()
+    xh = heldout_inputs(x, torch.arange(200))
+    good = {p: quantize_rtn(w[f"mlp.experts.0.{p}.weight"], 32) for p in PROJS}
+    r = ExpertRecord(1, 0, 200, "gptq")
+    assert guard_against_rtn(xh, w, 0, good, 32, r) is good and r.guard is None and r.err == r.err_rtn
+    bad = {p: quantize_rtn(-w[f"mlp.experts.0.{p}.weight"], 32) for p in PROJS}  # sign-flipped: far off
+    r = ExpertRecord(1, 0, 200, "gptq")
+    kept = guard_against_rtn(xh, w, 0, bad, 32, r)
+    assert r.guard == "rtn" and r.method == "rtn" and r.err > r.err_rtn and r.heldout == len(xh) == 25
+    assert all(torch.equal(kept[p].q, good[p].q) for p in PROJS)

@@ -1,0 +1,776 @@
+"""Reliability: nothing lost, nothing forged.
+
+- a crash at every write step of convert (the finish included), then --resume: byte-identical;
+- SIGKILLs at random times on the tiny model, then --resume: byte-identical;
+- a table of bad inputs: each a one-line quantkit error with a fix, no traceback, no output folder;
+- one owner per output folder (a live lock refuses, a dead one is taken over and reported);
+- disk full, Ctrl-C, the disk precheck: one line, saying what to do;
+- flipped bytes, added or removed files, a swapped manifest: found by verify, named by file and tensor.
+
+Every test adds its rows to MATRIX; run with QUANTKIT_RELIABILITY_TABLE=<file> to get the table that
+docs/reliability.md shows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from conftest import small_config, write_random
+from quantkit import faults
+from quantkit.cli import app
+from quantkit.conversion import _check_disk, _disk_full, convert
+from quantkit.errors import IntegrityError, OutputError
+from quantkit.integrity import MANIFEST, REPORT, atomic_write_text, verify
+
+runner = CliRunner()
+MATRIX: list[tuple[str, str, int, str]] = []  # (area, case, tries, result)
+SHARD = "model-00001-of-00001.safetensors"
+
+
+def record(area: str, case: str, tries: int, ok: bool, detail: str = "") -> None:
+    MATRIX.append((area, case, tries, ("held" if ok else "FAILED") + (f": {detail}" if detail else "")))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _matrix_table():
+    yield
+    rows = ["| area | case | tries | result |", "|---|---|---:|---|"]
+    rows += [f"| {a} | {c} | {n} | {r} |" for a, c, n, r in MATRIX]
+    table = "\n".join(rows) + "\n"
+    if path := os.environ.get("QUANTKIT_RELIABILITY_TABLE"):
+        with open(path, "a") as f:
+            f.write(table)
+    print("\n" + table)
+
+
+@pytest.fixture(autouse=True)
+def _no_fault_env(monkeypatch):
+    for var in ("QUANTKIT_FAULT", "QUANTKIT_FAULT_LOG"):
+        monkeypatch.delenv(var, raising=False)
+    faults.reset()
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory, tiny_glm) -> Path:
+    """A 3-layer + MTP GLM checkpoint in the real FP8 format, with a tokenizer and carried files."""
+    root = tmp_path_factory.mktemp("rel")
+    folder, _ = write_random(root / "src", small_config("glm"), linears="fp8", experts="fp8")
+    for f in tiny_glm.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "generation_config.json":
+            shutil.copy(f, folder / f.name)
+    (folder / "README.md").write_text("---\nlicense: mit\n---\n# source\n")
+    return folder
+
+
+def _convert(src, out, **kw):
+    faults.reset()
+    return convert(src, out, method=kw.pop("method", "rtn"), validate=False, progress=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def whole(src, tmp_path_factory) -> tuple[Path, list[str]]:
+    """An uninterrupted RTN convert, and every crash point it passed (in order)."""
+    root = tmp_path_factory.mktemp("whole")
+    log = root / "points.log"
+    os.environ["QUANTKIT_FAULT_LOG"] = str(log)
+    try:
+        _convert(src, root / "out")
+    finally:
+        del os.environ["QUANTKIT_FAULT_LOG"]
+    return root / "out", log.read_text().split()
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _same_pair(a: Path, b: Path) -> bool:
+    return all(_files(a / w) == _files(b / w) for w in ("prefill", "decode"))
+
+
+def _never_looks_complete(out: Path) -> None:
+    """After a crash: no report => verify fails; a folder under its final name is whole."""
+    if not out.exists():  # killed before it made anything
+        return
+    if not (out / REPORT).exists():
+        assert not verify(out).ok
+    for which in ("prefill", "decode"):
+        if (out / which).exists():
+            assert verify(out / which).ok, verify(out / which).problems
+
+
+def _crash_then_resume(src, out, point, monkeypatch, *, resume: bool = False, **kw) -> None:
+    """Crash at `point` (a fresh run, or with resume=True a resumed one), then resume to the end."""
+    monkeypatch.setenv("QUANTKIT_FAULT", f"{point}:raise")
+    with pytest.raises(faults.InjectedFault):
+        _convert(src, out, resume=resume, **kw)
+    monkeypatch.delenv("QUANTKIT_FAULT")
+    _never_looks_complete(out)
+    _convert(src, out, resume=True, **kw)
+
+
+# ---- crash at each write step, then resume ------------------------------------------------------------------
+def _points(log: list[str]) -> list[str]:
+    """Every finish step, and the first and last time of each step of the layer loop."""
+    first, last = {}, {}
+    for p in log:
+        name = p.split("#")[0]
+        first.setdefault(name, p)
+        last[name] = p
+    picked = [p for p in log if p.startswith("finish:") and not p.startswith("finish:rename")]
+    picked += [p for p in log if p.startswith("finish:rename")][::5]
+    picked += sorted({first[n] for n in first if not n.startswith("finish:")} | {last[n] for n in last if not n.startswith("finish:")})
+    return picked
+
+
+SMOKE = ["flush:tmp#3", "state:saved#2", "finish:staged:decode#1", "finish:replace#1"]
+
+
+@pytest.mark.parametrize("point", SMOKE)
+def test_crash_at_a_write_step_then_resume_is_byte_identical(src, whole, point, tmp_path, monkeypatch):
+    out, log = whole
+    assert point in log
+    _crash_then_resume(src, tmp_path / "o", point, monkeypatch)
+    assert _same_pair(tmp_path / "o", out)
+    assert verify(tmp_path / "o").ok and not (tmp_path / "o" / ".quantkit-convert").exists()
+
+
+@pytest.mark.slow
+def test_crash_at_every_write_step_then_resume_is_byte_identical(src, whole, tmp_path, monkeypatch):
+    out, log = whole
+    points = _points(log)
+    assert {p.split("#")[0] for p in log} <= {p.split("#")[0] for p in points}  # every kind of step is tried
+    # the finish steps start from one copy of a run whose layers are all done (the last state save)
+    last_save = [p for p in log if p.startswith("state:saved")][-1]
+    layers_done = tmp_path / "layers-done"
+    monkeypatch.setenv("QUANTKIT_FAULT", f"{last_save}:raise")
+    with pytest.raises(faults.InjectedFault):
+        _convert(src, layers_done)
+    monkeypatch.delenv("QUANTKIT_FAULT")
+    bad = []
+    for i, point in enumerate(points):
+        o = tmp_path / str(i)
+        if point.startswith("finish:"):
+            shutil.copytree(layers_done, o)
+            _crash_then_resume(src, o, point, monkeypatch, resume=True)
+        else:
+            _crash_then_resume(src, o, point, monkeypatch)
+        if not (_same_pair(o, out) and verify(o).ok):
+            bad.append(point)
+        shutil.rmtree(o)
+    record("crash + --resume (in-process, every write step)", f"{len(points)} steps of {len(log)} passed by a run, "
+           "finish included", len(points), not bad, f"{len(points) - len(bad)}/{len(points)} byte-identical")
+    assert not bad
+
+
+@pytest.mark.slow
+def test_sigkill_at_finish_steps_then_resume_is_byte_identical(src, whole, tmp_path):
+    """SIGKILL (nothing unwinds) at a chain of points, each in the resumed run of the previous kill."""
+    out = tmp_path / "o"
+    chain = ["state:saved#3", "finish:rename#3", "finish:replace#1", "finish:report#1", None]
+    codes = []
+    for k, point in enumerate(chain):
+        env = {k2: v for k2, v in os.environ.items() if not k2.startswith("QUANTKIT_FAULT")}
+        if point:
+            env["QUANTKIT_FAULT"] = point  # kill
+        args = ["convert", str(src), "--out", str(out), "--method", "rtn", "--no-validate", "--json"] + (["--resume"] if k else [])
+        codes.append(subprocess.run(_cli(*args), capture_output=True, env=env).returncode)
+        if point:
+            _never_looks_complete(out)
+    ok = codes == [-signal.SIGKILL] * 4 + [0] and _same_pair(out, whole[0]) and verify(out).ok
+    record("SIGKILL at chosen steps (subprocess)", "mid-layers, then mid-rename, between the two renames, after the "
+           "report, each in the previous run's resume", len(chain) - 1, ok)
+    assert ok, codes
+
+
+@pytest.mark.slow
+def test_crash_while_calibrating_then_resume_is_byte_identical(src, tmp_path, monkeypatch):
+    """GPTQ: the saved hidden states and state.json agree after a crash between their writes."""
+    kw = dict(method="gptq", calib="synthetic:train", num_samples=4, seq_len=16)
+    ref = _convert(src, tmp_path / "ref", **kw).out
+    _crash_then_resume(src, tmp_path / "o", "state:hidden#3", monkeypatch, **kw)
+    same = _same_pair(tmp_path / "o", ref)
+    record("crash + --resume (GPTQ)", "between the hidden states and state.json", 1, same)
+    assert same
+
+
+# ---- SIGKILL at random times --------------------------------------------------------------------------------
+def _cli(*args) -> list[str]:
+    return [sys.executable, "-m", "quantkit.cli", *args]
+
+
+def _phase(out: Path) -> str:
+    state = out / ".quantkit-convert"
+    if not out.exists():
+        return "startup"
+    if (out / REPORT).exists():
+        return "finished"
+    j = state / "finish.json"
+    if j.is_file():
+        return "finish: after " + json.loads(j.read_text())["done"][-1].split(":")[0]
+    if (state / "state.json").is_file():
+        n = json.loads((state / "state.json").read_text() or "{}").get("next_layer", -1)
+        return "layers" if n >= 0 else "setup"
+    return "setup"
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_times_then_resume_is_byte_identical(tiny_glm, tmp_path):
+    """SIGKILL at a random time; the next run resumes (and may be killed again). A run that ends on
+    its own is compared with an uninterrupted one and the next kill starts a fresh folder."""
+    kills = int(os.environ.get("QUANTKIT_KILLS", 3))
+    seed = int(os.environ.get("QUANTKIT_KILL_SEED", 12))
+    rng = random.Random(seed)
+    cmd = ["convert", "tiny:glm-5.2", "--method", "rtn", "--no-validate", "--json"]
+    t0 = time.time()
+    subprocess.run(_cli(*cmd, "--out", str(tmp_path / "whole")), check=True, capture_output=True)
+    span = time.time() - t0
+    landed: dict[str, int] = {}
+    outs, fresh, killed, launches = [], True, 0, 0
+    while killed < kills and launches < 4 * kills:
+        if fresh:
+            outs.append(tmp_path / f"cut{len(outs)}")
+        out = outs[-1]
+        launches += 1
+        proc = subprocess.Popen(_cli(*cmd, "--out", str(out), *([] if fresh else ["--resume"])),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(0.2, 1.0) * span)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            killed += 1
+            where = _phase(out)
+            landed[where] = landed.get(where, 0) + 1
+            _never_looks_complete(out)
+            fresh = False
+        else:
+            fresh = proc.wait() == 0
+            assert fresh, f"run {launches} failed"
+    if not fresh:
+        done = subprocess.run(_cli(*cmd, "--out", str(outs[-1]), "--resume"), capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+    same = all(_same_pair(o, tmp_path / "whole") and verify(o).ok for o in outs)
+    record("SIGKILL at random times (tiny GLM, subprocess)", f"seed {seed}, {launches} runs; killed in: "
+           + ", ".join(f"{w} x{n}" for w, n in sorted(landed.items())), killed, same,
+           f"{len(outs)} outputs byte-identical to an uninterrupted run")
+    assert same
+
+
+# ---- bad inputs: one line, a fix, no traceback, no output ---------------------------------------------------
+def _edit_tensor(folder: Path, name: str, fn) -> None:
+    path = folder / SHARD
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    t = load_file(str(path))
+    t[name] = fn(t[name])
+    save_file(t, str(path), metadata=meta)
+
+
+def _edit_json(folder: Path, file: str, fn) -> None:
+    d = json.loads((folder / file).read_text())
+    fn(d)
+    (folder / file).write_text(json.dumps(d))
+
+
+def _nan_fp8(t):
+    t = t.clone()
+    t.view(torch.uint8).view(-1)[5] = 0x7F  # e4m3fn NaN
+    return t
+
+
+def _set(t, value, i=3):
+    t = t.clone()
+    t.view(-1)[i] = value
+    return t
+
+
+def _drop_from_index(folder):
+    _edit_json(folder, "model.safetensors.index.json", lambda d: d["weight_map"].pop("model.layers.1.input_layernorm.weight"))
+
+
+def _drop_everywhere(folder):
+    _drop_from_index(folder)
+    t = load_file(str(folder / SHARD))
+    del t["model.layers.1.input_layernorm.weight"]
+    save_file(t, str(folder / SHARD), metadata={"format": "pt"})
+
+
+def _symlink_out(folder):
+    outside = folder.parent / "outside.json"
+    outside.write_text("{}")
+    (folder / "generation_config.json").unlink()
+    (folder / "generation_config.json").symlink_to(outside)
+
+
+def _truncate(folder):
+    with open(folder / SHARD, "r+b") as f:
+        f.truncate((folder / SHARD).stat().st_size - 100)
+
+
+BAD = [
+    # (case, mutate, expected message, commands that must refuse it)
+    ("NaN in an FP8 attention weight (pass-through)", lambda f: _edit_tensor(f, "model.layers.0.self_attn.q_a_proj.weight", _nan_fp8),
+     r"self_attn\.q_a_proj\.weight: contains NaN or Inf", ["convert"]),
+    ("NaN in an FP8 scale (pass-through)", lambda f: _edit_tensor(f, "model.layers.1.self_attn.kv_b_proj.weight_scale_inv", lambda t: _set(t, float("nan"), 0)),
+     r"kv_b_proj\.weight_scale_inv: contains NaN or Inf", ["convert"]),
+    ("Inf in a BF16 norm (pass-through)", lambda f: _edit_tensor(f, "model.layers.2.input_layernorm.weight", lambda t: _set(t, float("inf"))),
+     r"layers\.2\.input_layernorm\.weight: contains NaN or Inf", ["convert"]),
+    ("Inf in the final norm", lambda f: _edit_tensor(f, "model.norm.weight", lambda t: _set(t, float("-inf"))),
+     r"model\.norm\.weight: contains NaN or Inf", ["convert"]),
+    ("norm length contradicts hidden_size", lambda f: _edit_tensor(f, "model.layers.0.post_attention_layernorm.weight", lambda t: torch.cat([t, t[:1]])),
+     r"post_attention_layernorm\.weight: shape \(\d+,\) contradicts config\.json \(expected \(\d+,\)\)", ["inspect", "convert", "validate"]),
+    ("indexer k_norm length contradicts index_head_dim", lambda f: _edit_tensor(f, "model.layers.0.self_attn.indexer.k_norm.weight", lambda t: t[:-1].clone()),
+     r"k_norm\.weight: shape \(\d+,\) contradicts config\.json", ["inspect", "convert"]),
+    ("tensor dropped from the index", _drop_from_index, r"does not list .*re-download model\.safetensors\.index\.json", ["inspect", "convert", "validate"]),
+    ("tensor missing from index and shard", _drop_everywhere, r"input_layernorm\.weight: required tensor is missing", ["inspect", "convert", "validate"]),
+    ("index names a tensor the shard lacks", lambda f: _edit_json(f, "model.safetensors.index.json", lambda d: d["weight_map"].update({"model.layers.0.mlp.gate.extra": SHARD})),
+     r"does not hold it", ["inspect", "convert"]),
+    ("index names a missing shard", lambda f: _edit_json(f, "model.safetensors.index.json", lambda d: d["weight_map"].update({"model.norm.weight": "gone.safetensors"})),
+     r"missing shard 'gone\.safetensors'", ["inspect", "convert"]),
+    ("truncated shard", _truncate, r"truncated|past the end", ["inspect", "convert"]),
+    ("num_hidden_layers: \"five\"", lambda f: _edit_json(f, "config.json", lambda d: d.update(num_hidden_layers="five")),
+     r"num_hidden_layers is 'five' \(str\); it must be an integer", ["inspect", "convert"]),
+    ("hidden_size: 0", lambda f: _edit_json(f, "config.json", lambda d: d.update(hidden_size=0)), r"hidden_size is 0; it must be positive", ["inspect", "convert"]),
+    ("rms_norm_eps: a string", lambda f: _edit_json(f, "config.json", lambda d: d.update(rms_norm_eps="1e-6")), r"rms_norm_eps .* must be a number", ["inspect", "convert"]),
+    ("config has fewer layers than the shards", lambda f: _edit_json(f, "config.json", lambda d: d.update(num_hidden_layers=2)),
+     r"beyond num_hidden_layers .*use the config\.json that came with them", ["inspect", "convert"]),
+    ("config has more layers than the shards", lambda f: _edit_json(f, "config.json", lambda d: d.update(num_nextn_predict_layers=2)),
+     r"no tensor of layer 4.*use the config\.json that came with them", ["inspect", "convert"]),
+    ("MTP layer where config expects a decoder layer", lambda f: _edit_json(f, "config.json", lambda d: d.update(num_hidden_layers=4, num_nextn_predict_layers=0)),
+     r"holds MTP tensors", ["inspect", "convert"]),
+    ("symlink to a file outside the source", _symlink_out, r"symlink to .* outside the model folder", ["inspect", "convert"]),
+    ("config.json not JSON", lambda f: (f / "config.json").write_text("{oops"), r"not valid JSON", ["inspect", "convert"]),
+    ("unknown model_type", lambda f: _edit_json(f, "config.json", lambda d: d.update(model_type="llama")), r"unknown model_type 'llama'", ["inspect", "convert"]),
+]
+
+
+def _invoke(command: str, folder: Path, out: Path, whole_out: Path) -> tuple[int, str]:
+    if command == "inspect":
+        args = ["inspect", str(folder), "--json"]
+    elif command == "convert":
+        args = ["convert", str(folder), "--out", str(out), "--method", "rtn", "--no-validate", "--json"]
+    else:  # validate a good pair against the damaged source
+        args = ["validate", str(whole_out), "--reference", str(folder), "--device", "cpu", "--json"]
+    res = runner.invoke(app, args)
+    return res.exit_code, res.output
+
+
+@pytest.mark.parametrize("case,mutate,message,commands", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_one_line_with_a_fix(src, whole, tmp_path, case, mutate, message, commands):
+    import re
+
+    folder = tmp_path / "src"
+    shutil.copytree(src, folder, symlinks=True)
+    mutate(folder)
+    for command in commands:
+        code, output = _invoke(command, folder, tmp_path / "out", whole[0])
+        lines = output.strip().splitlines()
+        ok = (code == 1 and "Traceback" not in output and len(lines) == 1 and lines[0].startswith("error:")
+              and re.search(message, output) is not None)
+        record("bad input", f"{case} ({command})", 1, ok)
+        assert ok, f"{command}: exit {code}: {output}"
+        assert not (tmp_path / "out" / "prefill").exists() and not (tmp_path / "out" / "decode").exists()
+
+
+@pytest.mark.parametrize("device,message", [("cuda", "no CUDA device"), ("cuda:3", "cuda:3"), ("tpu", "not a device")])
+def test_bad_device_fails_before_any_folder_exists(src, tmp_path, device, message):
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["convert", str(src), "--out", str(out), "--device", device, "--no-validate", "--json"])
+    ok = res.exit_code == 1 and message in res.output and "Traceback" not in res.output and not out.exists()
+    record("bad input", f"--device {device}", 1, ok, "no folder created")
+    assert ok, res.output
+
+
+def test_existing_and_interrupted_outputs_say_what_to_do(src, whole, tmp_path, monkeypatch):
+    res = runner.invoke(app, ["convert", str(src), "--out", str(whole[0]), "--method", "rtn", "--no-validate"])
+    assert res.exit_code == 1 and "already exists" in res.output
+    out = tmp_path / "o"
+    monkeypatch.setenv("QUANTKIT_FAULT", "finish:placed:decode#1:raise")
+    with pytest.raises(faults.InjectedFault):
+        _convert(src, out)
+    monkeypatch.delenv("QUANTKIT_FAULT")
+    # both folders are in place, the report is not: nothing treats the pair as finished
+    assert not verify(out).ok and "convert-report.json: missing" in verify(out).problems[0] + "".join(verify(out).problems)
+    v = runner.invoke(app, ["validate", str(out), "--device", "cpu"])
+    assert v.exit_code == 1 and "--resume" in v.output and "Traceback" not in v.output
+    again = runner.invoke(app, ["convert", str(src), "--out", str(out), "--method", "rtn", "--no-validate"])
+    assert again.exit_code == 1 and "add --resume" in again.output
+    # a folder the finish had put in place, removed by hand: a clear error, never an empty checkpoint
+    shutil.rmtree(out / "decode")
+    gone = runner.invoke(app, ["convert", str(src), "--out", str(out), "--method", "rtn", "--no-validate", "--resume"])
+    ok = gone.exit_code == 1 and "gone or incomplete" in gone.output and not (out / REPORT).exists()
+    record("interrupted finish", "validate / convert without --resume / a placed folder removed by hand", 3, ok)
+    assert ok, gone.output
+
+
+# ---- one owner per output -----------------------------------------------------------------------------------
+def _holder(out: Path) -> subprocess.Popen:
+    code = ("import sys, time; from quantkit.outlock import acquire; acquire(sys.argv[1], 'convert'); "
+            "print('held', flush=True); time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
+def test_a_second_convert_or_validate_on_one_folder_is_refused(src, whole, tmp_path, caplog):
+    out = tmp_path / "o"
+    holder = _holder(out)
+    try:
+        c = runner.invoke(app, ["convert", str(src), "--out", str(out), "--method", "rtn", "--no-validate"])
+        assert c.exit_code == 1 and f"in use by pid {holder.pid}" in c.output and "Traceback" not in c.output
+        w = whole[0]
+        h2 = _holder(w)
+        v = runner.invoke(app, ["validate", str(w), "--device", "cpu"])
+        assert v.exit_code == 1 and f"in use by pid {h2.pid}" in v.output
+        h2.kill()
+        h2.wait()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    # the owner died without cleaning up: its lock is taken over, and that is reported
+    assert (out / ".quantkit.lock").is_file()
+    with caplog.at_level("WARNING", logger="quantkit"):
+        _convert(src, out)
+    ok = "took over the lock" in caplog.text and str(holder.pid) in caplog.text and not (out / ".quantkit.lock").exists()
+    record("one owner per --out", "second convert / validate refused; a dead owner's lock taken over and reported", 3, ok)
+    assert ok
+
+
+# ---- disk full, Ctrl-C, precheck ----------------------------------------------------------------------------
+@pytest.mark.parametrize("point", ["flush:tmp#3", "finish:manifest#1", "finish:report#1"])
+def test_disk_full_is_one_line_naming_the_folder_and_resume_completes(src, whole, tmp_path, monkeypatch, point):
+    out = tmp_path / "o"
+    monkeypatch.setenv("QUANTKIT_FAULT", f"{point}:enospc")
+    faults.reset()
+    res = runner.invoke(app, ["convert", str(src), "--out", str(out), "--method", "rtn", "--no-validate", "--json"])
+    monkeypatch.delenv("QUANTKIT_FAULT")
+    line = res.output.strip()
+    ok = (res.exit_code == 1 and len(line.splitlines()) == 1 and f"{out}: disk full" in line and "free" in line
+          and "--resume" in line)
+    _never_looks_complete(out)
+    _convert(src, out, resume=True)
+    ok = ok and _same_pair(out, whole[0])
+    record("disk full (ENOSPC injected)", point, 1, ok, "one line; --resume byte-identical")
+    assert ok, res.output
+
+
+@pytest.mark.skipif(not Path("/dev/full").is_char_device(), reason="no /dev/full on this machine")
+def test_safetensors_enospc_is_recognised():
+    """/dev/full answers every write with ENOSPC; safetensors reports it in its own exception type."""
+    from safetensors import SafetensorError
+
+    with pytest.raises(SafetensorError) as e:
+        save_file({"x": torch.zeros(1 << 16)}, "/dev/full")
+    assert _disk_full(e.value)
+
+
+def test_a_failed_write_leaves_the_old_file_whole(tmp_path):
+    """validation.json, the report, the index, the manifest: a write that fails half-way (here an
+    unencodable character after 3000 good ones) leaves the previous content, never a torn file."""
+    target = tmp_path / "validation.json"
+    target.write_text("old")
+    with pytest.raises(UnicodeEncodeError):
+        atomic_write_text(target, "new" * 1000 + "\ud800")
+    assert target.read_text() == "old"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("QUANTKIT_TEST_SMALL_FS"), reason="set QUANTKIT_TEST_SMALL_FS to a small "
+                    "filesystem's mount point (e.g. a 32 MB tmpfs) to fill a real disk mid-run")
+def test_a_real_full_disk_mid_run_then_resume(tmp_path):
+    fs = Path(os.environ["QUANTKIT_TEST_SMALL_FS"])
+    out = fs / f"qk-{os.getpid()}"
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = ["convert", "tiny:glm-5.2", "--method", "rtn", "--no-validate", "--json"]
+    subprocess.run(_cli(*cmd, "--out", str(tmp_path / "whole")), check=True, capture_output=True)
+    env = dict(os.environ, QUANTKIT_CONVERT_LAYER_DELAY="0.5")
+    proc = subprocess.Popen(_cli(*cmd, "--out", str(out)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    state = out / ".quantkit-convert" / "state.json"
+    while proc.poll() is None and not (state.is_file() and json.loads(state.read_text() or "{}").get("next_layer", -1) >= 2):
+        time.sleep(0.05)
+    filler = fs / f"filler-{os.getpid()}"
+    try:
+        with open(filler, "wb") as f:  # take every free byte
+            while True:
+                f.write(b"\0" * (1 << 16))
+                f.flush()
+    except OSError:
+        pass
+    try:
+        _, err = proc.communicate(timeout=120)
+        lines = err.strip().splitlines()
+        ok = proc.returncode == 1 and len(lines) == 1 and f"{out}: disk full" in lines[0] and "--resume" in lines[0]
+        _never_looks_complete(out)
+    finally:
+        filler.unlink(missing_ok=True)
+    done = subprocess.run(_cli(*cmd, "--out", str(out), "--resume"), capture_output=True, text=True)
+    ok = ok and done.returncode == 0 and _same_pair(out, tmp_path / "whole")
+    shutil.rmtree(out, ignore_errors=True)
+    record("disk full (a real full filesystem mid-run)", "tiny GLM, filled after layer 2; --resume", 1, ok,
+           "disk full" + err.strip().split("disk full", 1)[-1][:150])
+    assert ok, err
+
+
+def test_ctrl_c_says_resume_continues(src, whole, tmp_path, monkeypatch):
+    out = tmp_path / "o"
+    monkeypatch.setenv("QUANTKIT_FAULT", "layer:written#2:interrupt")
+    faults.reset()
+    res = runner.invoke(app, ["convert", str(src), "--out", str(out), "--method", "rtn", "--no-validate", "--json"])
+    monkeypatch.delenv("QUANTKIT_FAULT")
+    ok = res.exit_code == 130 and "--resume" in res.output and "Traceback" not in res.output
+    _convert(src, out, resume=True)
+    ok = ok and _same_pair(out, whole[0])
+    record("Ctrl-C", "mid-layer: exit 130, says --resume; resume byte-identical", 1, ok)
+    assert ok, res.output
+
+
+def test_disk_precheck_message_has_real_sizes(src, tmp_path):
+    from quantkit.checkpoint import Checkpoint
+    from quantkit.precision import decide
+    from quantkit.recipe import default_recipe
+
+    ck = Checkpoint(src)
+    rec = default_recipe(str(src), ck.arch)
+    decisions = {n: decide(st, rec, rec.group_size, None) for n, st in ck.tensors.items()}
+    with pytest.raises(OutputError) as e:
+        _check_disk(ck, decisions, tmp_path, rec.group_size, free=1000)
+    msg = str(e.value)
+    ok = "0.0 GB" not in msg and " MB more, only 1000 bytes free" in msg
+    record("disk precheck", "a small pair on a nearly full disk", 1, ok, msg.split(": ", 1)[1][:60])
+    assert ok, msg
+
+
+# ---- verify ------------------------------------------------------------------------------------------------
+def _flip(path: Path, name: str, n: int = 1) -> None:
+    """Flip n bytes in the middle of stored tensor `name` in place."""
+    import struct
+
+    with open(path, "r+b") as f:
+        (hl,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(hl))
+        b, e = header[name]["data_offsets"]
+        start = 8 + hl + b + max(0, (e - b) // 2 - n // 2)
+        f.seek(start)
+        data = bytearray(f.read(n))
+        f.seek(start)
+        f.write(bytes(x ^ 0xFF for x in data))
+
+
+def _where(out: Path, which: str, name: str) -> Path:
+    wm = json.loads((out / which / "model.safetensors.index.json").read_text())["weight_map"]
+    return out / which / wm[name]
+
+
+def _expert(out):
+    return next(n for n in json.loads((out / "decode" / "model.safetensors.index.json").read_text())["weight_map"]
+                if ".mlp.experts." in n and n.endswith("weight_packed"))
+
+
+DAMAGE = [
+    ("1 byte in a decode expert", lambda o: _flip(_where(o, "decode", _expert(o)), _expert(o)), lambda o: _expert(o)),
+    ("256 bytes in a decode expert", lambda o: _flip(_where(o, "decode", _expert(o)), _expert(o), 256), lambda o: _expert(o)),
+    ("1 byte in a prefill norm", lambda o: _flip(_where(o, "prefill", "model.layers.1.input_layernorm.weight"), "model.layers.1.input_layernorm.weight"),
+     lambda o: "model.layers.1.input_layernorm.weight"),
+    ("1 byte in decode's FP8 attention scale", lambda o: _flip(_where(o, "decode", "model.layers.0.self_attn.o_proj.weight_scale"), "model.layers.0.self_attn.o_proj.weight_scale"),
+     lambda o: "model.layers.0.self_attn.o_proj.weight_scale"),
+    ("a file removed", lambda o: (o / "decode" / "tokenizer.json").unlink(), lambda o: "decode/tokenizer.json: missing"),
+    ("a file added", lambda o: (o / "prefill" / "extra.safetensors").write_bytes(b"x"), lambda o: "prefill/extra.safetensors: not listed"),
+    ("manifest.json replaced", lambda o: (o / "prefill" / MANIFEST).write_text((o / "prefill" / MANIFEST).read_text() + " "),
+     lambda o: "differs from the one convert-report.json states"),
+    ("the report removed", lambda o: (o / REPORT).unlink(), lambda o: "convert-report.json: missing"),
+]
+
+
+@pytest.mark.parametrize("case,damage,named", DAMAGE, ids=[d[0] for d in DAMAGE])
+def test_verify_finds_damage_and_names_it(whole, tmp_path, case, damage, named):
+    out = tmp_path / "o"
+    shutil.copytree(whole[0], out)
+    assert verify(out).ok
+    damage(out)
+    res = verify(out)
+    cli = runner.invoke(app, ["verify", str(out)])
+    ok = not res.ok and any(named(out) in p for p in res.problems) and cli.exit_code == 1 and named(out) in cli.output
+    record("verify", case, 1, ok)
+    assert ok, res.problems
+    with pytest.raises(IntegrityError):
+        res.raise_for_problems()
+
+
+def test_verify_checks_the_pair_shares_its_bytes(whole, tmp_path):
+    """A change to one side only, with that side's manifest and the report rewritten to match: the
+    per-file checks pass, the twin check does not."""
+    from quantkit.integrity import build_manifest, write_manifest
+
+    out = tmp_path / "o"
+    shutil.copytree(whole[0], out)
+    name = "model.layers.1.input_layernorm.weight"
+    _flip(_where(out, "decode", name), name)
+    shared = json.loads((out / "decode" / MANIFEST).read_text())["shared"]
+    report = json.loads((out / REPORT).read_text())
+    report["outputs"]["decode"]["manifest_sha256"] = write_manifest(out / "decode", build_manifest(out / "decode", shared))
+    (out / REPORT).write_text(json.dumps(report))
+    res = verify(out)
+    ok = not res.ok and any("differs from its twin" in p and name in p for p in res.problems)
+    record("verify", "one side of a shared tensor changed, its manifest rewritten to match", 1, ok)
+    assert ok, res.problems
+    import quantkit as qk
+
+    assert qk.verify(whole[0]).ok  # the library API
+    good = runner.invoke(app, ["verify", str(whole[0]), "--json"])
+    assert good.exit_code == 0 and json.loads(good.output)["ok"]
+    assert json.loads(good.output)["shared_checked"] > 0
+
+
+def test_validate_verifies_first_and_the_card_states_the_manifest_digest(whole, src, tmp_path):
+    from quantkit.integrity import manifest_digest
+    from quantkit.validation import validate
+
+    out = tmp_path / "o"
+    shutil.copytree(whole[0], out)
+    validate(out, reference=src, eval_data="synthetic:heldout", num_samples=2, seq_len=16, gen_tokens=2, device="cpu",
+             progress=False, gates={})
+    report = json.loads((out / REPORT).read_text())
+    for which in ("prefill", "decode"):
+        digest = manifest_digest(out / which)
+        assert report["outputs"][which]["manifest_sha256"] == digest
+        assert digest in (out / which / "README.md").read_text()
+    assert verify(out).ok  # the cards validate writes are outside the manifest
+    _flip(_where(out, "decode", _expert(out)), _expert(out))
+    with pytest.raises(IntegrityError, match=_expert(out).replace(".", r"\.")):
+        validate(out, reference=src, eval_data="synthetic:heldout", num_samples=2, seq_len=16, gen_tokens=2,
+                 device="cpu", progress=False)
+
+
+# ---- a malicious Hub ----------------------------------------------------------------------------------------
+HUB_REPO = "evil-org/tiny"
+
+
+@pytest.fixture
+def evil(tmp_path, monkeypatch, src):
+    """A loopback Hub serving the small source; tests make it lie. HF_HOME and the quantkit cache are private."""
+    from huggingface_hub import constants as hf_constants
+
+    from hub_server import FakeHub
+
+    home = tmp_path / "hf_home"
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "qk"))
+    for var in ("HF_TOKEN", "HF_HUB_OFFLINE", "HF_ENDPOINT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hf_constants, "HF_HUB_DISABLE_XET", True)
+    server = FakeHub().start()
+    server.content = {p.name: p.read_bytes() for p in sorted(src.iterdir()) if p.is_file()}
+    server.commit_sha = server.add_repo(HUB_REPO).commit(server.content)
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    yield server
+    server.stop()
+
+
+def _everything(root: Path) -> set[str]:
+    return {p.relative_to(root).as_posix() for p in root.rglob("*")}
+
+
+def _lie(field: str, value):
+    def hook(body):
+        if field == "sha":
+            body["sha"] = value
+        else:
+            s = next(s for s in body["siblings"] if s["rfilename"] == SHARD)
+            if value is None:
+                s.pop(field, None)
+            else:
+                s[field] = value
+        return body
+    return hook
+
+
+def _rename(name: str):
+    def hook(body):
+        body["siblings"].append({"rfilename": name, "size": 2, "blobId": "0" * 40})
+        return body
+    return hook
+
+
+def _no_checksum(body):
+    s = next(s for s in body["siblings"] if s["rfilename"] == SHARD)
+    s.pop("lfs", None)
+    s.pop("blobId", None)
+    return body
+
+
+EVIL = [
+    ("commit sha '../../../../tmp/x'", _lie("sha", "../../../../tmp/x"), r"not a 40-hex git sha"),
+    ("commit sha of 40 non-hex chars", _lie("sha", "z" * 40), r"not a 40-hex git sha"),
+    ("file name '../escape.json'", _rename("../escape.json"), r"unsafe file name"),
+    ("file name with a NUL byte", _rename("a\x00b.json"), r"unsafe file name"),
+    ("file name of 300 bytes", _rename("x" * 300 + ".json"), r"unsafe file name"),
+    ("absolute file name", _rename("/etc/passwd"), r"unsafe file name"),
+    ("file without sha256 or blob id", _no_checksum, r"no checksum .*--allow-unverified"),
+    ("malformed LFS sha256", lambda b: _lie("lfs", {"sha256": "zz", "size": 1, "pointerSize": 1})(b), r"malformed sha256"),
+]
+
+
+@pytest.mark.parametrize("case,hook,message", EVIL, ids=[e[0] for e in EVIL])
+def test_a_malicious_hub_cannot_steer_the_client(evil, tmp_path, case, hook, message):
+    import re
+
+    evil.listing_hook = hook
+    before = _everything(tmp_path)
+    results = []
+    for args in (["inspect", f"hf://{HUB_REPO}", "--json"],
+                 ["convert", f"hf://{HUB_REPO}", "--out", str(tmp_path / "out"), "--method", "rtn", "--no-validate", "--json"],
+                 ["pull", HUB_REPO, "--out", str(tmp_path / "pulled"), "--json"]):
+        res = runner.invoke(app, args)
+        lines = res.output.strip().splitlines()
+        results.append(res.exit_code == 1 and len(lines) == 1 and re.search(message, res.output) is not None
+                       and "Traceback" not in res.output)
+    created = _everything(tmp_path) - before
+    # nothing outside the private caches, and no snapshot folder named by the lie
+    escaped = [p for p in created if not p.startswith(("qk", "hf_home", "out"))]
+    snapshots = [p for p in created if "/snapshots/" in p]
+    ok = all(results) and not escaped and not snapshots and not (tmp_path / "out" / "prefill").exists()
+    record("malicious Hub", f"{case} (inspect, convert, pull)", 3, ok)
+    assert ok, (results, escaped, snapshots)
+
+
+def test_a_file_without_checksum_needs_allow_unverified_and_is_recorded(evil, tmp_path):
+    evil.listing_hook = _no_checksum
+    res = _convert(f"hf://{HUB_REPO}", tmp_path / "out", allow_unverified=True)
+    ok = res.report["source"]["unverified_files"] == [SHARD]
+    from quantkit.hub import pull
+
+    pulled = pull(HUB_REPO, tmp_path / "pulled", allow_unverified=True, progress=False)
+    ok = ok and pulled.unverified == [SHARD]
+    record("malicious Hub", "no checksum, --allow-unverified: accepted and listed in the report", 1, ok)
+    assert ok
+
+
+def test_a_truncated_body_is_refused(evil, tmp_path):
+    from quantkit.hub import HubError, pull
+
+    evil.truncate(SHARD, 100)
+    with pytest.raises(HubError) as e:
+        pull(HUB_REPO, tmp_path / "pulled", progress=False)
+    ok = SHARD in str(e.value) and not (tmp_path / "pulled" / SHARD).exists() and "\n" not in str(e.value)
+    evil.truncate(SHARD, 0)
+    evil.inject(SHARD, "drop", after=1000)  # the connection dies mid-body: retried, then verified
+    pulled = pull(HUB_REPO, tmp_path / "pulled2", progress=False)
+    ok = ok and (tmp_path / "pulled2" / SHARD).read_bytes() == evil.content[SHARD] and pulled.unverified == []
+    record("malicious Hub", "a short body in a complete response; a connection dropped mid-body", 2, ok, str(e.value)[:80])
+    assert ok, str(e.value)
