@@ -20,9 +20,10 @@ C experts per chunk, B samples per micro-batch, w = 4 bytes per float32; compute
     routing       top-k ids (int16) and weights (float32): 6 N T k
     attention     one micro-batch: B T tokens x (hidden-wide and head-wide activations) plus
                   3 B heads T^2 w for scores, masked scores and probabilities
-    experts       C x max(7 I D w + D^2 w, 3 I D w + 2 I D + 2 D^2 w): source weights, the
-                  row-stacked gate/up and, during GPTQ, H being factored and its inverse factor;
-                  plus one micro-batch's gathered rows and down inputs, and the all-token H
+    experts       C x max(7 I D w + D^2 w, 5 I D w + 2 I D + 2 D^2 w): source weights (kept for
+                  the held-out guard), the row-stacked gate/up and, during GPTQ, H being factored
+                  and its factor; plus each expert's held-out rows (1/8 of its routed tokens), one
+                  micro-batch's gathered rows and down inputs, and the all-token H
 
     peak = base + writer + store + routing + max(attention phase, experts phase)
     attention phase = max over dense/MoE layers of (layer weights + max(load_transient, attention))
@@ -224,9 +225,13 @@ def _attention_bytes(x: LayerShapes, B: int, T: int) -> int:
     return act + scores
 
 
-def _per_expert(x: LayerShapes) -> int:
+def _per_expert(x: LayerShapes, tokens: int = 0) -> int:
+    """One expert of a chunk at its peak: stacking gate/up (source weights, the per-expert cats and
+    the stack) with H, or GPTQ (source weights kept for the guard, the stacked weight, q, and H
+    being factored plus its factor); plus its held-out rows for the guard."""
     D, I = x.hidden, x.expert_width
-    return max(7 * I * D * F32 + D * D * F32, 3 * I * D * F32 + 2 * I * D + 2 * D * D * F32)
+    held = tokens * x.topk // max(x.experts, 1) // 8 * D * F32
+    return max(7 * I * D * F32 + D * D * F32, 5 * I * D * F32 + 2 * I * D + 2 * D * D * F32) + held
 
 
 def _expert_mb_bytes(x: LayerShapes, B: int, T: int) -> int:
@@ -288,7 +293,7 @@ def plan_convert(
         """A MoE layer's routed experts, C at a time."""
         if not calibrate:
             return w_moe + C * 3 * x.expert_width * D * F32 * 2
-        return w_moe + C * _per_expert(x) + _expert_mb_bytes(x, B, T)
+        return w_moe + C * _per_expert(x, tokens) + _expert_mb_bytes(x, B, T)
 
     choice = None
     B = max(N, 1)
@@ -315,7 +320,7 @@ def plan_convert(
             left = room - (store_b if location == "device" else 0)
             if phase_attention(B) > left:
                 continue
-            C = int((left - phase_experts(B, 0)) // _per_expert(x))
+            C = int((left - phase_experts(B, 0)) // _per_expert(x, tokens))
             C = max(min(C, CHUNK_MAX, x.experts), 0)
             cand = (dt, backing, location, C, store_b)
             if C >= min(4, x.experts):
