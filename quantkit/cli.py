@@ -77,13 +77,33 @@ def plan(
     context: Annotated[int, typer.Option(help="Tokens per request for the concurrency figure.")] = 21_400,
     mem_fraction: Annotated[float, typer.Option(help="Share of GPU memory for weights + KV cache.")] = 0.90,
     overhead_gib: Annotated[float, typer.Option(help="Per-GPU runtime overhead (activations, graphs, NCCL).")] = 12.0,
-    group_size: Annotated[int, typer.Option(help="INT4 group size of the decode checkpoint.")] = 128,
+    group_size: Annotated[Optional[int], typer.Option(help="INT4 group size of the decode checkpoint (default 128; with --convert, the recipe's).")] = None,
+    convert: Annotated[bool, typer.Option("--convert", help="Predict a conversion instead: peak memory, disk, time per phase, validate's time.")] = False,
+    recipe: Annotated[Optional[str], typer.Option(help="--convert: recipe file or name (default: the model family's).")] = None,
+    method: Annotated[Optional[str], typer.Option(help="--convert: gptq, awq or rtn.")] = None,
+    num_samples: Annotated[Optional[int], typer.Option(help="--convert: calibration samples.")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(help="--convert: tokens per calibration sample.")] = None,
+    max_host_memory: Annotated[Optional[str], typer.Option(help="--convert: host RAM budget, e.g. 8GB (default: available memory).")] = None,
+    max_gpu_memory: Annotated[Optional[str], typer.Option(help="--convert: GPU memory budget (default: the --gpu's).")] = None,
     validation: Annotated[Optional[Path], typer.Option(help="A validation.json (validate --kv-cache-dtype fp8_e4m3): show the measured FP8 KV delta beside its capacity.")] = None,
     json_out: Json = False,
 ):
-    """Checkpoint sizes, weight memory per GPU, KV cache per token and capacity, beside the article's figures."""
+    """Checkpoint sizes, weight memory per GPU, KV cache per token and capacity, beside the article's figures.
+    With --convert: what `quantkit convert` would cost (--gpu cpu for a CPU-only run)."""
+    if convert:
+        from quantkit.cost import plan_convert_for
+
+        cost = plan_convert_for(model, recipe=recipe, gpu=gpu, method=method, num_samples=num_samples, seq_len=seq_len,
+                                group_size=group_size, max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory)
+        if json_out:
+            emit_json(cost.to_json())
+        else:
+            Console().print(cost.summary(), highlight=False)
+        return
     from quantkit.models import is_tiny, resolve
     from quantkit.planner import plan as run_plan, render_plan
+
+    group_size = group_size or 128
 
     target = resolve(model) if is_tiny(model) else model
     result = run_plan(target, gpus=gpus, gpu=gpu, tp=tp, context=context, mem_fraction=mem_fraction,
@@ -144,6 +164,8 @@ def convert(
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow the tokenizer's own code to run.")] = False,
     delete_source_after: Annotated[bool, typer.Option("--delete-source-after", help="hf:// sources: delete each shard once consumed.")] = False,
     allow_unverified: Unverified = False,
+    max_host_memory: Annotated[Optional[str], typer.Option(help="Host RAM budget, e.g. 8GB (default: available memory).")] = None,
+    max_gpu_memory: Annotated[Optional[str], typer.Option(help="GPU memory budget, e.g. 120GB (default: the device's).")] = None,
     json_out: Json = False,
 ):
     """Emit the FP8 prefill and INT4 decode checkpoints from one streaming pass, with calibrated per-expert GPTQ or AWQ."""
@@ -155,7 +177,8 @@ def convert(
         result = run_convert(model, out, recipe=recipe or preset, method=method, calib=calib, num_samples=num_samples,
                              seq_len=seq_len, group_size=group_size, decode_rest=decode_rest, device=device, resume=resume,
                              validate=not no_validate, progress=not json_out, trust_remote_code=trust_remote_code,
-                             delete_source_after=delete_source_after, allow_unverified=allow_unverified)
+                             delete_source_after=delete_source_after, allow_unverified=allow_unverified,
+                             max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory)
     except KeyboardInterrupt:
         console.print(f"[red]interrupted:[/red] {out} is not complete; run the same command with --resume to continue "
                       "from the last completed layer", highlight=False, soft_wrap=True)
@@ -182,13 +205,16 @@ def validate(
     device: Device = "auto",
     gate: Annotated[Optional[Path], typer.Option(help="YAML/JSON gates (kl_max: 0.05, top1_min: 0.9, ...); default: the recipe's.")] = None,
     kv_cache_dtype: Annotated[str, typer.Option(help="KV cache to simulate: bf16, fp8_e4m3 (static per-layer scales) or fp8_ds_mla (vLLM's DSA layout).")] = "bf16",
+    max_host_memory: Annotated[Optional[str], typer.Option(help="Host RAM budget, e.g. 8GB (default: available memory).")] = None,
+    max_gpu_memory: Annotated[Optional[str], typer.Option(help="GPU memory budget (default: the device's).")] = None,
     json_out: Json = False,
 ):
     """Measure the pair against its source layer by layer; write validation.json/.md/.png and model cards. Exit 3 if a gate fails."""
     from quantkit.validation import validate as run_validate
 
     result = run_validate(folder, reference=reference, eval_data=eval_data, num_samples=num_samples, seq_len=seq_len,
-                          gen_tokens=gen_tokens, device=device, gates=gate, progress=not json_out, kv_cache_dtype=kv_cache_dtype)
+                          gen_tokens=gen_tokens, device=device, gates=gate, progress=not json_out, kv_cache_dtype=kv_cache_dtype,
+                          max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory)
     if json_out:
         emit_json(result.to_json())
     else:

@@ -53,7 +53,7 @@ from quantkit.precision import (
     prefill_quantization_config, set_quantization_config, stored_as,
 )
 from quantkit.progress import LayerProgress, rich_html
-from quantkit.reference import Context, mla_attention, rms_norm, route, swiglu
+from quantkit.reference import Context, route, swiglu
 from quantkit.tensors import TensorClass
 
 STATE_DIR = ".quantkit-convert"
@@ -176,7 +176,8 @@ EXPERT_CHUNK = 16  # routed experts in memory at once (dequantized source + quan
 
 def convert_experts(ckpt: Checkpoint, pair: "PairWriter", decisions: dict[str, Decision], layer: int,
                     x: torch.Tensor | None, w: dict[str, torch.Tensor], tokens: dict[int, torch.Tensor],
-                    recipe, group_size: int, method: str, dtype, dev, bar) -> tuple[torch.Tensor | None, list[ExpertRecord]]:
+                    recipe, group_size: int, method: str, dtype, dev, bar,
+                    chunk: int | None = None) -> tuple[torch.Tensor | None, list[ExpertRecord]]:
     """The routed experts of one MoE layer, EXPERT_CHUNK at a time: load them (dequantized),
     quantize those the decode output needs in INT4, write both outputs, and when calibrating
     (x given) add their output under the *decode* weights to the routed MoE sum. Never the whole
@@ -196,8 +197,9 @@ def convert_experts(ckpt: Checkpoint, pair: "PairWriter", decisions: dict[str, D
         topk_idx, topk_weight = route(x, w, a)
         routed = torch.zeros_like(x)
     records: list[ExpertRecord] = []
-    for start in range(0, len(experts), EXPERT_CHUNK):
-        chunk = experts[start:start + EXPERT_CHUNK]
+    step = chunk or EXPERT_CHUNK
+    for start in range(0, len(experts), step):
+        chunk = experts[start:start + step]
         need = [e for e in chunk if e in int4]
         ew: dict[str, torch.Tensor] = {}
         if need or x is not None:
@@ -307,17 +309,16 @@ class State:
     differ: list[str] = field(default_factory=list)
 
 
-def _save_state(folder: Path, state: State, h: torch.Tensor | None, topks: list) -> None:
+def _save_state(folder: Path, state: State, store, topks: list) -> None:
     """Progress after a layer, written atomically. The hidden states (the largest thing here: tokens
-    x hidden floats) go to disk as raw bytes straight from the tensor's memory, with no second copy
-    in RAM; the small DSA selections as safetensors."""
+    x hidden, in the store's dtype) go to disk as raw bytes a sample at a time, one copy (the next
+    layer's replaces it); the DSA selections (only kept when seq_len > index_topk) as safetensors."""
     # The files are named by the layer they precede and only state.json names them, so a crash
     # between any two of these writes leaves state.json and its hidden states agreeing.
     tag = state.next_layer
-    if h is not None:
-        h.cpu().contiguous().numpy().tofile(folder / "hidden.tmp")
-        os.replace(folder / "hidden.tmp", folder / f"hidden.{tag}.f32")
-        state_h = {"shape": list(h.shape), "dtype": str(h.dtype), "file": f"hidden.{tag}.f32"}
+    if store is not None:
+        store.h.save(folder / f"hidden.{tag}.bin")
+        state_h = {"shape": list(store.shape), "dtype": str(store.plan.dtype), "file": f"hidden.{tag}.bin"}
         topk = {f"topk.{i}": t.cpu().contiguous() for i, t in enumerate(topks) if t is not None}
         if topk:
             save_file(topk, str(folder / "topk.tmp"))
@@ -329,21 +330,20 @@ def _save_state(folder: Path, state: State, h: torch.Tensor | None, topks: list)
     (folder / "state.tmp").write_text(json.dumps(vars(state) | {"hidden": state_h}))
     os.replace(folder / "state.tmp", folder / "state.json")
     keep = set((state_h or {}).get(k) for k in ("file", "topk"))
-    for old in [*folder.glob("hidden.*.f32"), *folder.glob("topk.*.safetensors")]:
+    for old in [*folder.glob("hidden.*.bin"), *folder.glob("topk.*.safetensors")]:
         if old.name not in keep:
             old.unlink()
     faults.point("state:saved")
 
 
-def _load_hidden(folder: Path, n_topks: int, dev) -> tuple[torch.Tensor, list]:
-    import numpy as np
-
+def _load_hidden(folder: Path, n_topks: int, store, dev) -> list:
     meta = json.loads((folder / "state.json").read_text())["hidden"]
-    dtype = getattr(torch, meta["dtype"].removeprefix("torch."))
-    h = torch.from_numpy(np.fromfile(folder / meta["file"], dtype=torch.empty(0, dtype=dtype).numpy().dtype))
-    h = h.view(meta["shape"]).to(dev)
+    if meta["dtype"] != str(store.plan.dtype) or meta["shape"] != list(store.shape):
+        raise OutputError(f"{folder}: the interrupted run kept its hidden states as {meta['dtype']}, this run would "
+                          f"use {store.plan.dtype}; resume with the same --max-host-memory / --max-gpu-memory")
+    store.h.load(folder / meta["file"])
     topk = load_file(str(folder / meta["topk"])) if meta.get("topk") else {}
-    return h, [topk[f"topk.{i}"].to(dev) if f"topk.{i}" in topk else None for i in range(n_topks)]
+    return [topk[f"topk.{i}"].to(dev) if f"topk.{i}" in topk else None for i in range(n_topks)]
 
 
 # ---- the conversion ----------------------------------------------------------------------------
@@ -422,6 +422,9 @@ def convert(
     allow_unverified: bool = False,
     dtype: torch.dtype = torch.float32,
     max_shard_bytes: int = 5 * 2**30,
+    max_host_memory: int | str | None = None,
+    max_gpu_memory: int | str | None = None,
+    activation_dtype: str | None = None,
 ) -> ConvertResult:
     """Convert `model` into `out/prefill` (FP8) and `out/decode` (INT4 experts), with a report.
 
@@ -438,6 +441,12 @@ def convert(
             tensor in it has been consumed (local disk then holds a few shards at a time).
         allow_unverified: with an `hf://` source, accept files the Hub lists without a checksum
             (size only); the report lists them.
+        max_host_memory, max_gpu_memory: budgets in bytes or "8GB"-style strings (default: the
+            machine's available memory, the device's total); quantkit.cost sizes the activation
+            store, micro-batches and expert chunks to keep to them, prints the prediction, and
+            refuses to start when even the smallest settings don't fit.
+        activation_dtype: force the calibration hidden states' dtype, "float32" or "bfloat16"
+            (default: float32 when the budget holds it; docs/benchmarks.md gives bfloat16's KL cost).
 
     Example:
         >>> res = quantkit.convert("tiny:glm-5.2", "out/glm")
@@ -503,10 +512,26 @@ def convert(
         if not resume:
             shutil.rmtree(state_dir)
     state_dir.mkdir(exist_ok=True)
+    from quantkit.cost import plan_convert
+
+    cost = plan_convert(arch, method=rec.method, group_size=G, num_samples=rec.calibration.num_samples,
+                        seq_len=rec.calibration.seq_len, calibrate=needs_calibration, device=dev.type,
+                        max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory,
+                        source_bytes=sum(ckpt.storage_bytes(n) for n in ckpt.tensors),
+                        output_bytes=_predicted_bytes(ckpt, decisions, G), max_shard_bytes=max_shard_bytes,
+                        validate=rec.validate if validate else None, activation_dtype=activation_dtype)
+    if progress:
+        from rich.console import Console
+
+        Console(stderr=True).print(cost.summary(), highlight=False)
+    if not cost.fits:
+        raise OutputError(cost.reason)
+    max_shard_bytes = cost.shard_bytes
+
     digits = _shard_digits(ckpt)
     wp = wd = None
     if not finishing:
-        _check_disk(ckpt, decisions, out, G)
+        _check_disk(ckpt, decisions, out, G, extra=cost.disk["resume_state"])
         wp = CheckpointWriter(out / "prefill", digits=digits, resume=resume, max_shard_bytes=max_shard_bytes)
         wd = CheckpointWriter(out / "decode", digits=digits, resume=resume, max_shard_bytes=max_shard_bytes)
         wp.truncate_parts(state.prefill_parts)
@@ -516,30 +541,37 @@ def convert(
 
     n_layers = arch.num_layers_with_mtp
     bar = LayerProgress(progress, n_layers, "layers")
-    h = None
+    store = None
     ctx = None
     topks: list = []
     if tokens is not None:
+        from quantkit.activations import ActivationStore
+        from quantkit.calibrate import attention_pass, convert_experts_streamed
+
         ids = tokens.ids
         ctx = Context.build(arch, ids.shape[1], dev, dtype, kv=KVAbsmax())  # measures what the KV cache holds
-        topks = [None] * -(-ids.shape[0] // MICRO_BATCH)
+        # seq_len <= index_topk: the DSA indexer selects every causal key, so no selection is made or kept
+        ctx.dsa_dense = arch.has_dsa and ids.shape[1] <= arch.index_topk
+        store = ActivationStore(*ids.shape, arch.hidden_size, cost.store, dev, state_dir)
+        topks = [None] * len(list(store.slices()))
 
     with bar:
         # 1. tensors outside the decoder layers: embeddings, final norm, head, vision
         if state.next_layer == -1:
             if tokens is not None:
-                from quantkit.forward import embed
-
-                h = embed(ckpt, ids, dev, dtype)
+                table = ckpt.get(f"{arch.prefix}embed_tokens.weight", torch.bfloat16)  # (V, D), exact for a BF16 source
+                for sl in store.slices():
+                    store.h.write(sl, F.embedding(ids[sl], table).to(dev, dtype))
+                del table
             for name in ckpt.names(layer=None):
                 pair.write_shared(name, decisions[name])
             pair.flush()
             ckpt.release_finished()
             state.next_layer = 0
             state.prefill_parts, state.decode_parts = wp.num_parts, wd.num_parts
-            _save_state(state_dir, state, h.cpu() if h is not None else None, topks)
+            _save_state(state_dir, state, store, topks)
         elif tokens is not None:
-            h, topks = _load_hidden(state_dir, len(topks), dev)
+            topks = _load_hidden(state_dir, len(topks), store, dev)
         bar.update(state.next_layer)
 
         # 2. the decoder layers, one at a time (a streamed source fetches the next layer's shards meanwhile)
@@ -552,7 +584,7 @@ def convert(
             w: dict[str, torch.Tensor] = {}
 
             # shared tensors first: their stored form is also what we compute with
-            calibrate = h is not None and not mtp
+            calibrate = store is not None and not mtp
             for name in ckpt.names(layer):
                 klass = ckpt.tensors[name].info.klass
                 if klass == TensorClass.ROUTED_EXPERT or (klass == TensorClass.KV_SCALE and calibrate):
@@ -560,15 +592,21 @@ def convert(
                 parts = pair.write_shared(name, decisions[name])
                 w[name[len(pre):]] = compute_weight(parts, ckpt.tensors[name], dtype).to(dev)
 
+            routing = None
             kv_stats = None
-            if calibrate:
-                x = _attention_half(h, w, ctx, layer, topks)  # h now holds h + attention
+            if calibrate:  # h += attention (+ dense MLP, or shared expert), x and routing kept for the experts
+                routing = attention_pass(store, w, ctx, layer, topks, arch.is_moe(layer))
                 kv_stats = write_kv_scales(pair, pre, ctx.kv, layer)
+            t_attention = time.time() - t0
             records: list[ExpertRecord] = []
-            if arch.is_moe(layer):
-                tok = routed_tokens(x, w, arch) if calibrate else {e: torch.empty(0, dtype=torch.long, device=dev) for e in range(arch.n_routed_experts)}
-                routed, records = convert_experts(ckpt, pair, decisions, layer, x if calibrate else None, w, tok, rec,
-                                                  G, rec.method if calibrate else "rtn", dtype, dev, bar)
+            if arch.is_moe(layer) and calibrate:  # h += routed experts under the decode weights
+                records = convert_experts_streamed(ckpt, pair, decisions, layer, store, routing, rec, G, rec.method,
+                                                   dtype, dev, bar, cost.expert_chunk)
+                del routing
+            elif arch.is_moe(layer):
+                tok = {e: torch.empty(0, dtype=torch.long, device=dev) for e in range(arch.n_routed_experts)}
+                _, records = convert_experts(ckpt, pair, decisions, layer, None, w, tok, rec, G, "rtn", dtype, dev, bar,
+                                             chunk=cost.expert_chunk)
                 if mtp:
                     for r in records:
                         if r.method != "reused":
@@ -576,24 +614,15 @@ def convert(
             pair.flush()
             faults.point("layer:written")
 
-            if calibrate:
-                if arch.is_moe(layer):
-                    p = "mlp.shared_experts."
-                    moe_out = routed if not arch.n_shared_experts else routed + swiglu(
-                        x, w[p + "gate_proj.weight"], w[p + "up_proj.weight"], w[p + "down_proj.weight"])
-                else:
-                    moe_out = swiglu(x, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
-                h += moe_out.view_as(h)
-                del x, moe_out
-
             state.experts += [vars(r) for r in records]
             state.layers.append({"layer": layer, "kind": "mtp" if mtp else ("moe" if arch.is_moe(layer) else "dense"),
-                                 "seconds": round(time.time() - t0, 3), "calibrated": calibrate and arch.is_moe(layer),
+                                 "seconds": round(time.time() - t0, 3), "attention_seconds": round(t_attention, 3),
+                                 "calibrated": calibrate and arch.is_moe(layer),
                                  **({"kv_cache": kv_stats} if kv_stats else {})})
             state.next_layer = layer + 1
             state.prefill_parts, state.decode_parts = wp.num_parts, wd.num_parts
             state.differ = pair.differ
-            _save_state(state_dir, state, h.cpu() if h is not None else None, topks)
+            _save_state(state_dir, state, store, topks)
             del w
             ckpt.release_finished()
             bar.update(layer + 1)
@@ -611,42 +640,26 @@ def convert(
     decode_cfg = set_quantization_config(arch.raw, arch, decode_qc)
     carried = ckpt.other_files()
     parts = None
+    if store is not None:
+        store.close()
     if wp is not None:
         pair.flush()
         parts = {"prefill": wp.parts, "decode": wd.parts}
     report = finish_pair(
         out, state_dir, parts, digits, {"prefill": prefill_cfg, "decode": decode_cfg}, carried, set(state.differ),
         lambda manifests: _report(model, src_path, source_files, rec, tokens, state, ckpt, decisions, out, t_start, G,
-                                  block, manifests) | {"kv_cache": kv_cache_report(state.layers)},
+                                  block, manifests) | {"kv_cache": kv_cache_report(state.layers), "cost": cost.to_json()},
     )
-    return _done(ConvertResult(out, out / "prefill", out / "decode", report), validate, device, progress)
+    return _done(ConvertResult(out, out / "prefill", out / "decode", report), validate, device, progress,
+                 {"max_host_memory": max_host_memory, "max_gpu_memory": max_gpu_memory})
 
 
-def _done(result: ConvertResult, validate: bool, device, progress) -> ConvertResult:
+def _done(result: ConvertResult, validate: bool, device, progress, budgets: dict | None = None) -> ConvertResult:
     if validate:
         from quantkit.validation import validate as run_validate
 
-        result.validation = run_validate(result.out, device=device, progress=progress)
+        result.validation = run_validate(result.out, device=device, progress=progress, **(budgets or {}))
     return result
-
-
-MICRO_BATCH = 8
-
-
-def _attention_half(h, w, ctx, layer, topks: list) -> torch.Tensor:
-    """Attention added into the residual stream h (N, T, D) *in place*, then the post-attention
-    norm: returns the MoE/MLP input x (N*T, D). In place because h is the largest activation
-    (every calibration token's hidden state); a second copy would double it.
-
-    Samples go through attention MICRO_BATCH at a time, bounding the (B, heads, T, T) scores;
-    `topks` carries each micro-batch's DSA selection to the next layer (IndexShare)."""
-    a = ctx.arch
-    for i, hb in enumerate(h.split(MICRO_BATCH)):  # views of h
-        ctx.topk = topks[i]
-        hb += mla_attention(rms_norm(hb, w["input_layernorm.weight"], a.rms_norm_eps), w, ctx, layer)
-        topks[i] = ctx.topk
-    x = rms_norm(h, w["post_attention_layernorm.weight"], a.rms_norm_eps)
-    return x.reshape(-1, x.shape[-1])
 
 
 def _source_identity(ckpt: Checkpoint) -> dict[str, str]:
@@ -718,10 +731,11 @@ def _predicted_bytes(ckpt: Checkpoint, decisions: dict[str, Decision], G: int) -
     return sizes[0], sizes[1]
 
 
-def _check_disk(ckpt, decisions, out: Path, G: int, free: int | None = None) -> None:
-    """Refuse a run that cannot fit: the predicted pair, less what an interrupted run already wrote."""
+def _check_disk(ckpt, decisions, out: Path, G: int, free: int | None = None, extra: int = 0) -> None:
+    """Refuse a run that cannot fit: the predicted pair, less what an interrupted run already wrote,
+    plus `extra` (the resume state: one copy of h in its stored dtype, and the store when disk-backed)."""
     written = sum(p.stat().st_size for w in ("prefill", "decode") for p in (out / f"{w}.partial").glob("part-*"))
-    need = sum(_predicted_bytes(ckpt, decisions, G)) - written
+    need = sum(_predicted_bytes(ckpt, decisions, G)) - written + extra
     _NEEDS[str(out)] = need
     free = shutil.disk_usage(out).free if free is None else free
     if need > free:

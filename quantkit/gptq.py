@@ -53,6 +53,7 @@ __all__ = [
     "group_scales",
     "quantize_rtn",
     "gptq",
+    "gptq_shared_h",
     "hessian_from_inputs",
 ]
 
@@ -133,6 +134,7 @@ def gptq(
     actorder: bool = False,
     scale_dtype: torch.dtype = torch.bfloat16,
     static_groups: bool = True,
+    consume: bool = False,
 ) -> QuantizedWeight:
     """GPTQ-quantize W [..., out, in] given H [..., in, in] (any positive multiple of sum x x^T).
 
@@ -140,6 +142,9 @@ def gptq(
     static_groups=True (default, = llm-compressor 0.14): scales from the original W up front;
     False: each group's scale from the error-updated W when the group starts (paper's reference).
     loss: sum over rows and columns of err^2 / 2, in the units of H (llm-compressor's "loss").
+    consume=True lets gptq work on the caller's float32 W and H in place instead of copying them
+    (the caller must not use either afterwards, and should hold no other reference, so that H is
+    freed once factored): at real width H and W are the largest things here.
     Raises HessianError naming the batch indices whose damped H is not positive definite.
     """
     _check_groups(W, group_size)
@@ -149,8 +154,10 @@ def gptq(
     if not static_groups and (actorder or block_size % group_size):
         raise ValueError("static_groups=False needs actorder=False, block_size % group_size == 0")
     device = W.device
-    W = W.reshape(-1, rows, columns).to(torch.float32, copy=True)  # [E, out, in], working copy
-    H = H.reshape(-1, columns, columns).to(device, torch.float32, copy=True)  # [E, in, in]
+    own_w = consume and W.dtype == torch.float32 and W.is_contiguous()
+    W = W.reshape(-1, rows, columns).to(torch.float32, copy=not own_w)  # [E, out, in], working copy
+    own_h = consume and H.dtype == torch.float32 and H.device == device and H.is_contiguous()
+    H = H.reshape(-1, columns, columns).to(device, torch.float32, copy=not own_h)  # [E, in, in]
     E = W.shape[0]
 
     # Group scales from the original weights (llm-compressor's observer runs before GPTQ).
@@ -166,8 +173,7 @@ def gptq(
         H = H.gather(-1, perm.unsqueeze(-2).expand(-1, columns, -1))
         H = H.gather(-2, perm.unsqueeze(-1).expand(-1, -1, columns))
         g_idx = g_idx.gather(-1, perm)
-    # S [E, out, in]: the scale of each entry
-    S = scale.gather(-1, g_idx.unsqueeze(-2).expand(-1, rows, -1))
+        del Hdiag
 
     # Dead inputs never contribute to the output: pin their H diagonal, zero their weights.
     diag = torch.diagonal(H, dim1=-2, dim2=-1)  # [E, in], a view into H
@@ -177,20 +183,26 @@ def gptq(
 
     # Hinv = upper Cholesky factor of (H + damp I)^-1.
     diag.add_((dampening * diag.mean(dim=-1)).unsqueeze(-1))
+    # One [E, in, in] matrix alive at a time besides the factor being built (H, then L, then
+    # inv(H), then Hinv): at hidden 6144 each is 151 MB per expert.
     try:  # torch checks the factorization itself; no host read of our own on the happy path
         L = torch.linalg.cholesky(H)
     except torch.linalg.LinAlgError:
         bad = torch.linalg.cholesky_ex(H).info.nonzero().flatten().tolist()
         raise HessianError(f"Hessian of batch index {bad} is not positive definite after dampening") from None
-    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)  # [E, in, in]
-    del H, L
+    del H, diag
+    Hi = torch.cholesky_inverse(L)
+    del L
+    Hinv = torch.linalg.cholesky(Hi, upper=True)  # [E, in, in]
+    del Hi
 
     Q = torch.zeros(W.shape, dtype=torch.int8, device=device)  # [E, out, in]
     Losses = torch.zeros(E, rows, device=device)  # [E, out]
     for i1 in range(0, columns, block_size):
         i2 = min(i1 + block_size, columns)
         W1 = W[..., i1:i2].clone()  # [E, out, count]
-        S1 = S[..., i1:i2].clone()
+        # S1 [E, out, count]: the scale of each entry of the block
+        S1 = scale.gather(-1, g_idx[:, None, i1:i2].expand(-1, rows, -1))
         Err1 = torch.zeros_like(W1)
         Hinv1 = Hinv[:, i1:i2, i1:i2]  # [E, count, count]
 
@@ -222,6 +234,22 @@ def gptq(
         scale=scale.reshape(*batch, rows, -1),
         loss=Losses.sum(dim=-1).reshape(batch),
     )
+
+
+def gptq_shared_h(Ws: list[torch.Tensor], H: torch.Tensor, group_size: int, **options) -> list[QuantizedWeight]:
+    """GPTQ for several weights [..., out_i, in] that see the same inputs, so share H [..., in, in]
+    (an expert's gate and up). H is factored once: GPTQ treats rows independently given Hinv, so
+    quantizing the row-stacked weight [..., sum(out_i), in] is the same computation as quantizing
+    each weight with its own copy of H, without expanding H per weight. `options` go to gptq
+    (consume=True to factor H in place)."""
+    rows = [W.shape[-2] for W in Ws]
+    box = [H]
+    del H  # so that with consume=True the factored H is freed inside gptq
+    q = gptq(torch.cat(Ws, dim=-2), box.pop(), group_size, **options)  # [..., sum(out_i), in]
+    qs, scales = q.q.split(rows, dim=-2), q.scale.split(rows, dim=-2)
+    # loss: per weight it would need per-row losses; report the total on the first, 0 on the rest
+    losses = [q.loss] + [torch.zeros_like(q.loss)] * (len(Ws) - 1)
+    return [QuantizedWeight(a, b, l) for a, b, l in zip(qs, scales, losses)]
 
 
 def hessian_from_inputs(X: torch.Tensor) -> torch.Tensor:

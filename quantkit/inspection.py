@@ -125,11 +125,11 @@ def inspect(model: str | Path, *, allow_unverified: bool = False) -> Inspection:
     glm-5.2, deepseek-v3: from the real config, no weights): family, layers, params and bytes per
     class, storage format."""
     from quantkit.arch import preset_names
-    from quantkit.models import is_hub, is_tiny, open_checkpoint
+    from quantkit.models import is_hub, is_realshape, is_tiny, open_checkpoint
 
     if isinstance(model, str) and model in preset_names() and not Path(model).is_dir():
         return inspect_preset(model)
-    if not (is_tiny(model) or is_hub(model)) and not Path(model).is_dir():
+    if not (is_tiny(model) or is_hub(model) or is_realshape(model)) and not Path(model).is_dir():
         from quantkit.errors import ConfigError
 
         raise ConfigError(f"{model}: not a folder, a tiny:<name> or hf://org/repo id, or a preset ({', '.join(preset_names())})")

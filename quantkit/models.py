@@ -2,6 +2,8 @@
 
 - a folder with config.json and safetensors shards;
 - `tiny:kimi-k2.6` / `tiny:glm-5.2`: the embedded tiny models (built on first use);
+- `realshape:kimi-k2.6` / `realshape:glm-5.2`: real-width, 2-layer synthetic checkpoints
+  (quantkit.realshape; built on first use, ~1.2-1.7 GB);
 - `hf://org/repo@rev`: a Hugging Face repo at a pinned commit, streamed: configs and tokenizer are
   fetched at once, every shard's header with a ranged read, and each shard only when a tensor in
   it is first needed (quantkit.hub.HubSource).
@@ -19,6 +21,10 @@ def is_tiny(spec) -> bool:
     return isinstance(spec, str) and spec.startswith("tiny:")
 
 
+def is_realshape(spec) -> bool:
+    return isinstance(spec, str) and spec.startswith("realshape:")
+
+
 def is_hub(spec) -> bool:
     return isinstance(spec, str) and spec.startswith("hf://")
 
@@ -29,6 +35,10 @@ def resolve(spec: str | Path) -> Path:
         from quantkit.tiny import tiny_path
 
         return tiny_path(spec[len("tiny:"):])
+    if is_realshape(spec):
+        from quantkit.realshape import realshape_path
+
+        return realshape_path(spec[len("realshape:"):])
     if is_hub(spec):
         return hub_source(spec).local_path("config.json").parent
     path = Path(spec)

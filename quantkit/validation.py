@@ -50,7 +50,7 @@ from quantkit import __version__
 from quantkit.checkpoint import Checkpoint, file_sha256
 from quantkit.errors import ConfigError
 from quantkit.progress import LayerProgress, rich_html
-from quantkit.reference import Context, LayerCache, decoder_layer, head_weight_name, resolve_device, rms_norm
+from quantkit.reference import Context, LayerCache, head_weight_name, resolve_device, rms_norm
 
 __all__ = ["validate", "ValidationResult", "METRICS", "load_gates", "check_gates", "cross_phase_logits", "render_markdown"]
 
@@ -303,11 +303,13 @@ def _heads(ckpt: Checkpoint, hs: list[torch.Tensor], dtype) -> list[torch.Tensor
     return [torch.nn.functional.linear(rms_norm(h, norm.to(h.device), a.rms_norm_eps), w.to(h.device)) for h in hs]
 
 
-def step(ckpts: dict[str, Checkpoint], streams: list[Stream], device, dtype, on_layer=None, advance=None) -> None:
+def step(ckpts: dict[str, Checkpoint], streams: list[Stream], device, dtype, on_layer=None, advance=None,
+         chunk: int = 16) -> None:
     """One forward of every stream over its `ids`, in lockstep: layer i of every checkpoint runs
     before layer i+1 of any; each checkpoint's layer is loaded once for all its streams, then freed.
-    Leaves each stream's final hidden state in `h`; `on_layer(layer, {name: h})` sees every layer."""
-    from quantkit.forward import layer_weights
+    Leaves each stream's final hidden state in `h`; `on_layer(layer, {name: h})` sees every layer.
+    Routed experts are loaded `chunk` at a time (quantkit.layerstream), as convert does."""
+    from quantkit.layerstream import streamed_layer
 
     groups = {m: [s for s in streams if s.model == m] for m in ckpts}
     groups = {m: g for m, g in groups.items() if g}
@@ -318,10 +320,9 @@ def step(ckpts: dict[str, Checkpoint], streams: list[Stream], device, dtype, on_
         _embed(ckpts[m], group, device, dtype)
     for layer in range(next(iter(ckpts.values())).arch.num_hidden_layers):
         for m, group in groups.items():
-            w = layer_weights(ckpts[m], layer, device, dtype)
-            for s in group:
-                s.h = decoder_layer(s.h, w, s.ctx, layer).hidden
-            del w
+            for s, h in zip(group, streamed_layer(ckpts[m], layer, [s.h for s in group], [s.ctx for s in group],
+                                                  device, dtype, chunk)):
+                s.h = h
             if advance:
                 advance()
         if on_layer is not None:
@@ -397,9 +398,10 @@ def _agreement(tokens: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 
 
 def _measure(ckpts: dict[str, Checkpoint], ids: torch.Tensor, K: int, pair: bool, device, dtype, bar,
-             kv: dict[str, Any] | None = None, kv_calibrated: bool = False) -> dict:
+             kv: dict[str, Any] | None = None, kv_calibrated: bool = False, chunk: int = 16) -> dict:
     """Run every stream in lockstep and return the rows, per-layer curves and continuations.
-    `kv`: variant -> quantkit.kvcache.KVCache; each adds the FP8-KV rows' streams (pairs only)."""
+    `kv`: variant -> quantkit.kvcache.KVCache; each adds the FP8-KV rows' streams (pairs only).
+    Routed experts are loaded `chunk` at a time (quantkit.layerstream)."""
     L = ckpts["reference"].arch.num_hidden_layers
     models = [m for m in ckpts if m != "reference"]
     new = lambda: [LayerCache() for _ in range(L)]  # noqa: E731
@@ -417,7 +419,7 @@ def _measure(ckpts: dict[str, Checkpoint], ids: torch.Tensor, K: int, pair: bool
         for m in models:
             errs[m].add(layer, hs[m], hs["reference"])
 
-    step(ckpts, list(prompt.values()), device, dtype, on_prompt_layer, bar.advance)
+    step(ckpts, list(prompt.values()), device, dtype, on_prompt_layer, bar.advance, chunk)
     (ref_logits,) = _heads(ckpts["reference"], [prompt["reference"].h], dtype)
     ref_nll = _nll(ref_logits, ids)
     last = {"reference": ref_logits[:, -1]}
@@ -481,7 +483,7 @@ def _measure(ckpts: dict[str, Checkpoint], ids: torch.Tensor, K: int, pair: bool
         for s in forced.values():
             s.ids = free["reference"].tokens[-1][:, None]
         streams = list(free.values()) + list(forced.values())
-        step(ckpts, streams, device, dtype, on_step_layer, bar.advance)
+        step(ckpts, streams, device, dtype, on_step_layer, bar.advance, chunk)
         logits = {}
         for m, ck in ckpts.items():
             group = [s for s in streams if s.model == m]
@@ -755,6 +757,8 @@ def validate(
     dtype: torch.dtype = torch.float32,
     write: bool = True,
     kv_cache_dtype: str = "bf16",
+    max_host_memory: int | str | None = None,
+    max_gpu_memory: int | str | None = None,
 ) -> ValidationResult:
     """Measure a converted pair (or one checkpoint) against its reference, layer by layer.
 
@@ -769,6 +773,8 @@ def validate(
         kv_cache_dtype: `bf16` (the cache holds what attention computed), `fp8_e4m3` (the engines'
             static per-layer scale, run with the checkpoint's scales and with 1.0) or `fp8_ds_mla`
             (vLLM's DSA layout); FP8 adds the KV rows (quantkit.kvcache).
+        max_host_memory, max_gpu_memory: budgets ("8GB"); routed experts are streamed in chunks
+            sized to them (quantkit.cost.validate_expert_chunk).
     Returns:
         ValidationResult; `passed` is False when any gate fails (nothing is raised for that).
 
@@ -793,7 +799,11 @@ def validate(
     L = arch.num_hidden_layers
     loads = len(ckpts) * L * (1 + max(s.gen_tokens - 1, 0))  # a pass loads each checkpoint's layers once
     with LayerProgress(progress, loads, "validate: layers") as bar, torch.no_grad():
-        m = _measure(ckpts, tokens.ids.to(dev), s.gen_tokens, t.pair, dev, dtype, bar, kv, kv_info.get("calibrated", False))
+        from quantkit.cost import validate_expert_chunk
+
+        chunk = validate_expert_chunk(arch, dev.type, max_host_memory, max_gpu_memory)
+        m = _measure(ckpts, tokens.ids.to(dev), s.gen_tokens, t.pair, dev, dtype, bar, kv, kv_info.get("calibrated", False),
+                     chunk)
 
     gate_results = check_gates(s.gates, m["rows"])
     data = {

@@ -25,7 +25,7 @@ What runs here, on the device:
   gptq: quantize_rtn, gptq (static and dynamic groups, actorder), hessian_from_inputs;
   awq: the smoothing search, the clip search, the fold, clipped quantization;
   conversion.quantize_experts with rtn, gptq and awq (starved experts included);
-  conversion._attention_half + routed_tokens over every layer (DSA indexer, IndexShare);
+  calibrate.attention_pass through the activation store over every layer (DSA indexer, IndexShare);
   reference: Context.build, every layer's attention (MLA, DSA indexer with both tie rules,
   incremental decode with caches), dense decoder layers, route, Routing.tokens_of / counts,
   expert, the shared expert, and the MoE's index_add_.
@@ -54,7 +54,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from conftest import small_config
 from quantkit import awq, gptq, reference
 from quantkit.arch import arch_from_config
-from quantkit.conversion import _attention_half, quantize_experts, routed_tokens
+from quantkit.conversion import quantize_experts
 from quantkit.formats import fp8, int4
 from quantkit.recipe import load_recipe
 from quantkit.tiny import init_weights
@@ -210,16 +210,19 @@ def test_reference_layers_on_device(model, ties):
 
 
 def test_calibration_attention_on_device(model):
-    """convert's attention half (micro-batched, DSA selections carried between layers) and routing."""
+    """convert's attention pass through the activation store (micro-batched, DSA selections carried
+    between layers) and the routing it keeps."""
+    from quantkit.activations import ActivationStore, StorePlan
+    from quantkit.calibrate import attention_pass
+
     arch, weights = model
     with on_fake_device():
         ctx = reference.Context.build(arch, 12, DEVICE, torch.float32)
-        h = empty(10, 12, arch.hidden_size)  # two micro-batches of 8
+        store = ActivationStore(10, 12, arch.hidden_size, StorePlan(micro_batch=8), DEVICE)  # two micro-batches
         topks = [None, None]
         for layer in range(arch.num_hidden_layers):
             w = _fake_layer(arch, weights, layer)
-            x = _attention_half(h, w, ctx, layer, topks)
-            assert_on_device(h, x, *(t for t in topks if t is not None))
+            routing = attention_pass(store, w, ctx, layer, topks, arch.is_moe(layer))
+            assert_on_device(store.h.data, *(t for t in topks if t is not None))
             if arch.is_moe(layer):
-                tokens = routed_tokens(x, w, arch)
-                assert_on_device(*tokens.values())
+                assert_on_device(store.x.data, routing.idx, routing.weight, routing.counts)

@@ -219,3 +219,33 @@ def test_shape_errors():
     with pytest.raises(ValueError):
         gptq(torch.zeros(2, 4, 64), torch.zeros(3, 64, 64), 32)
     assert isinstance(quantize_rtn(torch.ones(2, 32), 32), QuantizedWeight)
+
+
+def test_shared_h_equals_separate_calls_without_copying_h():
+    """gate and up share one H: quantizing them row-stacked against one factored H gives what two
+    separate calls with two copies of H give (GPTQ's rows are independent given Hinv)."""
+    from quantkit.gptq import gptq_shared_h
+
+    g = torch.Generator().manual_seed(3)
+    X = torch.randn(2, 300, 64, generator=g)  # 2 experts
+    H = torch.stack([hessian_from_inputs(x) for x in X])
+    Wg, Wu = torch.randn(2, 24, 64, generator=g), torch.randn(2, 40, 64, generator=g)
+    sep = [gptq(W, H, 32) for W in (Wg, Wu)]
+    shared = gptq_shared_h([Wg, Wu], H.clone(), 32, consume=True)
+    for a, b in zip(sep, shared):
+        assert a.q.shape == b.q.shape and a.scale.shape == b.scale.shape
+        assert torch.equal(a.scale, b.scale)  # static groups: from the weights alone
+        assert (a.q != b.q).float().mean() < 1e-3  # same computation; only float summation order may differ
+    assert torch.allclose(shared[0].loss, sep[0].loss + sep[1].loss, rtol=1e-4)
+
+
+def test_consume_factors_h_in_place():
+    g = torch.Generator().manual_seed(4)
+    X = torch.randn(200, 32, generator=g)
+    H = hessian_from_inputs(X)
+    W = torch.randn(8, 32, generator=g)
+    want = gptq(W, H, 16)
+    H2, W2 = H.clone(), W.clone()
+    got = gptq(W2, H2, 16, consume=True)
+    assert torch.equal(want.q, got.q) and torch.equal(want.scale, got.scale)
+    assert not torch.equal(H2, H)  # damped in place: the caller's copy was used, not duplicated

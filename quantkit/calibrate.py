@@ -1,0 +1,300 @@
+"""Calibrated conversion of one decoder layer, streaming the calibration tokens from the store.
+
+`convert` runs every calibration token through the layer being converted. Here no token-sized
+tensor exists beyond the two arrays of the activation store (quantkit.activations): every pass
+reads one micro-batch of samples as float32, works on it, and writes it back.
+
+    attention pass   per micro-batch: h += attention(h); x = post_attention_layernorm(h)
+                     dense layer: h += MLP(x)
+                     MoE layer:   store x; route x (kept: top-k ids and weights, 12 B per slot);
+                                  h += shared_expert(x)
+    per chunk of routed experts (their count from the budget, quantkit.cost):
+      Hessians       per micro-batch, each expert's fit tokens (quantkit.experts' policy: every
+                     HOLDOUT-th routed token is held out): H_e += x_e^T x_e (gate and up share it);
+                     a starved expert with fallback all_tokens uses the layer's fit tokens; the
+                     held-out rows are kept for the guard
+      GPTQ           gate and up as one row-stacked weight against one factored H_e
+      down Hessians  per micro-batch: z = silu(x_e gate_hat^T) * (x_e up_hat^T), Hd_e += z^T z
+      GPTQ           down
+      guard          each expert's held-out output error vs RTN's; the lower is stored
+      output pass    per micro-batch: h += sum_e w_e * expert_e(x_e) under the decode weights
+
+So the work space is one micro-batch of tokens plus one chunk of experts (weights, Hessians and
+the GPTQ work), whatever the number of calibration tokens. DSA: for seq_len <= index_topk the
+indexer selects every causal key, so attention is dense and no selection is kept; otherwise each
+micro-batch's selection is kept for the next (IndexShare) layers, as (B, T, k) indices.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from quantkit.activations import ActivationStore
+from quantkit.errors import OutputError
+from quantkit.experts import HOLDOUT
+from quantkit.gptq import HessianError, QuantizedWeight, gptq
+from quantkit.reference import mla_attention, rms_norm, route, swiglu
+
+
+class LayerRouting:
+    """Top-k expert ids (int16) and weights (float32) of every calibration token, (N*T, k)."""
+
+    def __init__(self, idx: list[torch.Tensor], weight: list[torch.Tensor], tokens_per_batch: list[int], n_experts: int):
+        self.idx = torch.cat(idx)
+        self.weight = torch.cat(weight)
+        self.starts = [0]
+        for n in tokens_per_batch:
+            self.starts.append(self.starts[-1] + n)
+        flat = self.idx.flatten().long()  # counts without a data-dependent shape (bincount's is)
+        self.counts = torch.zeros(n_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+    def batch(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = self.starts[i], self.starts[i + 1]
+        return self.idx[a:b], self.weight[a:b]
+
+
+def attention_pass(store: ActivationStore, w: dict, ctx, layer: int, topks: list, moe: bool) -> LayerRouting | None:
+    """The attention half (and a dense layer's MLP, or a MoE layer's shared expert), per micro-batch."""
+    a = ctx.arch
+    eps = a.rms_norm_eps
+    x_arr = store.open_x() if moe else None
+    idx, wt, sizes = [], [], []
+    small = torch.int16 if a.n_routed_experts < 2**15 else torch.int32
+    for i, sl in enumerate(store.slices()):
+        hb = store.h.read(sl)  # (B, T, D) float32
+        ctx.topk = topks[i]
+        hb += mla_attention(rms_norm(hb, w["input_layernorm.weight"], eps), w, ctx, layer)
+        topks[i] = ctx.topk
+        xb = rms_norm(hb, w["post_attention_layernorm.weight"], eps)
+        if moe:
+            x_arr.write(sl, xb)
+            ti, tw = route(xb.reshape(-1, xb.shape[-1]), w, a)  # (B*T, k)
+            idx.append(ti.to(small))
+            wt.append(tw.float())
+            sizes.append(ti.shape[0])
+            if a.n_shared_experts:
+                p = "mlp.shared_experts."
+                hb += swiglu(xb, w[p + "gate_proj.weight"], w[p + "up_proj.weight"], w[p + "down_proj.weight"])
+        else:
+            hb += swiglu(xb, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
+        store.h.write(sl, hb)
+        del hb, xb
+    return LayerRouting(idx, wt, sizes, a.n_routed_experts) if moe else None
+
+
+def _tokens(idx_b: torch.Tensor, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token rows, top-k slot) of the micro-batch's tokens routed to expert e."""
+    return (idx_b == e).nonzero(as_tuple=True)
+
+
+def _passes(store: ActivationStore, routing: LayerRouting):
+    """(micro-batch index, slice, x as float32 (B*T, D), top-k ids, top-k weights) in order."""
+    D = store.shape[-1]
+    for i, sl in enumerate(store.slices()):
+        idx_b, wt_b = routing.batch(i)
+        yield i, sl, store.x.read(sl).reshape(-1, D), idx_b, wt_b
+
+
+def _rows(idx_b: torch.Tensor, e: int, seen: int, start: int, use_all: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fit rows, held-out rows) of this micro-batch for expert e, by quantkit.experts' one policy:
+    every HOLDOUT-th entry of the expert's routed-token list (or, with use_all, of the layer's
+    token list) is held out. `seen`: the expert's routed tokens in earlier micro-batches; `start`:
+    the micro-batch's first token in the layer."""
+    if use_all:
+        rows = torch.arange(len(idx_b), device=idx_b.device)
+        pos = start + rows
+    else:
+        rows = _tokens(idx_b, e)[0]
+        pos = seen + torch.arange(len(rows), device=rows.device)
+    held = pos % HOLDOUT == HOLDOUT - 1
+    return rows[~held], rows[held]
+
+
+def expert_hessians(store: ActivationStore, routing: LayerRouting, run: list[int], all_tokens: set[int],
+                    inputs=None, held: dict | None = None) -> torch.Tensor:
+    """H_e = 2/n_e sum x x^T [len(run), in, in] over each expert's fit tokens (the layer's fit
+    tokens for the experts in `all_tokens`), accumulated one micro-batch at a time; held-out tokens
+    never enter. `inputs(j, x_e)` maps an expert's input rows to the rows of the Linear whose Hessian
+    this is (default: x itself). `held`, when a dict, receives each expert's held-out input rows
+    (the guard's data: 1/HOLDOUT of its routed tokens)."""
+    H = None
+    n = torch.zeros(len(run), dtype=torch.float64)
+    seen = {e: 0 for e in run}
+    parts: dict[int, list] = {e: [] for e in run}
+    for i, _, xb, idx_b, _ in _passes(store, routing):
+        start = routing.starts[i]
+        for j, e in enumerate(run):
+            fit, out = _rows(idx_b, e, seen[e], start, e in all_tokens)
+            if held is not None:  # the guard judges on the expert's own held-out routed tokens
+                routed_out = _rows(idx_b, e, seen[e], start, False)[1] if e in all_tokens else out
+                if len(routed_out):
+                    parts[e].append(xb[routed_out])
+            seen[e] += int((idx_b == e).sum())
+            xe = xb[fit]
+            if inputs is not None:
+                xe = inputs(j, xe)
+            if H is None:
+                H = torch.zeros(len(run), xe.shape[-1], xe.shape[-1], device=xb.device)
+            if len(xe):
+                H[j].addmm_(xe.T, xe)
+            n[j] += len(xe)
+        del xb
+    for j in range(len(run)):
+        H[j] *= 2.0 / max(float(n[j]), 1.0)
+    if held is not None:
+        for e in run:
+            held[e] = torch.cat(parts[e]) if parts[e] else None
+    return H
+
+
+def _layer_heldout(store: ActivationStore) -> torch.Tensor:
+    """Every held-out token of the layer (the guard's data for an expert with none of its own)."""
+    D = store.shape[-1]
+    rows = []
+    for i, sl in enumerate(store.slices()):
+        xb = store.x.read(sl).reshape(-1, D)
+        start = sl.start * store.shape[1]
+        pos = start + torch.arange(len(xb), device=xb.device)
+        rows.append(xb[pos % HOLDOUT == HOLDOUT - 1])
+    return torch.cat(rows)
+
+
+def _gptq(W, H, group_size, g, layer, experts) -> QuantizedWeight:
+    box = [H]
+    del H
+    try:
+        return gptq(W, box.pop(), group_size, block_size=g.block_size, dampening=g.dampening, actorder=g.actorder,
+                    consume=True)
+    except HessianError as e:
+        raise OutputError(f"layer {layer}, experts {experts}: {e}; raise gptq.dampening in the recipe") from None
+
+
+def gptq_experts(store: ActivationStore, routing: LayerRouting, ew: dict[str, torch.Tensor], experts: list[int],
+                 recipe, group_size: int, layer: int):
+    """GPTQ for a chunk of routed experts from streamed Hessians, with quantkit.experts' policy:
+    fit on the non-held-out tokens, starved experts take gptq.fallback, and each expert is kept
+    only if its held-out output error beats RTN's (guard_against_rtn). Same contract as
+    conversion.quantize_experts followed by the guard."""
+    from quantkit.experts import ExpertRecord, guard_against_rtn, rtn_expert
+
+    g = recipe.gptq
+    counts = routing.counts
+    # an expert's fit tokens: its routed tokens less every HOLDOUT-th (quantkit.experts.split_heldout)
+    starved = {e for e in experts if int(counts[e]) - int(counts[e]) // HOLDOUT < max(g.min_tokens, 1)}
+    records, quantized = {}, {}
+    for e in experts:
+        if e in starved and g.fallback == "rtn":
+            quantized[e] = rtn_expert(ew, e, group_size)
+            records[e] = ExpertRecord(layer, e, int(counts[e]), "rtn", fallback="rtn")
+    run = [e for e in experts if e not in quantized]
+    if run:
+        all_tokens = starved & set(run)
+        I = ew[f"mlp.experts.{run[0]}.gate_proj.weight"].shape[0]
+        # gate and up: one Hessian per expert, shared; the weights stacked by rows [C, 2I, D]
+        held: dict = {}
+        H = expert_hessians(store, routing, run, all_tokens, held=held)
+        Wgu = torch.stack([torch.cat([ew[f"mlp.experts.{e}.gate_proj.weight"],
+                                      ew[f"mlp.experts.{e}.up_proj.weight"]]) for e in run]).float()
+        box = [H]
+        del H
+        qgu = _gptq(Wgu, box.pop(), group_size, g, layer, run)
+        del Wgu
+        gu_hat = QuantizedWeight(qgu.q, qgu.scale).dequantize(torch.float32)  # [C, 2I, D]
+
+        def z(j, xe):  # down's input under the quantized gate/up
+            return F.silu(xe @ gu_hat[j, :I].T) * (xe @ gu_hat[j, I:].T)
+
+        Hd = expert_hessians(store, routing, run, all_tokens, inputs=z)
+        del gu_hat
+        Wd = torch.stack([ew[f"mlp.experts.{e}.down_proj.weight"] for e in run]).float()  # [C, D, I]
+        box = [Hd]
+        del Hd
+        qd = _gptq(Wd, box.pop(), group_size, g, layer, run)
+        del Wd
+        layer_held = None
+        for j, e in enumerate(run):
+            q = {
+                "gate_proj": QuantizedWeight(qgu.q[j, :I], qgu.scale[j, :I]),
+                "up_proj": QuantizedWeight(qgu.q[j, I:], qgu.scale[j, I:]),
+                "down_proj": QuantizedWeight(qd.q[j], qd.scale[j]),
+            }
+            r = ExpertRecord(layer, e, int(counts[e]), "gptq", "all_tokens" if e in starved else None,
+                             float(qgu.loss[j] + qd.loss[j]))
+            x_held = held.get(e)
+            if x_held is None:  # no held-out routed token: every held-out token of the layer
+                layer_held = _layer_heldout(store) if layer_held is None else layer_held
+                x_held = layer_held
+            quantized[e] = guard_against_rtn(x_held, ew, e, q, group_size, r)
+            records[e] = r
+        del held, layer_held
+    return quantized, [records[e] for e in sorted(records)]
+
+
+def add_expert_outputs(store: ActivationStore, routing: LayerRouting, weights: dict[int, tuple]) -> None:
+    """h += router weight * expert(x) for the given experts (weights: e -> (gate, up, down)), per micro-batch."""
+    D = store.shape[-1]
+    for i, sl, xb, idx_b, wt_b in _passes(store, routing):
+        hb = store.h.read(sl)
+        flat = hb.view(-1, D)
+        for e, we in weights.items():
+            tok, slot = _tokens(idx_b, e)
+            if len(tok):
+                flat.index_add_(0, tok, swiglu(xb[tok], *we) * wt_b[tok, slot, None].to(xb.dtype))
+        store.h.write(sl, hb)
+        del hb, xb
+
+
+def convert_experts_streamed(ckpt, pair, decisions, layer: int, store: ActivationStore, routing: LayerRouting,
+                             recipe, group_size: int, method: str, dtype, dev, bar, chunk: int) -> list:
+    """conversion.convert_experts for a calibrated layer: `chunk` experts at a time, loaded,
+    quantized from streamed Hessians (GPTQ), written to both outputs, and their outputs under the
+    decode weights added to h. Returns one ExpertRecord per expert."""
+    from quantkit.conversion import quantize_experts
+    from quantkit.experts import PROJS, ExpertRecord, expert_weights, guard_against_rtn, heldout_inputs
+    from quantkit.precision import INT4
+    from quantkit.tensors import TensorClass
+
+    a = ckpt.arch
+    pre = a.layer_prefix(layer)
+    by_expert: dict[int, list[str]] = {}
+    for name in ckpt.names(layer, TensorClass.ROUTED_EXPERT):
+        by_expert.setdefault(ckpt.tensors[name].info.expert, []).append(name)
+    experts = sorted(by_expert)
+    int4 = {e for e in experts if decisions[f"{pre}mlp.experts.{e}.down_proj.weight"].decode == INT4}
+    records: list = []
+    for start in range(0, len(experts), chunk):
+        part = experts[start:start + chunk]
+        need = [e for e in part if e in int4]
+        ew = {n[len(pre):]: ckpt.get(n, dtype).to(dev) for e in part for n in by_expert[e]}
+        quantized: dict = {}
+        if need:
+            bar.update(note=f"layer {layer}: quantizing experts {need[0]}-{need[-1]} of {len(experts)}")
+            if method == "gptq":
+                quantized, recs = gptq_experts(store, routing, ew, need, recipe, group_size, layer)
+            else:  # rtn, awq: the per-expert inputs gathered, as conversion.convert_experts (AWQ's search
+                # needs them; not budgeted)
+                D = store.shape[-1]
+                x = torch.cat([store.x.read(sl).reshape(-1, D) for sl in store.slices()]) if method == "awq" else None
+                idx = routing.idx.to(dev)
+                tokens = {e: (idx == e).any(-1).nonzero(as_tuple=True)[0] for e in need}
+                alternatives: dict = {}
+                quantized, recs = quantize_experts(x, ew, tokens, need, recipe, group_size, method, layer, alternatives)
+                if method != "rtn":  # never worse than RTN on held-out routed tokens (quantkit.experts)
+                    for r in recs:
+                        if r.method != "rtn":
+                            quantized[r.expert] = guard_against_rtn(heldout_inputs(x, tokens[r.expert]), ew, r.expert,
+                                                                    quantized[r.expert], group_size, r,
+                                                                    alternatives.get(r.expert))
+                del x
+            records += recs
+        records += [ExpertRecord(layer, e, int(routing.counts[e]), "reused") for e in part if e not in need]
+        for e in part:
+            for name in by_expert[e]:
+                pair.write_expert(name, decisions[name], quantized.get(e, {}).get(ckpt.tensors[name].info.proj))
+        weights = {e: tuple(quantized[e][p].dequantize(dtype).to(dev) for p in PROJS) if e in quantized
+                   else expert_weights(ew, e) for e in part}
+        del ew, quantized
+        add_expert_outputs(store, routing, weights)
+        del weights
+    return sorted(records, key=lambda r: r.expert)

@@ -1,0 +1,491 @@
+"""What a conversion will cost, computed before it starts: memory, disk, time; and the settings that
+keep it inside a memory budget.
+
+`convert` calls `plan_convert` to size its activation store, micro-batches, expert chunks and
+output shards, prints the result, and refuses to start when even the smallest settings exceed
+the budget; `quantkit plan MODEL --convert` prints the same object for a model that is not on
+disk. One function for both, so the prediction is the engine's own accounting.
+
+Memory, in bytes (D hidden, I expert width, N x T calibration tokens, k experts per token,
+C experts per chunk, B samples per micro-batch, w = 4 bytes per float32; compute is float32):
+
+    base          the Python process with torch and quantkit imported (measured, BASE_BYTES)
+    writer        the two output writers' buffers: one layer's tensors, up to a shard each
+                  (safetensors 0.8 writes from the tensors' memory, no serialized copy)
+    dense_layer,  a dense layer's weights, and a MoE layer's weights other than its routed
+    moe_layer     experts, float32
+    load_transient dequantizing the largest tensor: 3 float32 copies (values, scales, product)
+    store         h and x for every calibration token: 2 N T D bytes-per-element (MoE layers)
+                  (0 in RAM when disk-backed)
+    routing       top-k ids (int16) and weights (float32): 6 N T k
+    attention     one micro-batch: B T tokens x (hidden-wide and head-wide activations) plus
+                  3 B heads T^2 w for scores, masked scores and probabilities
+    experts       C x max(7 I D w + D^2 w, 5 I D w + 2 I D + 2 D^2 w): source weights (kept for
+                  the held-out guard), the row-stacked gate/up and, during GPTQ, H being factored
+                  and its factor; plus each expert's held-out rows (1/8 of its routed tokens), one
+                  micro-batch's gathered rows and down inputs, and the all-token H
+
+    peak = base + writer + store + routing + max(attention phase, experts phase)
+    attention phase = max over dense/MoE layers of (layer weights + max(load_transient, attention))
+    experts phase   = moe_layer + experts
+
+On a GPU, layer/store/routing/attention/experts are device memory, base/writer and the source's
+pages host memory (plus the store when it lives in pinned host memory).
+
+Time is FLOPs over a sustained rate per device (CPU_FLOPS_PER_THREAD measured on the 2-core test
+machine, GPU rates from the data sheet at the efficiency stated in GPU_SPECS), bytes over disk bandwidth, and a per-column kernel-launch cost for GPTQ's column loop
+on a GPU. It is an estimate; docs/benchmarks.md compares it with measurements.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from quantkit.activations import StorePlan
+from quantkit.errors import ConfigError
+
+GB = 10**9
+GiB = 2**30
+F32 = 4
+
+BASE_BYTES = int(0.40 * GB)  # RSS of `quantkit convert` before the first tensor (measured: 0.33-0.40 GB)
+MIN_SHARD = 256 * 2**20
+CHUNK_MAX = 16  # experts per chunk at most (one GPTQ batch)
+
+# Sustained rates. CPU: float32 matmul per torch thread, measured on the 2-core test machine
+# (2048x6144 @ 6144x2048: 36 GFLOP/s on one thread; 56 on two, 28 each); times torch's threads.
+CPU_FLOPS_PER_THREAD = 28e9
+CPU_DISK = 1.0e9  # bytes/s read or written
+# GPU: float32 (no TF32) matmul at 50% of the data sheet; NVMe at 2 GB/s; GPTQ's per-column step
+# is ~12 small kernels, launch bound.
+GPU_SPECS: dict[str, dict[str, float]] = {
+    "h200": {"flops": 0.5 * 67e12, "mem_gib": 140.4, "disk": 2.0e9, "launch": 8e-6},
+    "h100": {"flops": 0.5 * 67e12, "mem_gib": 79.6, "disk": 2.0e9, "launch": 8e-6},
+    "b200": {"flops": 0.5 * 80e12, "mem_gib": 179.1, "disk": 2.0e9, "launch": 8e-6},
+}
+LAUNCHES_PER_COLUMN = 12
+
+
+def parse_bytes(v: int | float | str | None, what: str) -> int | None:
+    """8GB, 8 GiB, 512MB, 8e9 or a number of bytes."""
+    if v is None or isinstance(v, (int, float)):
+        return None if v is None else int(v)
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*", str(v))
+    if not m:
+        raise ConfigError(f"{what} {v!r}: write a size such as 8GB, 80GiB or 512MB")
+    unit = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2).lower()]
+    if m.group(3):
+        unit = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[m.group(2).lower()]
+    return int(float(m.group(1)) * unit)
+
+
+def available_host_memory() -> int:
+    """MemAvailable (Linux), else total physical memory; the default host budget."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def device_memory(device: str, gpu: str | None) -> int | None:
+    if device != "cuda":
+        return None
+    if gpu in GPU_SPECS:
+        return int(GPU_SPECS[gpu]["mem_gib"] * GiB)
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    return int(GPU_SPECS["h200"]["mem_gib"] * GiB)
+
+
+@dataclass
+class LayerShapes:
+    """What the cost depends on, per model (from the architecture, as quantkit.planner lists it)."""
+
+    hidden: int
+    expert_width: int
+    experts: int
+    topk: int
+    heads: int
+    qk_head: int
+    v_head: int
+    max_dense_width: int  # the widest MLP a micro-batch runs (dense MLP or shared expert)
+    layer_params: int  # the largest layer's parameters other than routed experts
+    dense_layer_params: int  # the largest dense layer's parameters (0 without one)
+    moe_layer_params: int  # the largest MoE layer's parameters other than routed experts
+    largest_tensor: int  # parameters of the largest single tensor (dequantized at once)
+    moe_layers: int
+    layers: int  # decoder layers, MTP included
+    attn_params: int  # attention parameters of one layer (for time)
+    index_heads: int
+    index_topk: int
+    has_dsa: bool
+
+
+def layer_shapes(arch) -> LayerShapes:
+    from quantkit.planner import _layer_of, tensor_inventory
+    from quantkit.tensors import TensorClass
+
+    a = arch
+    per_layer: dict[int, int] = {}
+    largest = 0
+    attn = 0
+    for s in tensor_inventory(a):
+        L = _layer_of(s.name)
+        if L < 0 or s.klass == TensorClass.ROUTED_EXPERT:
+            continue
+        per_layer[L] = per_layer.get(L, 0) + s.params
+        largest = max(largest, math.prod(s.shape))
+        if L == 0 and s.klass.value in ("attention", "indexer"):
+            attn += s.params
+    return LayerShapes(
+        hidden=a.hidden_size, expert_width=a.moe_intermediate_size, experts=a.n_routed_experts,
+        topk=a.num_experts_per_tok, heads=a.num_attention_heads, qk_head=a.qk_head_dim, v_head=a.v_head_dim,
+        max_dense_width=max(a.intermediate_size if not all(a.is_moe(i) for i in range(a.num_hidden_layers)) else 0,
+                            a.moe_intermediate_size * max(a.n_shared_experts, 1)),
+        layer_params=max(per_layer.values()), largest_tensor=largest,
+        dense_layer_params=max([v for L, v in per_layer.items() if not a.is_moe(L)], default=0),
+        moe_layer_params=max([v for L, v in per_layer.items() if a.is_moe(L)], default=0),
+        moe_layers=sum(a.is_moe(i) for i in range(a.num_layers_with_mtp)), layers=a.num_layers_with_mtp,
+        attn_params=attn, index_heads=a.index_n_heads if a.has_dsa else 0,
+        index_topk=a.index_topk if a.has_dsa else 0, has_dsa=a.has_dsa)
+
+
+@dataclass
+class ConvertCost:
+    """A conversion's predicted cost and the settings chosen to keep to the budget."""
+
+    device: str
+    gpu: str | None
+    host_budget: int
+    gpu_budget: int | None
+    tokens: int
+    store: StorePlan
+    expert_chunk: int
+    shard_bytes: int
+    memory: dict[str, int]  # component -> bytes (see the module docstring)
+    peak_host: int
+    peak_device: int | None
+    disk: dict[str, int]
+    seconds: dict[str, float]  # phase -> seconds
+    validate_seconds: float | None
+    notes: list[str] = field(default_factory=list)
+    fits: bool = True
+    reason: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["store"] = {"dtype": str(self.store.dtype).removeprefix("torch."), "backing": self.store.backing,
+                      "location": self.store.location, "micro_batch": self.store.micro_batch}
+        d["seconds_total"] = round(sum(self.seconds.values()), 1)
+        return d
+
+    def summary(self) -> str:
+        s = self.store
+        dev = f", peak device {self.peak_device / GB:.2f} GB of {self.gpu_budget / GB:.1f}" if self.peak_device else ""
+        where = "disk" if s.backing == "disk" else ("device" if s.location == "device" and self.device != "cpu" else "host")
+        lines = [
+            f"predicted: peak host {self.peak_host / GB:.2f} GB of {self.host_budget / GB:.1f} GB budget{dev}; "
+            f"time {_hms(sum(self.seconds.values()))} ("
+            + ", ".join(f"{k} {_hms(v)}" for k, v in self.seconds.items()) + ")",
+            f"  activations: {self.tokens} tokens in {str(s.dtype).removeprefix('torch.')} on {where}, "
+            f"{s.micro_batch} samples per micro-batch; {self.expert_chunk} experts per chunk; "
+            f"shards {self.shard_bytes / GB:.2f} GB; disk {sum(self.disk.values()) / GB:.2f} GB "
+            f"(prefill {self.disk['prefill'] / GB:.2f}, decode {self.disk['decode'] / GB:.2f}, "
+            f"resume state {self.disk['resume_state'] / GB:.2f})",
+        ]
+        if self.validate_seconds is not None:
+            lines.append(f"  validate: about {_hms(self.validate_seconds)}")
+        lines += [f"  note: {n}" for n in self.notes]
+        if not self.fits:
+            lines.append(f"  does not fit: {self.reason}")
+        return "\n".join(lines)
+
+
+def _hms(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def _attention_bytes(x: LayerShapes, B: int, T: int) -> int:
+    n = B * T
+    act = n * F32 * (6 * x.hidden + 3 * x.heads * x.qk_head + 3 * x.heads * x.v_head + 3 * x.max_dense_width)
+    scores = 3 * B * x.heads * T * T * F32
+    if x.has_dsa and T > x.index_topk:
+        scores += B * T * T * (x.index_heads * F32 + 1 + 8)
+    return act + scores
+
+
+def _per_expert(x: LayerShapes, tokens: int = 0) -> int:
+    """One expert of a chunk at its peak: stacking gate/up (source weights, the per-expert cats and
+    the stack) with H, or GPTQ (source weights kept for the guard, the stacked weight, q, and H
+    being factored plus its factor); plus its held-out rows for the guard."""
+    D, I = x.hidden, x.expert_width
+    held = tokens * x.topk // max(x.experts, 1) // 8 * D * F32
+    return max(7 * I * D * F32 + D * D * F32, 5 * I * D * F32 + 2 * I * D + 2 * D * D * F32) + held
+
+
+def _expert_mb_bytes(x: LayerShapes, B: int, T: int) -> int:
+    n = B * T
+    return n * F32 * (3 * x.hidden + 3 * x.expert_width) + x.hidden * x.hidden * F32  # + all-token H
+
+
+def plan_convert(
+    arch,
+    *,
+    method: str,
+    group_size: int,
+    num_samples: int,
+    seq_len: int,
+    calibrate: bool,
+    device: str = "cpu",
+    gpu: str | None = None,
+    max_host_memory: int | str | None = None,
+    max_gpu_memory: int | str | None = None,
+    source_bytes: int,
+    output_bytes: tuple[int, int],
+    max_shard_bytes: int = 5 * GiB,
+    validate=None,
+    activation_dtype: str | None = None,
+) -> ConvertCost:
+    """Settings and predicted cost of converting `arch` (see the module docstring for the terms).
+
+    output_bytes: (prefill, decode) sizes; validate: the recipe's validate section, or None;
+    activation_dtype: "float32" or "bfloat16" to force the store's dtype (default: the budget's choice).
+    """
+    x = layer_shapes(arch)
+    host = parse_bytes(max_host_memory, "--max-host-memory") or available_host_memory()
+    gpu_mem = parse_bytes(max_gpu_memory, "--max-gpu-memory") if device == "cuda" else None
+    if device == "cuda" and gpu_mem is None:
+        gpu_mem = device_memory(device, gpu)
+    N, T = (num_samples, seq_len) if calibrate else (0, 0)
+    tokens = N * T
+    D = x.hidden
+    on_gpu = device == "cuda"
+    budget = gpu_mem if on_gpu else host  # where the compute work lives
+
+    w_dense, w_moe = x.dense_layer_params * F32, x.moe_layer_params * F32
+    transient = 3 * x.largest_tensor * F32  # dequantizing one FP8 tensor: values, expanded scales, product
+    shard = min(max_shard_bytes, max(MIN_SHARD, host // 16))
+    n_layers = max(x.layers, 1)
+    writer = sum(min(int(b / n_layers * 1.5), shard) for b in output_bytes)  # an expert-heavy layer's share
+    routing = tokens * x.topk * 6
+    host_fixed = BASE_BYTES + writer
+    dev_fixed = (0 if on_gpu else host_fixed) + routing
+    room = budget - dev_fixed
+    notes: list[str] = []
+
+    def phase_attention(B: int) -> int:
+        """Loading a layer and running its attention half (and dense MLP / shared expert)."""
+        att = _attention_bytes(x, B, T) if calibrate else 0
+        return max(w_dense + max(transient, att), w_moe + max(transient, att))
+
+    def phase_experts(B: int, C: int) -> int:
+        """A MoE layer's routed experts, C at a time."""
+        if not calibrate:
+            return w_moe + C * 3 * x.expert_width * D * F32 * 2
+        return w_moe + C * _per_expert(x, tokens) + _expert_mb_bytes(x, B, T)
+
+    choice = None
+    B = max(N, 1)
+    if calibrate:
+        while B > 1 and max(_attention_bytes(x, B, T), _expert_mb_bytes(x, B, T)) > 0.15 * room:
+            B = (B + 1) // 2
+        options = [(torch.float32, "memory"), (torch.bfloat16, "memory"), (torch.bfloat16, "disk")]
+        if activation_dtype is not None:
+            from quantkit.activations import STORE_DTYPES
+
+            if activation_dtype not in STORE_DTYPES:
+                raise ConfigError(f"activation dtype {activation_dtype!r}: use float32 or bfloat16")
+            forced = STORE_DTYPES[activation_dtype]
+            options = [(forced, "memory"), (forced, "disk")]
+        fallback = None
+        for dt, backing in options:
+            store_b = 2 * tokens * D * (4 if dt == torch.float32 else 2) if backing == "memory" else 0
+            if on_gpu and backing == "memory" and store_b > 0.5 * room:  # on a GPU: try pinned host memory
+                location = "host" if store_b < 0.7 * (host - host_fixed) else None
+            else:
+                location = "device"
+            if location is None:
+                continue
+            left = room - (store_b if location == "device" else 0)
+            if phase_attention(B) > left:
+                continue
+            C = int((left - phase_experts(B, 0)) // _per_expert(x, tokens))
+            C = max(min(C, CHUNK_MAX, x.experts), 0)
+            cand = (dt, backing, location, C, store_b)
+            if C >= min(4, x.experts):
+                choice = cand
+                break
+            if C >= 1 and fallback is None:
+                fallback = cand
+        choice = choice or fallback
+    else:
+        C = int((room - phase_experts(1, 0)) // (3 * x.expert_width * D * F32 * 2))
+        choice = (torch.float32, "memory", "device", max(min(C, CHUNK_MAX, x.experts), 0), 0)
+
+    fits, reason = True, ""
+    if choice is None or choice[3] < 1:
+        fits = False
+        need = dev_fixed + max(phase_attention(1), phase_experts(1, 1))
+        knob = "--max-gpu-memory" if on_gpu else "--max-host-memory"
+        reason = (f"{knob} {budget / GB:.1f} GB cannot hold one layer's work even with the activations on disk "
+                  f"and one expert at a time (needs about {need / GB:.1f} GB): raise {knob}"
+                  + (", or lower --seq-len (attention scores grow with its square)" if calibrate else ""))
+        choice = choice or (torch.bfloat16, "disk", "device", 1, 0)
+    dt, backing, location, C, store_b = choice
+    C = max(C, 1)
+    store = StorePlan(dtype=dt, backing=backing, location=location, micro_batch=min(B, max(N, 1)))
+    work = max(phase_attention(B), phase_experts(B, C))
+
+    memory = {"base": BASE_BYTES, "writer": writer, "store": store_b, "routing": routing,
+              "dense_layer": w_dense, "moe_layer": w_moe, "load_transient": transient,
+              "attention": _attention_bytes(x, B, T) if calibrate else 0,
+              "experts": phase_experts(B, C) - w_moe, "work": work}
+    if on_gpu:
+        peak_device = (store_b if location == "device" else 0) + routing + work
+        peak_host = host_fixed + (store_b if location == "host" else 0) + transient
+    else:
+        peak_device = None
+        peak_host = host_fixed + store_b + routing + work
+    if calibrate and store.dtype == torch.bfloat16 and activation_dtype is None:
+        notes.append("hidden states stored in bfloat16 (float32 does not fit the budget)")
+    if calibrate and x.has_dsa and T > x.index_topk:
+        notes.append(f"seq_len {T} > index_topk {x.index_topk}: DSA selections are kept per micro-batch")
+
+    state_bytes = tokens * D * (4 if dt == torch.float32 else 2)
+    disk = {"prefill": output_bytes[0], "decode": output_bytes[1],
+            "resume_state": state_bytes + (2 * state_bytes if backing == "disk" else 0),
+            "streamed_source": 0}
+
+    # ---- time
+    if on_gpu:
+        spec = GPU_SPECS.get(gpu or "h200", GPU_SPECS["h200"])
+        flops, disk_bw, launch = spec["flops"], spec["disk"], spec["launch"]
+    else:
+        flops, disk_bw, launch = CPU_FLOPS_PER_THREAD * torch.get_num_threads(), CPU_DISK, 0.0
+    I = x.expert_width
+    n_dense = x.layers - x.moe_layers
+    attn_flops = tokens * (2 * x.attn_params + 2 * 2 * x.heads * T * (x.qk_head + x.v_head)) * x.layers
+    attn_flops += tokens * 2 * 3 * x.max_dense_width * D * (n_dense + x.moe_layers)  # dense MLP / shared expert
+    routed = tokens * x.topk  # token-expert pairs per MoE layer
+    gptq_on = calibrate and method in ("gptq", "awq")
+    hess_flops = routed * (2 * D * D + 2 * 2 * I * D + 2 * I * I) * x.moe_layers if gptq_on else 0
+    out_flops = routed * 2 * 3 * I * D * x.moe_layers if calibrate else 0
+    per_expert_gptq = 2 * (2 * I) * D * D + 2 * D * I * I + (D**3 + I**3)  # lazy updates + factorizations
+    gptq_flops = x.experts * x.moe_layers * per_expert_gptq if gptq_on else 0
+    chunks = x.moe_layers * math.ceil(x.experts / C)
+    gptq_launch = chunks * (D + I) * LAUNCHES_PER_COLUMN * launch if gptq_on else 0.0
+    seconds = {
+        "read": source_bytes / disk_bw,
+        "attention": attn_flops / flops,
+        "hessians": hess_flops / flops,
+        "gptq": gptq_flops / flops + gptq_launch + (0 if gptq_on else x.experts * x.moe_layers * 3 * I * D * 20 / flops),
+        "experts_out": out_flops / flops,
+        "write": (output_bytes[0] + output_bytes[1]) / disk_bw,
+    }
+    if method == "awq" and calibrate:
+        seconds["gptq"] *= 1.3  # AWQ's scale search on top (measured ~1.3x GPTQ on the tiny models)
+        notes.append("awq: the per-expert inputs are gathered (not budgeted); prediction as GPTQ x 1.3")
+
+    validate_s = None
+    if validate is not None:
+        vt = validate.num_samples * validate.seq_len
+        passes = max(validate.gen_tokens, 1)  # the prompt pass yields the first token; each further one is a pass
+        three = source_bytes + output_bytes[0] + output_bytes[1]
+        vflops = vt * 2 * (x.attn_params + 3 * x.topk * I * D) * x.layers * 3
+        validate_s = passes * three / disk_bw + vflops / flops
+        if validate.gen_tokens:
+            notes.append(f"validate streams the layers from disk: each greedy token is one more full pass over all "
+                         f"three checkpoints ({validate.gen_tokens} tokens: {passes} x {three / GB:.0f} GB read)")
+    return ConvertCost(device=device, gpu=gpu if on_gpu else None, host_budget=host, gpu_budget=gpu_mem, tokens=tokens,
+                       store=store, expert_chunk=C, shard_bytes=shard, memory=memory, peak_host=int(peak_host),
+                       peak_device=int(peak_device) if peak_device is not None else None, disk=disk,
+                       seconds={k: round(v, 1) for k, v in seconds.items()}, validate_seconds=validate_s,
+                       notes=notes, fits=fits, reason=reason)
+
+
+def plan_convert_for(
+    model: str,
+    *,
+    recipe: str | None = None,
+    gpu: str = "h200",
+    method: str | None = None,
+    num_samples: int | None = None,
+    seq_len: int | None = None,
+    group_size: int | None = None,
+    max_host_memory: int | str | None = None,
+    max_gpu_memory: int | str | None = None,
+    validate: bool = True,
+) -> ConvertCost:
+    """`quantkit plan MODEL --convert`: the cost `convert` would predict for MODEL (a preset, a
+    folder, a tiny:/realshape: id or hf://org/repo@rev, headers only) with the recipe and overrides,
+    on `gpu` (h200, h100, b200) or on the CPU (`cpu`)."""
+    from pathlib import Path
+
+    from quantkit.arch import arch_from_config, load_preset, preset_names
+    from quantkit.recipe import default_recipe, load_recipe, recipe_overrides
+
+    if gpu != "cpu" and gpu not in GPU_SPECS:
+        raise ConfigError(f"--gpu {gpu!r}: choose one of {', '.join([*GPU_SPECS, 'cpu'])}")
+    is_preset = model in preset_names() and not Path(model).is_dir()
+    if is_preset:
+        arch = arch_from_config(load_preset(model), source=f"preset {model}")
+    else:
+        from quantkit.models import open_checkpoint
+
+        ckpt = open_checkpoint(model)
+        arch = ckpt.arch
+    rec = load_recipe(recipe) if recipe is not None else default_recipe(str(model), arch)
+    rec = recipe_overrides(rec, method=method, group_size=group_size, num_samples=num_samples, seq_len=seq_len)
+    G = rec.group_size
+    if is_preset:
+        from quantkit.planner import plan as size_plan
+
+        sizes = size_plan(model, group_size=G).checkpoints
+        source_bytes = sizes["source"].total_bytes
+        out = (sizes["prefill"].total_bytes, sizes["decode"].total_bytes)
+        src_group = None
+        qc = arch.quantization_config or {}
+        for grp in qc.get("config_groups", {}).values():
+            if (grp.get("weights") or {}).get("num_bits") == 4:
+                src_group = grp["weights"].get("group_size")
+        reused = src_group == G and rec.decode.reuse_source_int4
+        calibrate = rec.method != "rtn" and not reused
+    else:
+        from quantkit.conversion import _predicted_bytes, _source_int4_group
+        from quantkit.precision import INT4, decide
+
+        sg = _source_int4_group(arch)
+        decisions = {n: decide(st, rec, G, sg) for n, st in ckpt.tensors.items()}
+        calibrate = rec.method != "rtn" and any(
+            d.decode == INT4 and not ckpt.tensors[n].info.mtp for n, d in decisions.items())
+        source_bytes = sum(ckpt.storage_bytes(n) for n in ckpt.tensors)
+        out = _predicted_bytes(ckpt, decisions, G)
+    device = "cpu" if gpu == "cpu" else "cuda"
+    return plan_convert(arch, method=rec.method, group_size=G, num_samples=rec.calibration.num_samples,
+                        seq_len=rec.calibration.seq_len, calibrate=calibrate, device=device,
+                        gpu=None if gpu == "cpu" else gpu, max_host_memory=max_host_memory,
+                        max_gpu_memory=max_gpu_memory, source_bytes=source_bytes, output_bytes=out,
+                        validate=rec.validate if validate else None)
+
+
+def validate_expert_chunk(arch, device: str, max_host_memory=None, max_gpu_memory=None) -> int:
+    """Routed experts validate loads at once: what the budget leaves after the process, the
+    largest layer's other weights and their load transient, at two float32 copies per expert
+    (the dequantized weights and the dequantization's transient), 1 to CHUNK_MAX."""
+    x = layer_shapes(arch)
+    host = parse_bytes(max_host_memory, "--max-host-memory") or available_host_memory()
+    budget = (parse_bytes(max_gpu_memory, "--max-gpu-memory") or device_memory(device, None)) if device == "cuda" else host
+    fixed = (0 if device == "cuda" else BASE_BYTES) + x.layer_params * F32 + 3 * x.largest_tensor * F32
+    per = 2 * 3 * x.expert_width * x.hidden * F32
+    return int(min(max((budget - fixed) // per, 1), CHUNK_MAX))

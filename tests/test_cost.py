@@ -1,0 +1,106 @@
+"""The convert cost model: budget-driven settings, refusal naming the knob, and one accounting for
+`quantkit plan --convert` and `convert` itself."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from quantkit.arch import arch_from_config, load_preset
+from quantkit.cli import app
+from quantkit.cost import GB, parse_bytes, plan_convert, plan_convert_for
+from quantkit.errors import ConfigError
+
+runner = CliRunner()
+
+
+def _glm(**kw):
+    a = arch_from_config(load_preset("glm-5.2"))
+    args = dict(method="gptq", group_size=128, num_samples=512, seq_len=2048, calibrate=True, device="cpu",
+                source_bytes=755 * GB, output_bytes=(755 * GB, 400 * GB))
+    return plan_convert(a, **(args | kw))
+
+
+def test_parse_bytes():
+    assert parse_bytes("8GB", "x") == 8 * 10**9
+    assert parse_bytes("8GiB", "x") == 8 * 2**30
+    assert parse_bytes("512MB", "x") == 512 * 10**6
+    assert parse_bytes(123, "x") == 123 and parse_bytes(None, "x") is None
+    with pytest.raises(ConfigError, match="--max-host-memory"):
+        parse_bytes("eight gigs", "--max-host-memory")
+
+
+def test_budget_drives_store_dtype_backing_and_chunk():
+    roomy = _glm(max_host_memory="400GB")
+    assert roomy.store.dtype == torch.float32 and roomy.store.backing == "memory" and roomy.expert_chunk == 16
+    mid = _glm(max_host_memory="50GB")  # f32 h and x (51.6 GB) do not fit; bf16 (25.8 GB) does
+    assert mid.store.dtype == torch.bfloat16 and mid.store.backing == "memory"
+    tight = _glm(max_host_memory="24GB")
+    assert tight.store.backing == "disk"
+    tighter = _glm(max_host_memory="9GB")
+    assert tighter.store.backing == "disk" and 1 <= tighter.expert_chunk < tight.expert_chunk
+    for c in (roomy, mid, tight, tighter):
+        assert c.fits and c.peak_host <= c.host_budget, c.summary()
+
+
+def test_more_tokens_under_a_binding_budget_keep_the_peak():
+    small = _glm(num_samples=8, seq_len=512, max_host_memory="12GB")
+    big = _glm(num_samples=32, seq_len=512, max_host_memory="12GB")
+    assert big.tokens == 4 * small.tokens
+    assert big.peak_host <= 1.10 * small.peak_host
+    assert big.peak_host <= 12 * GB
+
+
+def test_refuses_and_names_the_knob():
+    c = _glm(max_host_memory="4GB")
+    assert not c.fits and "--max-host-memory" in c.reason and "raise" in c.reason
+    g = _glm(device="cuda", gpu="h100", max_gpu_memory="3GB")
+    assert not g.fits and "--max-gpu-memory" in g.reason
+
+
+def test_rtn_and_reused_experts_need_no_activations():
+    c = _glm(method="rtn", calibrate=False)
+    assert c.tokens == 0 and c.memory["store"] == 0 and c.seconds["hessians"] == 0
+
+
+def test_full_scale_glm_on_one_h200_fits_and_says_validate_is_long():
+    c = plan_convert_for("glm-5.2", gpu="h200", max_host_memory="200GB")
+    assert c.fits and c.peak_device <= c.gpu_budget
+    assert c.tokens == 512 * 2048
+    assert c.disk["resume_state"] > 0
+    assert any("each greedy token is one more full pass" in n for n in c.notes)
+
+
+def test_plan_convert_cli_json():
+    r = runner.invoke(app, ["plan", "glm-5.2", "--convert", "--gpu", "h200", "--json", "--num-samples", "64"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["tokens"] == 64 * 2048 and d["store"]["dtype"] in ("float32", "bfloat16") and d["seconds_total"] > 0
+    r = runner.invoke(app, ["plan", "glm-5.2", "--convert", "--gpu", "cpu", "--max-host-memory", "4GB"])
+    assert r.exit_code == 0 and "does not fit" in r.output and "--max-host-memory" in r.output
+
+
+def test_convert_reports_the_same_prediction_as_plan(tiny_glm, tmp_path):
+    """One accounting: convert's recorded cost is what `plan --convert` predicts for the same folder."""
+    from quantkit.conversion import convert
+
+    res = convert(tiny_glm, tmp_path / "out", recipe="tiny-glm-5.2", validate=False, progress=False,
+                  max_host_memory="6GB", device="cpu")
+    planned = plan_convert_for(str(tiny_glm), recipe="tiny-glm-5.2", gpu="cpu", max_host_memory="6GB", validate=False)
+    got = res.report["cost"]
+    assert got["memory"] == planned.to_json()["memory"] and got["expert_chunk"] == planned.expert_chunk
+    assert got["store"] == planned.to_json()["store"]
+    assert res.report["peak_rss_bytes"] <= 6 * GB
+
+
+def test_convert_refuses_before_writing(tiny_glm, tmp_path):
+    from quantkit.conversion import convert
+    from quantkit.errors import OutputError
+
+    with pytest.raises(OutputError, match="--max-host-memory"):
+        convert(tiny_glm, tmp_path / "out", recipe="tiny-glm-5.2", validate=False, progress=False,
+                max_host_memory="1MB", device="cpu")
+    assert not (tmp_path / "out" / "prefill").exists()
