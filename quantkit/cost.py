@@ -454,23 +454,17 @@ def plan_convert_for(
         sizes = size_plan(model, group_size=G).checkpoints
         source_bytes = sizes["source"].total_bytes
         out = (sizes["prefill"].total_bytes, sizes["decode"].total_bytes)
-        src_group = None
-        qc = arch.quantization_config or {}
-        for grp in qc.get("config_groups", {}).values():
-            if (grp.get("weights") or {}).get("num_bits") == 4:
-                src_group = grp["weights"].get("group_size")
-        reused = src_group == G and rec.decode.reuse_source_int4
-        calibrate = rec.method != "rtn" and not reused
     else:
         from quantkit.conversion import _predicted_bytes, _source_int4_group
-        from quantkit.precision import INT4, decide
+        from quantkit.precision import decide
 
         sg = _source_int4_group(arch)
         decisions = {n: decide(st, rec, G, sg) for n, st in ckpt.tensors.items()}
-        calibrate = rec.method != "rtn" and any(
-            d.decode == INT4 and not ckpt.tensors[n].info.mtp for n, d in decisions.items())
         source_bytes = sum(ckpt.storage_bytes(n) for n in ckpt.tensors)
         out = _predicted_bytes(ckpt, decisions, G)
+    # as convert: any calibrated method runs the calibration pass, even when every expert is reused,
+    # because the FP8 KV-cache scales are measured on it (quantkit.kvcache)
+    calibrate = rec.method != "rtn"
     device = "cpu" if gpu == "cpu" else "cuda"
     return plan_convert(arch, method=rec.method, group_size=G, num_samples=rec.calibration.num_samples,
                         seq_len=rec.calibration.seq_len, calibrate=calibrate, device=device,
