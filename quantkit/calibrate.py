@@ -251,7 +251,7 @@ def convert_experts_streamed(ckpt, pair, decisions, layer: int, store: Activatio
     quantized from streamed Hessians (GPTQ), written to both outputs, and their outputs under the
     decode weights added to h. Returns one ExpertRecord per expert."""
     from quantkit.conversion import quantize_experts
-    from quantkit.experts import PROJS, ExpertRecord, expert_weights, guard_against_rtn, heldout_inputs
+    from quantkit.experts import PROJS, ExpertRecord, expert_weights, guard_experts
     from quantkit.precision import INT4
     from quantkit.tensors import TensorClass
 
@@ -281,11 +281,7 @@ def convert_experts_streamed(ckpt, pair, decisions, layer: int, store: Activatio
                 alternatives: dict = {}
                 quantized, recs = quantize_experts(x, ew, tokens, need, recipe, group_size, method, layer, alternatives)
                 if method != "rtn":  # never worse than RTN on held-out routed tokens (quantkit.experts)
-                    for r in recs:
-                        if r.method != "rtn":
-                            quantized[r.expert] = guard_against_rtn(heldout_inputs(x, tokens[r.expert]), ew, r.expert,
-                                                                    quantized[r.expert], group_size, r,
-                                                                    alternatives.get(r.expert))
+                    guard_experts(recs, quantized, x, tokens, ew, group_size, alternatives)
                 del x
             records += recs
         records += [ExpertRecord(layer, e, int(routing.counts[e]), "reused") for e in part if e not in need]

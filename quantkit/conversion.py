@@ -44,7 +44,7 @@ from quantkit import faults
 from quantkit.errors import OutputError
 from quantkit.formats import fp8, int4
 from quantkit.experts import (
-    HOLDOUT, PROJS, ExpertRecord, calibration_inputs, expert_weights, guard_against_rtn, heldout_inputs, rtn_expert, run_gptq,
+    HOLDOUT, PROJS, ExpertRecord, calibration_inputs, expert_weights, guard_experts, rtn_expert, run_gptq,
 )
 from quantkit.gptq import QuantizedWeight, hessian_from_inputs
 from quantkit.kvcache import KVAbsmax, kv_cache_report, kv_cache_scheme, write_kv_scales
@@ -210,11 +210,7 @@ def convert_experts(ckpt: Checkpoint, pair: "PairWriter", decisions: dict[str, D
             alternatives: dict = {}
             quantized, recs = quantize_experts(x, ew, tokens, need, recipe, group_size, method, layer, alternatives)
             if method != "rtn":  # never worse than RTN on held-out routed tokens (quantkit.experts)
-                for r in recs:
-                    if r.method != "rtn":
-                        quantized[r.expert] = guard_against_rtn(heldout_inputs(x, tokens[r.expert]), ew, r.expert,
-                                                                quantized[r.expert], group_size, r,
-                                                                alternatives.get(r.expert))
+                guard_experts(recs, quantized, x, tokens, ew, group_size, alternatives)
             records += recs
         records += [ExpertRecord(layer, e, len(tokens.get(e, ())), "reused") for e in chunk if e not in need]
         for e in chunk:

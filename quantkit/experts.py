@@ -30,7 +30,7 @@ from quantkit.gptq import HessianError, QuantizedWeight, gptq, quantize_rtn
 from quantkit.reference import swiglu
 
 __all__ = ["PROJS", "HOLDOUT", "ExpertRecord", "expert_weights", "split_heldout", "calibration_inputs",
-           "heldout_inputs", "rtn_expert", "run_gptq", "guard_against_rtn"]
+           "heldout_inputs", "rtn_expert", "run_gptq", "guard_against_rtn", "guard_experts"]
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 HOLDOUT = 8  # every 8th calibration token of a layer is held out of fitting, to judge the result
@@ -127,3 +127,14 @@ def guard_against_rtn(x_held: torch.Tensor, w: dict[str, torch.Tensor], e: int, 
         return rtn
     record.guard = name
     return best
+
+
+def guard_experts(records: list[ExpertRecord], quantized: dict[int, dict[str, QuantizedWeight]], x: torch.Tensor,
+                  tokens: dict[int, torch.Tensor], w: dict[str, torch.Tensor], group_size: int,
+                  alternatives: dict | None = None) -> None:
+    """`guard_against_rtn` for every calibrated expert of one `quantize_experts` result, in place:
+    x (N, D) the layer's MoE inputs, tokens[e] the expert's routed token indices."""
+    for r in records:
+        if r.method != "rtn":
+            quantized[r.expert] = guard_against_rtn(heldout_inputs(x, tokens[r.expert]), w, r.expert,
+                                                    quantized[r.expert], group_size, r, (alternatives or {}).get(r.expert))
