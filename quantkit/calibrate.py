@@ -250,18 +250,12 @@ def convert_experts_streamed(ckpt, pair, decisions, layer: int, store: Activatio
     """conversion.convert_experts for a calibrated layer: `chunk` experts at a time, loaded,
     quantized from streamed Hessians (GPTQ), written to both outputs, and their outputs under the
     decode weights added to h. Returns one ExpertRecord per expert."""
-    from quantkit.conversion import quantize_experts
+    from quantkit.conversion import layer_experts, quantize_experts
     from quantkit.experts import PROJS, ExpertRecord, expert_weights, guard_experts
-    from quantkit.precision import INT4
-    from quantkit.tensors import TensorClass
 
-    a = ckpt.arch
-    pre = a.layer_prefix(layer)
-    by_expert: dict[int, list[str]] = {}
-    for name in ckpt.names(layer, TensorClass.ROUTED_EXPERT):
-        by_expert.setdefault(ckpt.tensors[name].info.expert, []).append(name)
+    pre = ckpt.arch.layer_prefix(layer)
+    by_expert, int4 = layer_experts(ckpt, decisions, layer)
     experts = sorted(by_expert)
-    int4 = {e for e in experts if decisions[f"{pre}mlp.experts.{e}.down_proj.weight"].decode == INT4}
     records: list = []
     for start in range(0, len(experts), chunk):
         part = experts[start:start + chunk]

@@ -174,6 +174,15 @@ def routed_tokens(x: torch.Tensor, w: dict[str, torch.Tensor], arch) -> dict[int
 EXPERT_CHUNK = 16  # routed experts in memory at once (dequantized source + quantized), per layer
 
 
+def layer_experts(ckpt: Checkpoint, decisions: dict[str, Decision], layer: int) -> tuple[dict[int, list[str]], set[int]]:
+    """A layer's routed experts: {expert: its tensor names}, and the experts decode stores as new INT4."""
+    by_expert: dict[int, list[str]] = {}
+    for name in ckpt.names(layer, TensorClass.ROUTED_EXPERT):
+        by_expert.setdefault(ckpt.tensors[name].info.expert, []).append(name)
+    pre = ckpt.arch.layer_prefix(layer)
+    return by_expert, {e for e in by_expert if decisions[f"{pre}mlp.experts.{e}.down_proj.weight"].decode == INT4}
+
+
 def convert_experts(ckpt: Checkpoint, pair: "PairWriter", decisions: dict[str, Decision], layer: int,
                     x: torch.Tensor | None, w: dict[str, torch.Tensor], tokens: dict[int, torch.Tensor],
                     recipe, group_size: int, method: str, dtype, dev, bar,
@@ -187,11 +196,8 @@ def convert_experts(ckpt: Checkpoint, pair: "PairWriter", decisions: dict[str, D
     """
     a = ckpt.arch
     pre = a.layer_prefix(layer)
-    by_expert: dict[int, list[str]] = {}
-    for name in ckpt.names(layer, TensorClass.ROUTED_EXPERT):
-        by_expert.setdefault(ckpt.tensors[name].info.expert, []).append(name)
+    by_expert, int4 = layer_experts(ckpt, decisions, layer)
     experts = sorted(by_expert)
-    int4 = [e for e in experts if decisions[f"{pre}mlp.experts.{e}.down_proj.weight"].decode == INT4]
     routed = None
     if x is not None:
         topk_idx, topk_weight = route(x, w, a)

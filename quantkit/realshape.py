@@ -30,8 +30,6 @@ import copy
 import hashlib
 import json
 import math
-import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -174,18 +172,7 @@ def realshape_path(name: str) -> Path:
 
         raise ConfigError(f"unknown realshape model {name!r}; choose one of: "
                           + ", ".join(f"realshape:{n}" for n in REALSHAPE_NAMES))
-    from quantkit.tiny import cache_dir
+    from quantkit.tiny import cache_dir, cached_build
 
     key = hashlib.sha256(json.dumps([REALSHAPE_VERSION, realshape_config(name)], sort_keys=True).encode()).hexdigest()[:12]
-    folder = cache_dir() / "realshape" / f"{name}-{key}"
-    if not folder.is_dir():
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = folder.with_name(folder.name + f".build-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(tmp.with_name(tmp.name + ".partial"), ignore_errors=True)
-        build(name, tmp)
-        try:
-            os.replace(tmp, folder)
-        except OSError:  # another process finished first
-            shutil.rmtree(tmp, ignore_errors=True)
-    return folder
+    return cached_build(cache_dir() / "realshape" / f"{name}-{key}", lambda tmp: build(name, tmp))

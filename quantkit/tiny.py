@@ -431,11 +431,18 @@ def tiny_path(name: str) -> Path:
     key = hashlib.sha256(json.dumps([TINY_VERSION, name, tiny_config(name), STEPS, BATCH, SEQ, LR, seed]).encode()
                          + Path(__file__).read_bytes()).hexdigest()[:12]
     folder = cache_dir() / "tiny" / (f"{name}-{key}" if seed == 0 else f"{name}-seed{seed}-{key}")
+    return cached_build(folder, lambda tmp: build(name, tmp))
+
+
+def cached_build(folder: Path, build_into) -> Path:
+    """`folder`, built on first use by `build_into(tmp)` into a private temporary folder that one
+    rename puts in place (concurrent builders: the first rename wins, the others are discarded)."""
     if not folder.is_dir():
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = folder.with_name(folder.name + f".build-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        build(name, tmp)
+        shutil.rmtree(tmp.with_name(tmp.name + ".partial"), ignore_errors=True)
+        build_into(tmp)
         try:
             os.replace(tmp, folder)
         except OSError:  # another process finished first
