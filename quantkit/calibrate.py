@@ -31,9 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.activations import ActivationStore
-from quantkit.errors import OutputError
-from quantkit.experts import HOLDOUT
-from quantkit.gptq import HessianError, QuantizedWeight, gptq
+from quantkit.experts import is_heldout, run_gptq, starved
+from quantkit.gptq import QuantizedWeight
 from quantkit.reference import mla_attention, rms_norm, route, swiglu
 
 
@@ -107,7 +106,7 @@ def _rows(idx_b: torch.Tensor, e: int, seen: int, start: int, use_all: bool) -> 
     else:
         rows = _tokens(idx_b, e)[0]
         pos = seen + torch.arange(len(rows), device=rows.device)
-    held = pos % HOLDOUT == HOLDOUT - 1
+    held = is_heldout(pos)
     return rows[~held], rows[held]
 
 
@@ -156,18 +155,8 @@ def _layer_heldout(store: ActivationStore) -> torch.Tensor:
         xb = store.x.read(sl).reshape(-1, D)
         start = sl.start * store.shape[1]
         pos = start + torch.arange(len(xb), device=xb.device)
-        rows.append(xb[pos % HOLDOUT == HOLDOUT - 1])
+        rows.append(xb[is_heldout(pos)])
     return torch.cat(rows)
-
-
-def _gptq(W, H, group_size, g, layer, experts) -> QuantizedWeight:
-    box = [H]
-    del H
-    try:
-        return gptq(W, box.pop(), group_size, block_size=g.block_size, dampening=g.dampening, actorder=g.actorder,
-                    consume=True)
-    except HessianError as e:
-        raise OutputError(f"layer {layer}, experts {experts}: {e}; raise gptq.dampening in the recipe") from None
 
 
 def gptq_experts(store: ActivationStore, routing: LayerRouting, ew: dict[str, torch.Tensor], experts: list[int],
@@ -180,16 +169,15 @@ def gptq_experts(store: ActivationStore, routing: LayerRouting, ew: dict[str, to
 
     g = recipe.gptq
     counts = routing.counts
-    # an expert's fit tokens: its routed tokens less every HOLDOUT-th (quantkit.experts.split_heldout)
-    starved = {e for e in experts if int(counts[e]) - int(counts[e]) // HOLDOUT < max(g.min_tokens, 1)}
+    hungry = {e for e in experts if starved(int(counts[e]), g)}
     records, quantized = {}, {}
     for e in experts:
-        if e in starved and g.fallback == "rtn":
+        if e in hungry and g.fallback == "rtn":
             quantized[e] = rtn_expert(ew, e, group_size)
             records[e] = ExpertRecord(layer, e, int(counts[e]), "rtn", fallback="rtn")
     run = [e for e in experts if e not in quantized]
     if run:
-        all_tokens = starved & set(run)
+        all_tokens = hungry & set(run)
         I = ew[f"mlp.experts.{run[0]}.gate_proj.weight"].shape[0]
         # gate and up: one Hessian per expert, shared; the weights stacked by rows [C, 2I, D]
         held: dict = {}
@@ -198,7 +186,7 @@ def gptq_experts(store: ActivationStore, routing: LayerRouting, ew: dict[str, to
                                       ew[f"mlp.experts.{e}.up_proj.weight"]]) for e in run]).float()
         box = [H]
         del H
-        qgu = _gptq(Wgu, box.pop(), group_size, g, layer, run)
+        qgu = run_gptq(Wgu, box.pop(), group_size, g, layer, run, consume=True)
         del Wgu
         gu_hat = QuantizedWeight(qgu.q, qgu.scale).dequantize(torch.float32)  # [C, 2I, D]
 
@@ -210,7 +198,7 @@ def gptq_experts(store: ActivationStore, routing: LayerRouting, ew: dict[str, to
         Wd = torch.stack([ew[f"mlp.experts.{e}.down_proj.weight"] for e in run]).float()  # [C, D, I]
         box = [Hd]
         del Hd
-        qd = _gptq(Wd, box.pop(), group_size, g, layer, run)
+        qd = run_gptq(Wd, box.pop(), group_size, g, layer, run, consume=True)
         del Wd
         layer_held = None
         for j, e in enumerate(run):
@@ -219,7 +207,7 @@ def gptq_experts(store: ActivationStore, routing: LayerRouting, ew: dict[str, to
                 "up_proj": QuantizedWeight(qgu.q[j, I:], qgu.scale[j, I:]),
                 "down_proj": QuantizedWeight(qd.q[j], qd.scale[j]),
             }
-            r = ExpertRecord(layer, e, int(counts[e]), "gptq", "all_tokens" if e in starved else None,
+            r = ExpertRecord(layer, e, int(counts[e]), "gptq", "all_tokens" if e in hungry else None,
                              float(qgu.loss[j] + qd.loss[j]))
             x_held = held.get(e)
             if x_held is None:  # no held-out routed token: every held-out token of the layer
@@ -245,46 +233,59 @@ def add_expert_outputs(store: ActivationStore, routing: LayerRouting, weights: d
         del hb, xb
 
 
-def convert_experts_streamed(ckpt, pair, decisions, layer: int, store: ActivationStore, routing: LayerRouting,
-                             recipe, group_size: int, method: str, dtype, dev, bar, chunk: int) -> list:
-    """conversion.convert_experts for a calibrated layer: `chunk` experts at a time, loaded,
-    quantized from streamed Hessians (GPTQ), written to both outputs, and their outputs under the
-    decode weights added to h. Returns one ExpertRecord per expert."""
+def convert_experts(ckpt, pair, decisions, layer: int, store: ActivationStore | None,
+                             routing: LayerRouting | None, recipe, group_size: int, method: str, dtype, dev, bar,
+                             chunk: int) -> list:
+    """The routed experts of one MoE layer, `chunk` at a time: loaded (dequantized), quantized when
+    decode stores them as new INT4, written to both outputs, and, when calibrating (store given),
+    their outputs under the decode weights added to h. Never the whole layer's experts in memory:
+    for Kimi K2.6 that would be 17G parameters. Without a store (RTN, or an MTP layer) the experts
+    are rounded to nearest. GPTQ's Hessians stream from the store (gptq_experts); AWQ's search
+    gathers the layer's inputs (budgeted by quantkit.cost). Returns one ExpertRecord per expert."""
     from quantkit.conversion import layer_experts, quantize_experts
-    from quantkit.experts import PROJS, ExpertRecord, expert_weights, guard_experts
+    from quantkit.experts import PROJS, ExpertRecord, expert_weights, guard_experts, rtn_expert
 
     pre = ckpt.arch.layer_prefix(layer)
     by_expert, int4 = layer_experts(ckpt, decisions, layer)
     experts = sorted(by_expert)
+    method = method if store is not None else "rtn"
+    counts = routing.counts.tolist() if routing is not None else [0] * (max(experts, default=-1) + 1)
     records: list = []
     for start in range(0, len(experts), chunk):
         part = experts[start:start + chunk]
         need = [e for e in part if e in int4]
-        ew = {n[len(pre):]: ckpt.get(n, dtype).to(dev) for e in part for n in by_expert[e]}
+        if not need and store is None:  # reused experts pass through; nothing to compute
+            ew = {}
+        else:
+            ew = {n[len(pre):]: ckpt.get(n, dtype).to(dev) for e in part for n in by_expert[e]}
         quantized: dict = {}
         if need:
             bar.update(note=f"layer {layer}: quantizing experts {need[0]}-{need[-1]} of {len(experts)}")
             if method == "gptq":
                 quantized, recs = gptq_experts(store, routing, ew, need, recipe, group_size, layer)
-            else:  # rtn, awq: the per-expert inputs gathered, as conversion.convert_experts (AWQ's search
-                # needs them; not budgeted)
+            elif method == "rtn":
+                quantized = {e: rtn_expert(ew, e, group_size) for e in need}
+                recs = [ExpertRecord(layer, e, 0, "rtn") for e in need]
+            else:  # awq: the search needs the per-expert inputs, gathered (budgeted by quantkit.cost)
                 D = store.shape[-1]
-                x = torch.cat([store.x.read(sl).reshape(-1, D) for sl in store.slices()]) if method == "awq" else None
+                x = torch.cat([store.x.read(sl).reshape(-1, D) for sl in store.slices()])
                 idx = routing.idx.to(dev)
                 tokens = {e: (idx == e).any(-1).nonzero(as_tuple=True)[0] for e in need}
                 alternatives: dict = {}
                 quantized, recs = quantize_experts(x, ew, tokens, need, recipe, group_size, method, layer, alternatives)
-                if method != "rtn":  # never worse than RTN on held-out routed tokens (quantkit.experts)
-                    guard_experts(recs, quantized, x, tokens, ew, group_size, alternatives)
+                guard_experts(recs, quantized, x, tokens, ew, group_size, alternatives)  # never worse than RTN
                 del x
             records += recs
-        records += [ExpertRecord(layer, e, int(routing.counts[e]), "reused") for e in part if e not in need]
+        records += [ExpertRecord(layer, e, counts[e], "reused") for e in part if e not in need]
         for e in part:
             for name in by_expert[e]:
                 pair.write_expert(name, decisions[name], quantized.get(e, {}).get(ckpt.tensors[name].info.proj))
-        weights = {e: tuple(quantized[e][p].dequantize(dtype).to(dev) for p in PROJS) if e in quantized
-                   else expert_weights(ew, e) for e in part}
-        del ew, quantized
-        add_expert_outputs(store, routing, weights)
-        del weights
+        if store is not None:
+            weights = {e: tuple(quantized[e][p].dequantize(dtype).to(dev) for p in PROJS) if e in quantized
+                       else expert_weights(ew, e) for e in part}
+            del ew, quantized
+            add_expert_outputs(store, routing, weights)
+            del weights
+        else:
+            del ew, quantized
     return sorted(records, key=lambda r: r.expert)
