@@ -469,14 +469,15 @@ def convert(
         if not resume:
             shutil.rmtree(state_dir)
     state_dir.mkdir(exist_ok=True)
-    from quantkit.cost import plan_convert
+    from quantkit.cost import plan_convert, quantized_fraction
 
     cost = plan_convert(arch, method=rec.method, group_size=G, num_samples=rec.calibration.num_samples,
                         seq_len=rec.calibration.seq_len, calibrate=needs_calibration, device=dev.type,
                         max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory,
                         source_bytes=sum(ckpt.storage_bytes(n) for n in ckpt.tensors),
                         output_bytes=_predicted_bytes(ckpt, decisions, G), max_shard_bytes=max_shard_bytes,
-                        validate=rec.validate if validate else None, activation_dtype=activation_dtype)
+                        validate=rec.validate if validate else None, activation_dtype=activation_dtype,
+                        quantized=quantized_fraction(ckpt, decisions))
     if progress:
         from rich.console import Console
 
@@ -583,6 +584,7 @@ def convert(
             bar.update(layer + 1)
             if delay := float(os.environ.get("QUANTKIT_CONVERT_LAYER_DELAY", 0)):
                 time.sleep(delay)  # debug knob: widens the window for crash/resume tests
+        fetcher.close()
 
     # 3. configs, carried files, rename into place: journaled in the state folder so that --resume
     #    completes an interrupted finish from any step (quantkit.finish); the report comes last
@@ -626,18 +628,21 @@ def _source_identity(ckpt: Checkpoint) -> dict[str, str]:
 
 
 class _Prefetcher:
-    """Downloads the shards of the next layer in a background thread (streamed sources only)."""
+    """Brings the next layer's bytes close while this one computes, in a background thread: a
+    streamed source downloads its shards; a local one has the kernel read them into the page cache
+    (Checkpoint.readahead), so that quantkit.cost can count reading as overlapped with compute."""
 
     def __init__(self, ckpt: Checkpoint):
-        self.ckpt = ckpt
-        self.pool = None
-        if ckpt.remote is not None:
-            from concurrent.futures import ThreadPoolExecutor
+        from concurrent.futures import ThreadPoolExecutor
 
-            self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prefetch")
+        self.ckpt = ckpt
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prefetch")
 
     def ahead(self, layer: int) -> None:
-        if self.pool is None or layer >= self.ckpt.arch.num_layers_with_mtp:
+        if layer >= self.ckpt.arch.num_layers_with_mtp:
+            return
+        if self.ckpt.remote is None:
+            self.pool.submit(self.ckpt.readahead, layer)
             return
         for f in self.ckpt.prefetch(layer):
             self.pool.submit(self._fetch, f)
@@ -645,6 +650,9 @@ class _Prefetcher:
     def _fetch(self, f: str) -> None:
         if self.ckpt._unread[f]:  # not consumed (and so not released) yet
             self.ckpt.remote.fetch(f)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
 
 
 def _source_int4_group(arch) -> int | None:

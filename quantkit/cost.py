@@ -14,7 +14,9 @@ C experts per chunk, B samples per micro-batch, w = 4 bytes per float32; compute
                   (safetensors 0.8 writes from the tensors' memory, no serialized copy)
     dense_layer,  a dense layer's weights, and a MoE layer's weights other than its routed
     moe_layer     experts, float32
-    load_transient dequantizing the largest tensor: 3 float32 copies (values, scales, product)
+    load_transient dequantizing the largest tensor: 3 float32 copies (values, scales, product);
+                  the source itself costs nothing beyond that: it is read with positioned reads
+                  into memory freed with each tensor, not memory-mapped (quantkit.checkpoint)
     store         h and x for every calibration token: 2 N T D bytes-per-element (MoE layers)
                   (0 in RAM when disk-backed)
     routing       top-k ids (int16) and weights (float32): 6 N T k
@@ -35,8 +37,9 @@ On a GPU, layer/store/routing/attention/experts are device memory, base/writer a
 pages host memory (plus the store when it lives in pinned host memory).
 
 Time is FLOPs over a sustained rate per device (CPU_FLOPS_PER_THREAD measured on the 2-core test
-machine, GPU rates from the data sheet at the efficiency stated in GPU_SPECS), bytes over disk bandwidth, and a per-column kernel-launch cost for GPTQ's column loop
-on a GPU. It is an estimate; docs/benchmarks.md compares it with measurements.
+machine, GPTQ's column loop at CPU_GPTQ_EFFICIENCY of it; GPU rates from the data sheet at the
+efficiency stated in GPU_SPECS), bytes over disk bandwidth (reading overlapped with compute: the
+next layer is read ahead), and a per-column kernel-launch cost for GPTQ's column loop on a GPU. It is an estimate; docs/benchmarks.md compares it with measurements.
 """
 
 from __future__ import annotations
@@ -58,11 +61,19 @@ F32 = 4
 
 BASE_BYTES = int(0.40 * GB)  # RSS of `quantkit convert` before the first tensor (measured: 0.33-0.40 GB)
 MIN_SHARD = 256 * 2**20
-CHUNK_MAX = 16  # experts per chunk at most (one GPTQ batch)
+CHUNK_MAX = 16  # experts per chunk at most (one GPTQ batch) on the CPU
+# On a GPU, GPTQ's column loop is launch-bound (LAUNCHES_PER_COLUMN small kernels per column,
+# whatever the batch), so a larger batch of experts per call costs launches once for all of them.
+CHUNK_MAX_GPU = 64
 
-# Sustained rates. CPU: float32 matmul per torch thread, measured on the 2-core test machine
-# (2048x6144 @ 6144x2048: 36 GFLOP/s on one thread; 56 on two, 28 each); times torch's threads.
-CPU_FLOPS_PER_THREAD = 28e9
+# Sustained rates. CPU: float32 matmul per torch thread, in CPU time, on the 2-core AMD EPYC test
+# machine (2048x6144 @ 6144x2048 and x^T x at D 6144: 97-106 GFLOP/s; scripts/bench_realshape.py
+# prints it); times torch's threads. Wall time on a shared machine is longer by the load.
+CPU_FLOPS_PER_THREAD = 95e9
+# GPTQ's column loop on the CPU (rank-1 updates within each block, per-column quantization) runs
+# at a fraction of the matmul rate: 0.4, fitted to the real-shape GLM runs at 8x512 and 32x512
+# tokens and checked on the real-shape Kimi ones (docs/benchmarks.md).
+CPU_GPTQ_EFFICIENCY = 0.4
 CPU_DISK = 1.0e9  # bytes/s read or written
 # GPU: float32 (no TF32) matmul at 50% of the data sheet; NVMe at 2 GB/s; GPTQ's per-column step
 # is ~12 small kernels, launch bound.
@@ -121,12 +132,16 @@ class LayerShapes:
     qk_head: int
     v_head: int
     max_dense_width: int  # the widest MLP a micro-batch runs (dense MLP or shared expert)
+    dense_width: int  # a dense layer's MLP width (0 without one)
+    shared_width: int  # a MoE layer's shared experts' width (0 without them)
     layer_params: int  # the largest layer's parameters other than routed experts
     dense_layer_params: int  # the largest dense layer's parameters (0 without one)
     moe_layer_params: int  # the largest MoE layer's parameters other than routed experts
     largest_tensor: int  # parameters of the largest single tensor (dequantized at once)
-    moe_layers: int
+    moe_layers: int  # MoE layers, MTP included (they are all written)
     layers: int  # decoder layers, MTP included
+    calibrated_layers: int  # decoder layers the calibration pass runs (not MTP: its experts are RTN)
+    calibrated_moe_layers: int
     attn_params: int  # attention parameters of one layer (for time)
     index_heads: int
     index_topk: int
@@ -157,7 +172,10 @@ def layer_shapes(arch) -> LayerShapes:
         layer_params=max(per_layer.values()), largest_tensor=largest,
         dense_layer_params=max([v for L, v in per_layer.items() if not a.is_moe(L)], default=0),
         moe_layer_params=max([v for L, v in per_layer.items() if a.is_moe(L)], default=0),
+        dense_width=a.intermediate_size if not all(a.is_moe(i) for i in range(a.num_hidden_layers)) else 0,
+        shared_width=a.moe_intermediate_size * a.n_shared_experts,
         moe_layers=sum(a.is_moe(i) for i in range(a.num_layers_with_mtp)), layers=a.num_layers_with_mtp,
+        calibrated_layers=a.num_hidden_layers, calibrated_moe_layers=sum(a.is_moe(i) for i in range(a.num_hidden_layers)),
         attn_params=attn, index_heads=a.index_n_heads if a.has_dsa else 0,
         index_topk=a.index_topk if a.has_dsa else 0, has_dsa=a.has_dsa)
 
@@ -268,8 +286,12 @@ def plan_convert(
     max_shard_bytes: int = 5 * GiB,
     validate=None,
     activation_dtype: str | None = None,
+    quantized: float = 1.0,
 ) -> ConvertCost:
     """Settings and predicted cost of converting `arch` (see the module docstring for the terms).
+
+    quantized: the fraction of the calibrated layers' routed experts that decode stores as new INT4
+    (Hessians and GPTQ run only for those; 0 when every expert is the source's reused INT4).
 
     output_bytes: (prefill, decode) sizes; validate: the recipe's validate section, or None;
     activation_dtype: "float32" or "bfloat16" to force the store's dtype (default: the budget's choice).
@@ -284,6 +306,7 @@ def plan_convert(
     D = x.hidden
     on_gpu = device == "cuda"
     budget = gpu_mem if on_gpu else host  # where the compute work lives
+    chunk_max = CHUNK_MAX_GPU if on_gpu else CHUNK_MAX
 
     w_dense, w_moe = x.dense_layer_params * F32, x.moe_layer_params * F32
     transient = 3 * x.largest_tensor * F32  # dequantizing one FP8 tensor: values, expanded scales, product
@@ -337,7 +360,7 @@ def plan_convert(
             if phase_attention(B) > left:
                 continue
             C = int((left - phase_experts(B, 0)) // per_expert)
-            C = max(min(C, CHUNK_MAX, x.experts), 0)
+            C = max(min(C, chunk_max, x.experts), 0)
             cand = (dt, backing, location, C, store_b)
             if C >= min(4, x.experts):
                 choice = cand
@@ -347,7 +370,7 @@ def plan_convert(
         choice = choice or fallback
     else:
         C = int((room - phase_experts(1, 0)) // (3 * x.expert_width * D * F32 * 2))
-        choice = (torch.float32, "memory", "device", max(min(C, CHUNK_MAX, x.experts), 0), 0)
+        choice = (torch.float32, "memory", "device", max(min(C, chunk_max, x.experts), 0), 0)
 
     fits, reason = True, ""
     if choice is None or choice[3] < 1:
@@ -389,26 +412,32 @@ def plan_convert(
         flops, disk_bw, launch = spec["flops"], spec["disk"], spec["launch"]
     else:
         flops, disk_bw, launch = CPU_FLOPS_PER_THREAD * torch.get_num_threads(), CPU_DISK, 0.0
+    gptq_rate = flops * (1.0 if on_gpu else CPU_GPTQ_EFFICIENCY)
     I = x.expert_width
-    n_dense = x.layers - x.moe_layers
-    attn_flops = tokens * (2 * x.attn_params + 2 * 2 * x.heads * T * (x.qk_head + x.v_head)) * x.layers
-    attn_flops += tokens * 2 * 3 * x.max_dense_width * D * (n_dense + x.moe_layers)  # dense MLP / shared expert
+    L, Lm = x.calibrated_layers, x.calibrated_moe_layers  # the calibration pass skips MTP layers
+    attn_flops = tokens * (2 * x.attn_params + 2 * 2 * x.heads * T * (x.qk_head + x.v_head)) * L
+    attn_flops += tokens * 2 * 3 * D * (x.dense_width * (L - Lm) + x.shared_width * Lm)  # dense MLP / shared expert
     routed = tokens * x.topk  # token-expert pairs per MoE layer
     gptq_on = calibrate and method in ("gptq", "awq")
-    hess_flops = routed * (2 * D * D + 2 * 2 * I * D + 2 * I * I) * x.moe_layers if gptq_on else 0
-    out_flops = routed * 2 * 3 * I * D * x.moe_layers if calibrate else 0
+    hess_flops = quantized * routed * (2 * D * D + 2 * 2 * I * D + 2 * I * I) * Lm if gptq_on else 0
+    out_flops = routed * 2 * 3 * I * D * Lm if calibrate else 0
     per_expert_gptq = 2 * (2 * I) * D * D + 2 * D * I * I + (D**3 + I**3)  # lazy updates + factorizations
-    gptq_flops = x.experts * x.moe_layers * per_expert_gptq if gptq_on else 0
-    chunks = x.moe_layers * math.ceil(x.experts / C)
+    gptq_flops = quantized * x.experts * Lm * per_expert_gptq if gptq_on else 0
+    chunks = Lm * math.ceil(quantized * x.experts / C)
     gptq_launch = chunks * (D + I) * LAUNCHES_PER_COLUMN * launch if gptq_on else 0.0
+    rtn_flops = x.experts * (x.moe_layers - (Lm if gptq_on else 0)) * 3 * I * D * 20  # RTN'd experts (MTP, or all)
     seconds = {
         "read": source_bytes / disk_bw,
         "attention": attn_flops / flops,
         "hessians": hess_flops / flops,
-        "gptq": gptq_flops / flops + gptq_launch + (0 if gptq_on else x.experts * x.moe_layers * 3 * I * D * 20 / flops),
+        "gptq": gptq_flops / gptq_rate + gptq_launch + rtn_flops / flops,
         "experts_out": out_flops / flops,
         "write": (output_bytes[0] + output_bytes[1]) / disk_bw,
     }
+    # A local source's next layer is read ahead while this one computes (conversion._Prefetcher),
+    # so reading costs only what compute does not cover: the first layer's share, and any excess.
+    compute = sum(v for k, v in seconds.items() if k not in ("read", "write"))
+    seconds["read"] = seconds["read"] / max(x.layers, 1) + max(0.0, seconds["read"] - compute)
     if method == "awq" and calibrate:
         seconds["gptq"] *= 1.3  # AWQ's scale search on top (measured ~1.3x GPTQ on the tiny models)
         notes.append("awq: the search gathers the layer's MoE inputs and each expert's routed rows (budgeted); "
@@ -465,20 +494,24 @@ def plan_convert_for(
     rec = load_recipe(recipe) if recipe is not None else default_recipe(str(model), arch)
     rec = recipe_overrides(rec, method=method, group_size=group_size, num_samples=num_samples, seq_len=seq_len)
     G = rec.group_size
+    from quantkit.conversion import _predicted_bytes, _source_int4_group
+
+    sg = _source_int4_group(arch)
     if is_preset:
         from quantkit.planner import plan as size_plan
 
         sizes = size_plan(model, group_size=G).checkpoints
         source_bytes = sizes["source"].total_bytes
         out = (sizes["prefill"].total_bytes, sizes["decode"].total_bytes)
+        # the preset's experts are in the source's own format: reused when it is the target INT4 scheme
+        quantized = 0.0 if (sg == G and rec.decode.reuse_source_int4) else 1.0
     else:
-        from quantkit.conversion import _predicted_bytes, _source_int4_group
         from quantkit.precision import decide
 
-        sg = _source_int4_group(arch)
         decisions = {n: decide(st, rec, G, sg) for n, st in ckpt.tensors.items()}
         source_bytes = sum(ckpt.storage_bytes(n) for n in ckpt.tensors)
         out = _predicted_bytes(ckpt, decisions, G)
+        quantized = quantized_fraction(ckpt, decisions)
     # as convert: any calibrated method runs the calibration pass, even when every expert is reused,
     # because the FP8 KV-cache scales are measured on it (quantkit.kvcache)
     calibrate = rec.method != "rtn"
@@ -487,7 +520,17 @@ def plan_convert_for(
                         seq_len=rec.calibration.seq_len, calibrate=calibrate, device=device,
                         gpu=None if gpu == "cpu" else gpu, max_host_memory=max_host_memory,
                         max_gpu_memory=max_gpu_memory, source_bytes=source_bytes, output_bytes=out,
-                        validate=rec.validate if validate else None)
+                        validate=rec.validate if validate else None, quantized=quantized)
+
+
+def quantized_fraction(ckpt, decisions) -> float:
+    """The fraction of the decoder layers' routed experts (MTP aside) that decode stores as new INT4."""
+    from quantkit.precision import INT4
+    from quantkit.tensors import TensorClass
+
+    downs = [n for n, st in ckpt.tensors.items()
+             if st.info.klass == TensorClass.ROUTED_EXPERT and st.info.proj == "down_proj" and not st.info.mtp]
+    return sum(decisions[n].decode == INT4 for n in downs) / max(len(downs), 1)
 
 
 def validate_expert_chunk(arch, device: str, max_host_memory=None, max_gpu_memory=None) -> int:
