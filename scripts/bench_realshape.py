@@ -69,6 +69,22 @@ def run(model: str, samples: int, root: Path, budget: str, reuse: bool) -> dict:
             "time_pred": c["seconds_total"], "store": c["store"], "chunk": c["expert_chunk"]}
 
 
+def matmul_rate() -> float:
+    """Float32 matmul GFLOP/s per torch thread, in CPU time (what quantkit.cost.CPU_FLOPS_PER_THREAD
+    assumes): 2048x6144 @ 6144x2048 and x^T x at D 6144, the shapes of the Hessians and experts."""
+    import torch
+
+    rates = []
+    for a, b in (((2048, 6144), (6144, 2048)), ((6144, 4096), (4096, 6144))):
+        x, y = torch.randn(*a), torch.randn(*b)
+        x @ y
+        t = time.process_time()
+        for _ in range(3):
+            x @ y
+        rates.append(3 * 2 * a[0] * a[1] * b[1] / (time.process_time() - t) / torch.get_num_threads() / 1e9)
+    return min(rates)
+
+
 def full_scale() -> list[str]:
     from quantkit.cost import plan_convert_for
 
@@ -91,6 +107,10 @@ def main() -> None:
     if not args.full_scale_only:
         rows = [run(m, int(n), args.root, args.budget, args.reuse)
                 for m in args.models.split(",") for n in args.samples.split(",")]
+        from quantkit.cost import CPU_FLOPS_PER_THREAD
+
+        print(f"float32 matmul here: {matmul_rate():.0f} GFLOP/s per thread in CPU time "
+              f"(quantkit.cost assumes {CPU_FLOPS_PER_THREAD / 1e9:.0f})")
         print(f"convert --method gptq --max-host-memory {args.budget}, synthetic:train, seq_len 512, --no-validate")
         print("| model | tokens | store | chunk | peak RSS GB (pred) | ratio | disk GB (pred) | wall s | CPU s | time s (pred) |")
         print("|---|---|---|---|---|---|---|---|---|---|")
