@@ -246,39 +246,61 @@ def add_expert_outputs(store: ActivationStore, routing: LayerRouting, weights: d
 
 
 def convert_experts_streamed(ckpt, pair, decisions, layer: int, store: ActivationStore, routing: LayerRouting,
-                             recipe, group_size: int, method: str, dtype, dev, bar, chunk: int) -> list:
+                             recipe, group_size: int, method: str, dtype, dev, bar, chunk: int, group=None) -> list:
     """conversion.convert_experts for a calibrated layer: `chunk` experts at a time, loaded,
     quantized from streamed Hessians (GPTQ), written to both outputs, and their outputs under the
-    decode weights added to h. Returns one ExpertRecord per expert."""
-    from quantkit.conversion import layer_experts, quantize_experts
-    from quantkit.experts import PROJS, ExpertRecord, expert_weights, guard_experts
+    decode weights added to h. Returns one ExpertRecord per expert.
+
+    With several ranks (`group`, quantkit.distributed), each rank first quantizes only the experts
+    the partition gives it, the results are exchanged, and then every rank runs the same loop as a
+    single process with every expert already quantized: the h update is then the single-process
+    one, expert by expert in ascending order."""
+    from quantkit.conversion import layer_experts
+    from quantkit.experts import PROJS, ExpertRecord, expert_weights
 
     pre = ckpt.arch.layer_prefix(layer)
     by_expert, int4 = layer_experts(ckpt, decisions, layer)
     experts = sorted(by_expert)
+
+    def load(part):  # the chunk's source weights, dequantized, on the compute device
+        return {n[len(pre):]: ckpt.get(n, dtype).to(dev) for e in part for n in by_expert[e]}
+
+    done: dict = {}  # expert -> quantized weights, from the ranks' share of the work
     records: list = []
+    if group is not None and group.distributed and int4:
+        from quantkit import distributed
+        from quantkit.cost import expert_fixed_tokens
+
+        counts = {e: int(routing.counts[e]) for e in sorted(int4)}
+        distributed.check_same(group, routing.counts, f"layer {layer}: routed-token counts")
+        owner = distributed.partition(counts, group.world, expert_fixed_tokens(ckpt.arch) if method != "rtn" else 0.0)
+        mine = [e for e in sorted(int4) if owner[e] == group.rank]
+        quantized_mine, records_mine = {}, []
+        for start in range(0, len(mine), chunk):
+            part = mine[start:start + chunk]
+            bar.update(note=f"layer {layer}: quantizing {len(mine)} of {len(experts)} experts on rank {group.rank}")
+            ew = load(part)
+            q, recs = _quantize_chunk(store, routing, ew, part, recipe, group_size, method, layer, dev)
+            for r in recs:
+                r.rank = group.rank
+            quantized_mine.update(q)
+            records_mine += recs
+            del ew, q
+        done = distributed.exchange_experts(group, owner, quantized_mine, dev)
+        records += distributed.exchange_records(group, records_mine)
+        del quantized_mine
+
     for start in range(0, len(experts), chunk):
         part = experts[start:start + chunk]
-        need = [e for e in part if e in int4]
-        ew = {n[len(pre):]: ckpt.get(n, dtype).to(dev) for e in part for n in by_expert[e]}
-        quantized: dict = {}
+        need = [e for e in part if e in int4 and e not in done]
+        ew = load([e for e in part if e not in done])  # to quantize, or to compute with (reused experts)
+        quantized: dict = {e: done.pop(e) for e in part if e in done}
         if need:
             bar.update(note=f"layer {layer}: quantizing experts {need[0]}-{need[-1]} of {len(experts)}")
-            if method == "gptq":
-                quantized, recs = gptq_experts(store, routing, ew, need, recipe, group_size, layer)
-            else:  # rtn, awq: the per-expert inputs gathered, as conversion.convert_experts (AWQ's search
-                # needs them; not budgeted)
-                D = store.shape[-1]
-                x = torch.cat([store.x.read(sl).reshape(-1, D) for sl in store.slices()]) if method == "awq" else None
-                idx = routing.idx.to(dev)
-                tokens = {e: (idx == e).any(-1).nonzero(as_tuple=True)[0] for e in need}
-                alternatives: dict = {}
-                quantized, recs = quantize_experts(x, ew, tokens, need, recipe, group_size, method, layer, alternatives)
-                if method != "rtn":  # never worse than RTN on held-out routed tokens (quantkit.experts)
-                    guard_experts(recs, quantized, x, tokens, ew, group_size, alternatives)
-                del x
+            q, recs = _quantize_chunk(store, routing, ew, need, recipe, group_size, method, layer, dev)
+            quantized.update(q)
             records += recs
-        records += [ExpertRecord(layer, e, int(routing.counts[e]), "reused") for e in part if e not in need]
+        records += [ExpertRecord(layer, e, int(routing.counts[e]), "reused") for e in part if e not in int4]
         for e in part:
             for name in by_expert[e]:
                 pair.write_expert(name, decisions[name], quantized.get(e, {}).get(ckpt.tensors[name].info.proj))
@@ -288,3 +310,23 @@ def convert_experts_streamed(ckpt, pair, decisions, layer: int, store: Activatio
         add_expert_outputs(store, routing, weights)
         del weights
     return sorted(records, key=lambda r: r.expert)
+
+
+def _quantize_chunk(store: ActivationStore, routing: LayerRouting, ew: dict, need: list[int], recipe, group_size: int,
+                    method: str, layer: int, dev) -> tuple[dict, list]:
+    """Quantize the experts `need` (their source weights in `ew`) by `method`, held-out guard included."""
+    from quantkit.conversion import quantize_experts
+    from quantkit.experts import guard_experts
+
+    if method == "gptq":
+        return gptq_experts(store, routing, ew, need, recipe, group_size, layer)
+    # rtn, awq: the per-expert inputs gathered, as conversion.convert_experts (AWQ's search needs them; not budgeted)
+    D = store.shape[-1]
+    x = torch.cat([store.x.read(sl).reshape(-1, D) for sl in store.slices()]) if method == "awq" else None
+    idx = routing.idx.to(dev)
+    tokens = {e: (idx == e).any(-1).nonzero(as_tuple=True)[0] for e in need}
+    alternatives: dict = {}
+    quantized, recs = quantize_experts(x, ew, tokens, need, recipe, group_size, method, layer, alternatives)
+    if method != "rtn":  # never worse than RTN on held-out routed tokens (quantkit.experts)
+        guard_experts(recs, quantized, x, tokens, ew, group_size, alternatives)
+    return quantized, recs

@@ -40,8 +40,8 @@ from safetensors.torch import load_file, save_file
 
 from quantkit import __version__
 from quantkit.checkpoint import Checkpoint, CheckpointWriter, file_sha256
-from quantkit import faults
-from quantkit.errors import OutputError
+from quantkit import distributed, faults
+from quantkit.errors import ConfigError, OutputError
 from quantkit.formats import fp8, int4
 from quantkit.experts import (
     HOLDOUT, PROJS, ExpertRecord, calibration_inputs, expert_weights, guard_experts, rtn_expert, run_gptq,
@@ -68,6 +68,7 @@ class ConvertResult:
     decode: Path
     report: dict[str, Any]
     validation: Any = None  # quantkit.validation.ValidationResult when convert ran validate
+    rank: int = 0  # a multi-rank convert's other ranks (> 0) return an empty report: rank 0 has the real one
 
     def to_json(self) -> dict[str, Any]:
         return self.report
@@ -232,12 +233,27 @@ def convert_experts(ckpt: Checkpoint, pair: "PairWriter", decisions: dict[str, D
 
 
 # ---- writing -----------------------------------------------------------------------------------
+class DiscardWriter:
+    """A CheckpointWriter stand-in for ranks other than 0 in a multi-rank convert: they compute
+    what rank 0 writes (quantkit.distributed), so they take the tensors and write nothing."""
+
+    num_parts = 0
+    parts: list[str] = []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
 class PairWriter:
     """Writes a tensor to both outputs (or one), deduplicating FP8/BF16 work shared by both."""
 
-    def __init__(self, ckpt: Checkpoint, prefill: CheckpointWriter, decode: CheckpointWriter):
+    def __init__(self, ckpt: Checkpoint, prefill: CheckpointWriter | DiscardWriter, decode: CheckpointWriter | DiscardWriter):
         self.ckpt, self.prefill, self.decode = ckpt, prefill, decode
         self.differ: list[str] = []
+        self.writes = not isinstance(prefill, DiscardWriter)  # False: compute what shared tensors hold, write nothing
 
     def stored(self, name: str, action: str, *, scale_name: str) -> dict[str, torch.Tensor]:
         """The stored tensors for `action` on source tensor `name` (suffix -> tensor)."""
@@ -273,6 +289,9 @@ class PairWriter:
         return parts
 
     def write_expert(self, name: str, d: Decision, q: QuantizedWeight | None) -> None:
+        self.differ.append(name)
+        if not self.writes:  # nothing here is computed with
+            return
         base = name[: -len("weight")]
         for suffix, t in self.stored(name, d.prefill, scale_name="weight_scale_inv").items():
             self.prefill.add(base + suffix, t)
@@ -282,7 +301,6 @@ class PairWriter:
             parts = int4.store(q.q, q.scale)
         for suffix, t in parts.items():
             self.decode.add(base + suffix, t)
-        self.differ.append(name)
 
     def flush(self) -> None:
         self.prefill.flush()
@@ -361,8 +379,12 @@ def _owned_output(fn):
         from quantkit.outlock import acquire
         from quantkit.reference import resolve_device
 
+        from quantkit.distributed import from_env
+
         resolve_device(device)
         out = Path(out)
+        if not from_env().leader:  # a multi-rank convert: rank 0 owns the folder for all
+            return fn(model, out, *args, device=device, **kwargs)
         lock = acquire(out, "convert")
         if lock.took_over:
             logger.warning("%s: took over the lock of a run that died (pid %s on %s)", out,
@@ -469,6 +491,13 @@ def convert(
                            decode_rest=decode_rest)
     G = rec.group_size
     dev = resolve_device(device)
+    # torchrun: join the other ranks (quantkit.distributed); a plain run is SINGLE and this is a no-op
+    group, dev = distributed.init(dev)
+    if group.distributed and delete_source_after:
+        raise ConfigError("--delete-source-after: ranks share the source's files; with several ranks pull the model "
+                          "first (quantkit pull) and convert the local folder")
+    progress = progress and group.leader
+    validate = validate and group.leader
 
     # decisions for every tensor, up front (a dry run of the whole conversion)
     source_group = _source_int4_group(arch)
@@ -484,7 +513,8 @@ def convert(
     state_dir = out / STATE_DIR
     from quantkit.finish import finish_pair, journal
 
-    shutil.rmtree(out / (STATE_DIR + ".done"), ignore_errors=True)  # a finished run's state, left by a crash
+    if group.leader:
+        shutil.rmtree(out / (STATE_DIR + ".done"), ignore_errors=True)  # a finished run's state, left by a crash
     if resume and (out / "convert-report.json").is_file() and not state_dir.exists():
         report = json.loads((out / "convert-report.json").read_text())  # the interrupted run had finished
         return _done(ConvertResult(out, out / "prefill", out / "decode", report), validate, device, progress)
@@ -510,10 +540,12 @@ def convert(
         if state.fingerprint != fingerprint:
             raise OutputError(f"{state_dir}: the interrupted run used another source, recipe or calibration; "
                               "rerun without --resume (or restore them)")
-    elif state_dir.exists():
+    elif state_dir.exists() and group.leader:
         if not resume:
             shutil.rmtree(state_dir)
-    state_dir.mkdir(exist_ok=True)
+    if group.leader:
+        state_dir.mkdir(exist_ok=True)
+    group.barrier()  # every rank has read the state rank 0 will overwrite, and sees its folder
     from quantkit.cost import plan_convert
 
     cost = plan_convert(arch, method=rec.method, group_size=G, num_samples=rec.calibration.num_samples,
@@ -532,12 +564,14 @@ def convert(
 
     digits = _shard_digits(ckpt)
     wp = wd = None
-    if not finishing:
+    if not finishing and group.leader:
         _check_disk(ckpt, decisions, out, G, extra=cost.disk["resume_state"])
         wp = CheckpointWriter(out / "prefill", digits=digits, resume=resume, max_shard_bytes=max_shard_bytes)
         wd = CheckpointWriter(out / "decode", digits=digits, resume=resume, max_shard_bytes=max_shard_bytes)
         wp.truncate_parts(state.prefill_parts)
         wd.truncate_parts(state.decode_parts)
+    elif not finishing:  # rank 0 writes the shards; the others compute what it needs (quantkit.distributed)
+        wp, wd = DiscardWriter(), DiscardWriter()
     pair = PairWriter(ckpt, wp, wd)
     pair.differ = list(state.differ)
 
@@ -554,7 +588,9 @@ def convert(
         ctx = Context.build(arch, ids.shape[1], dev, dtype, kv=KVAbsmax())  # measures what the KV cache holds
         # seq_len <= index_topk: the DSA indexer selects every causal key, so no selection is made or kept
         ctx.dsa_dense = arch.has_dsa and ids.shape[1] <= arch.index_topk
-        store = ActivationStore(*ids.shape, arch.hidden_size, cost.store, dev, state_dir)
+        work = state_dir if group.leader else state_dir / f"rank-{group.rank}"  # a disk-backed store's files
+        work.mkdir(exist_ok=True)
+        store = ActivationStore(*ids.shape, arch.hidden_size, cost.store, dev, work)
         topks = [None] * len(list(store.slices()))
 
     with bar:
@@ -565,13 +601,15 @@ def convert(
                 for sl in store.slices():
                     store.h.write(sl, F.embedding(ids[sl], table).to(dev, dtype))
                 del table
-            for name in ckpt.names(layer=None):
+            for name in ckpt.names(layer=None) if pair.writes else ():  # nothing here is computed with
                 pair.write_shared(name, decisions[name])
             pair.flush()
             ckpt.release_finished()
             state.next_layer = 0
             state.prefill_parts, state.decode_parts = wp.num_parts, wd.num_parts
-            _save_state(state_dir, state, store, topks)
+            group.barrier()
+            if group.leader:
+                _save_state(state_dir, state, store, topks)
         elif tokens is not None:
             topks = _load_hidden(state_dir, len(topks), store, dev)
         bar.update(state.next_layer)
@@ -587,7 +625,7 @@ def convert(
 
             # shared tensors first: their stored form is also what we compute with
             calibrate = store is not None and not mtp
-            for name in ckpt.names(layer):
+            for name in ckpt.names(layer) if calibrate or pair.writes else ():  # other ranks compute nothing here
                 klass = ckpt.tensors[name].info.klass
                 if klass == TensorClass.ROUTED_EXPERT or (klass == TensorClass.KV_SCALE and calibrate):
                     continue  # experts below; a source's KV scales give way to the ones measured here
@@ -603,9 +641,9 @@ def convert(
             records: list[ExpertRecord] = []
             if arch.is_moe(layer) and calibrate:  # h += routed experts under the decode weights
                 records = convert_experts_streamed(ckpt, pair, decisions, layer, store, routing, rec, G, rec.method,
-                                                   dtype, dev, bar, cost.expert_chunk)
+                                                   dtype, dev, bar, cost.expert_chunk, group)
                 del routing
-            elif arch.is_moe(layer):
+            elif arch.is_moe(layer) and pair.writes:  # not calibrated: rank 0 rounds and writes, nothing to share
                 tok = {e: torch.empty(0, dtype=torch.long, device=dev) for e in range(arch.n_routed_experts)}
                 _, records = convert_experts(ckpt, pair, decisions, layer, None, w, tok, rec, G, "rtn", dtype, dev, bar,
                                              chunk=cost.expert_chunk)
@@ -616,15 +654,18 @@ def convert(
             pair.flush()
             faults.point("layer:written")
 
-            state.experts += [vars(r) for r in records]
+            state.experts += [_record(r) for r in records]
             state.layers.append({"layer": layer, "kind": "mtp" if mtp else ("moe" if arch.is_moe(layer) else "dense"),
                                  "seconds": round(time.time() - t0, 3), "attention_seconds": round(t_attention, 3),
                                  "calibrated": calibrate and arch.is_moe(layer),
-                                 **({"kv_cache": kv_stats} if kv_stats else {})})
+                                 **({"kv_cache": kv_stats} if kv_stats else {}),
+                                 **({"ranks": _rank_summary(records, group.world)} if group.distributed else {})})
             state.next_layer = layer + 1
             state.prefill_parts, state.decode_parts = wp.num_parts, wd.num_parts
             state.differ = pair.differ
-            _save_state(state_dir, state, store, topks)
+            group.barrier()  # ranks stay in step layer by layer; a dead one stops the others here at the latest
+            if group.leader:
+                _save_state(state_dir, state, store, topks)
             del w
             ckpt.release_finished()
             bar.update(layer + 1)
@@ -644,16 +685,52 @@ def convert(
     parts = None
     if store is not None:
         store.close()
+    group.barrier()  # every rank is done with the state folder; rank 0 finishes alone
+    distributed.close(group)
+    if not group.leader:
+        return ConvertResult(out, out / "prefill", out / "decode", {}, rank=group.rank)
     if wp is not None:
         pair.flush()
         parts = {"prefill": wp.parts, "decode": wd.parts}
     report = finish_pair(
         out, state_dir, parts, digits, {"prefill": prefill_cfg, "decode": decode_cfg}, carried, set(state.differ),
         lambda manifests: _report(model, src_path, source_files, rec, tokens, state, ckpt, decisions, out, t_start, G,
-                                  block, manifests) | {"kv_cache": kv_cache_report(state.layers), "cost": cost.to_json()},
+                                  block, manifests) | {"kv_cache": kv_cache_report(state.layers), "cost": cost.to_json(),
+                                                       "distributed": _distributed_report(group, state)},
     )
     return _done(ConvertResult(out, out / "prefill", out / "decode", report), validate, device, progress,
                  {"max_host_memory": max_host_memory, "max_gpu_memory": max_gpu_memory})
+
+
+def _record(r: ExpertRecord) -> dict:
+    """An expert's report entry; `rank` (who quantized it) only in a multi-rank convert."""
+    return {k: v for k, v in vars(r).items() if k != "rank" or v is not None}
+
+
+def _rank_summary(records: list[ExpertRecord], world: int) -> dict:
+    """One layer's share per rank: experts quantized and their routed tokens."""
+    experts, tokens = [0] * world, [0] * world
+    for r in records:
+        if r.rank is not None:
+            experts[r.rank] += 1
+            tokens[r.rank] += r.tokens
+    return {"experts": experts, "tokens": tokens}
+
+
+def _distributed_report(group, state: State) -> dict:
+    """The job's shape and each rank's share over all layers (quantkit.distributed)."""
+    if not group.distributed:
+        return {"world": 1}
+    shares = [lay["ranks"] for lay in state.layers if "ranks" in lay]
+    world = max([group.world] + [len(s["experts"]) for s in shares])  # a resumed run may have had more ranks
+    experts, tokens = [0] * world, [0] * world
+    for share in shares:
+        for r, (n, t) in enumerate(zip(share["experts"], share["tokens"])):
+            experts[r] += n
+            tokens[r] += t
+    return {"world": group.world, "backend": group.backend, "experts_per_rank": experts, "tokens_per_rank": tokens,
+            "redundant": "every rank runs attention, routing and the routed outputs for all calibration tokens; "
+                         "rank 0 writes the files"}
 
 
 def _done(result: ConvertResult, validate: bool, device, progress, budgets: dict | None = None) -> ConvertResult:

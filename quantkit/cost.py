@@ -239,6 +239,22 @@ def _expert_mb_bytes(x: LayerShapes, B: int, T: int) -> int:
     return n * F32 * (3 * x.hidden + 3 * x.expert_width) + x.hidden * x.hidden * F32  # + all-token H
 
 
+def expert_flops(D: int, I: int) -> tuple[float, float]:
+    """(FLOPs per routed token, FLOPs per expert) of one routed expert's calibrated quantization,
+    hidden D, expert width I: the Hessians grow with its tokens (gate/up's D x D, the quantized
+    gate/up run on them, down's I x I); GPTQ's lazy updates and the two factorizations do not."""
+    per_token = 2 * D * D + 2 * 2 * I * D + 2 * I * I
+    per_expert = 2 * (2 * I) * D * D + 2 * D * I * I + (D**3 + I**3)
+    return per_token, per_expert
+
+
+def expert_fixed_tokens(arch) -> float:
+    """An expert's GPTQ work in routed tokens' worth of Hessian work: the constant that
+    quantkit.distributed.partition adds to each expert's token count when it balances ranks."""
+    per_token, per_expert = expert_flops(arch.hidden_size, arch.moe_intermediate_size)
+    return per_expert / per_token
+
+
 def plan_convert(
     arch,
     *,
@@ -379,9 +395,9 @@ def plan_convert(
     attn_flops += tokens * 2 * 3 * x.max_dense_width * D * (n_dense + x.moe_layers)  # dense MLP / shared expert
     routed = tokens * x.topk  # token-expert pairs per MoE layer
     gptq_on = calibrate and method in ("gptq", "awq")
-    hess_flops = routed * (2 * D * D + 2 * 2 * I * D + 2 * I * I) * x.moe_layers if gptq_on else 0
+    per_token_hess, per_expert_gptq = expert_flops(D, I)
+    hess_flops = routed * per_token_hess * x.moe_layers if gptq_on else 0
     out_flops = routed * 2 * 3 * I * D * x.moe_layers if calibrate else 0
-    per_expert_gptq = 2 * (2 * I) * D * D + 2 * D * I * I + (D**3 + I**3)  # lazy updates + factorizations
     gptq_flops = x.experts * x.moe_layers * per_expert_gptq if gptq_on else 0
     chunks = x.moe_layers * math.ceil(x.experts / C)
     gptq_launch = chunks * (D + I) * LAUNCHES_PER_COLUMN * launch if gptq_on else 0.0

@@ -10,6 +10,8 @@ n-th time (default the first) that point is reached fail, as
     interrupt  KeyboardInterrupt, as Ctrl-C raises it
 
 `points()` lists the points reached by a run (QUANTKIT_FAULT_LOG=<file> appends one per line).
+In a multi-rank convert (quantkit.distributed) every rank inherits QUANTKIT_FAULT; with
+QUANTKIT_FAULT_RANK=<r> only rank r (torchrun's RANK) fails.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def point(name: str) -> None:
     if log:
         with open(log, "a") as f:
             f.write(f"{name}#{n}\n")
-    if not spec:
+    if not spec or os.environ.get("QUANTKIT_FAULT_RANK", os.environ.get("RANK", "0")) != os.environ.get("RANK", "0"):
         return
     where, _, how = spec.rpartition(":")  # point names contain ':' themselves
     if how not in _MODES:
