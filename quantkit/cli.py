@@ -44,7 +44,9 @@ def user_errors(fn):
         except QuantkitError as e:
             if os.environ.get("QUANTKIT_DEBUG"):
                 raise
-            console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+            from rich.markup import escape
+
+            console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)  # messages quote paths, [x]
             raise typer.Exit(1) from None
 
     return wrapper
@@ -288,7 +290,12 @@ def _torchrun(nproc: int, argv: list[str]) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "quantkit", *argv]
     console.print(f"launching {nproc} ranks: {' '.join(cmd[2:])}", highlight=False, soft_wrap=True)
-    return subprocess.run(cmd).returncode
+    rc = subprocess.run(cmd).returncode
+    if rc:
+        console.print(f"[red]error:[/red] a rank failed (exit {rc}; torchrun's summary above names it, and the first "
+                      "failure is the cause); the completed layers are saved: rerun the same command with --resume",
+                      highlight=False, soft_wrap=True)
+    return rc
 
 
 def _gates_failed(result) -> None:

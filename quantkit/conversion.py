@@ -545,7 +545,7 @@ def convert(
             shutil.rmtree(state_dir)
     if group.leader:
         state_dir.mkdir(exist_ok=True)
-    group.barrier()  # every rank has read the state rank 0 will overwrite, and sees its folder
+    group.barrier("starting")  # every rank has read the state rank 0 will overwrite, and sees its folder
     from quantkit.cost import plan_convert
 
     cost = plan_convert(arch, method=rec.method, group_size=G, num_samples=rec.calibration.num_samples,
@@ -607,7 +607,7 @@ def convert(
             ckpt.release_finished()
             state.next_layer = 0
             state.prefill_parts, state.decode_parts = wp.num_parts, wd.num_parts
-            group.barrier()
+            group.barrier("after the embeddings")
             if group.leader:
                 _save_state(state_dir, state, store, topks)
         elif tokens is not None:
@@ -663,7 +663,7 @@ def convert(
             state.next_layer = layer + 1
             state.prefill_parts, state.decode_parts = wp.num_parts, wd.num_parts
             state.differ = pair.differ
-            group.barrier()  # ranks stay in step layer by layer; a dead one stops the others here at the latest
+            group.barrier(f"end of layer {layer}")  # ranks stay in step; a dead one stops the others here at the latest
             if group.leader:
                 _save_state(state_dir, state, store, topks)
             del w
@@ -685,7 +685,7 @@ def convert(
     parts = None
     if store is not None:
         store.close()
-    group.barrier()  # every rank is done with the state folder; rank 0 finishes alone
+    group.barrier("before the finish")  # every rank is done with the state folder; rank 0 finishes alone
     distributed.close(group)
     if not group.leader:
         return ConvertResult(out, out / "prefill", out / "decode", {}, rank=group.rank)

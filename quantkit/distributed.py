@@ -25,8 +25,10 @@ A single process (no torchrun, or WORLD_SIZE=1) is `SINGLE`: no torch.distribute
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -54,19 +56,21 @@ class Group:
         """Rank 0: the one that writes files, saves the resume state and prints progress."""
         return self.rank == 0
 
-    def barrier(self) -> None:
+    def barrier(self, what: str = "waiting for the other ranks") -> None:
         if self.distributed:
             import torch.distributed as dist
 
-            dist.barrier()
+            with peers(self, what):
+                dist.barrier()
 
-    def all_gather_object(self, obj) -> list:
+    def all_gather_object(self, obj, what: str = "exchanging results") -> list:
         if not self.distributed:
             return [obj]
         import torch.distributed as dist
 
         out: list = [None] * self.world
-        dist.all_gather_object(out, obj)
+        with peers(self, what):
+            dist.all_gather_object(out, obj)
         return out
 
     def comm_device(self, dev: torch.device) -> torch.device:
@@ -75,6 +79,25 @@ class Group:
 
 
 SINGLE = Group()
+
+
+class PeerLost(OutputError):
+    """A collective failed: another rank died (its connection closed) or stopped answering."""
+
+
+@contextlib.contextmanager
+def peers(g: Group, what: str):
+    """Turn a failed collective into one line that says what happened and what to do. gloo and
+    NCCL raise RuntimeError (DistBackendError is one) when a peer's connection closes or the
+    timeout passes; torchrun's agent then stops every rank, so the job never hangs."""
+    try:
+        yield
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = re.sub(r"^\[[^\]]*\]\s*", "", first)[:200]  # gloo prefixes its source file and line
+        raise PeerLost(f"rank {g.rank} of {g.world}: {what}: another rank died or did not answer within "
+                       f"{timeout_s():.0f}s (QUANTKIT_DIST_TIMEOUT; {first}); the completed layers are saved: "
+                       "see the failing rank's log, then rerun the same command with --resume") from None
 
 
 def from_env() -> Group:
@@ -149,7 +172,7 @@ def check_same(g: Group, value: torch.Tensor, what: str) -> None:
     experts to no rank or two. Happens only with non-deterministic kernels."""
     if not g.distributed:
         return
-    seen = g.all_gather_object(value.detach().cpu().tolist())
+    seen = g.all_gather_object(value.detach().cpu().tolist(), what)
     if any(s != seen[0] for s in seen):
         bad = [r for r, s in enumerate(seen) if s != seen[0]]
         raise OutputError(f"{what}: ranks {bad} computed different values from rank 0 (non-deterministic kernels?); "
@@ -186,7 +209,7 @@ def exchange_experts(g: Group, owner: dict[int, int], mine: dict[int, dict], dev
     local = {e: [(p, tuple(q.q.shape), q.q.dtype, tuple(q.scale.shape), q.scale.dtype) for p, q in sorted(qs.items())]
              for e, qs in mine.items()}
     metas: dict[int, list] = {}
-    for part in g.all_gather_object(local):
+    for part in g.all_gather_object(local, "exchanging quantized experts' shapes"):
         metas.update(part)
     missing = sorted(set(owner) - set(metas))
     if missing:
@@ -200,7 +223,8 @@ def exchange_experts(g: Group, owner: dict[int, int], mine: dict[int, dict], dev
         else:
             size = sum(torch.Size(s).numel() * torch.empty(0, dtype=d).element_size() for s, d in layout)
             buf = torch.empty(size, dtype=torch.uint8, device=cdev)
-        dist.broadcast(buf, src=owner[e])
+        with peers(g, f"receiving expert {e} from rank {owner[e]}"):
+            dist.broadcast(buf, src=owner[e])
         if owner[e] == g.rank:
             result[e] = mine[e]
         else:
@@ -214,5 +238,5 @@ def exchange_records(g: Group, records: list) -> list:
     """Every rank's ExpertRecords, merged in expert order."""
     if not g.distributed:
         return records
-    merged = [r for part in g.all_gather_object(records) for r in part]
+    merged = [r for part in g.all_gather_object(records, "exchanging expert records") for r in part]
     return sorted(merged, key=lambda r: r.expert)
