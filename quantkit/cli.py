@@ -87,6 +87,7 @@ def plan(
     seq_len: Annotated[Optional[int], typer.Option(help="--convert: tokens per calibration sample.")] = None,
     max_host_memory: Annotated[Optional[str], typer.Option(help="--convert: host RAM budget, e.g. 8GB (default: available memory).")] = None,
     max_gpu_memory: Annotated[Optional[str], typer.Option(help="--convert: GPU memory budget (default: the --gpu's).")] = None,
+    nproc: Annotated[int, typer.Option(help="--convert: ranks of an expert-parallel convert (one per GPU; `quantkit convert --nproc`): memory and time per rank.")] = 1,
     validation: Annotated[Optional[Path], typer.Option(help="A validation.json (validate --kv-cache-dtype fp8_e4m3): show the measured FP8 KV delta beside its capacity.")] = None,
     json_out: Json = False,
 ):
@@ -96,7 +97,8 @@ def plan(
         from quantkit.cost import plan_convert_for
 
         cost = plan_convert_for(model, recipe=recipe, gpu=gpu, method=method, num_samples=num_samples, seq_len=seq_len,
-                                group_size=group_size, max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory)
+                                group_size=group_size, max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory,
+                                nproc=nproc)
         if json_out:
             emit_json(cost.to_json())
         else:

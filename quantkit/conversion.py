@@ -184,6 +184,13 @@ def layer_experts(ckpt: Checkpoint, decisions: dict[str, Decision], layer: int) 
     return by_expert, {e for e in by_expert if decisions[f"{pre}mlp.experts.{e}.down_proj.weight"].decode == INT4}
 
 
+def new_int4_experts(ckpt: Checkpoint, decisions: dict[str, Decision]) -> int:
+    """Routed experts per MoE layer (the most of any calibrated layer) that decode stores as new INT4:
+    the ones that get Hessians and GPTQ (quantkit.cost), not the reused source INT4 ones."""
+    a = ckpt.arch
+    return max([len(layer_experts(ckpt, decisions, L)[1]) for L in range(a.num_hidden_layers) if a.is_moe(L)], default=0)
+
+
 def convert_experts(ckpt: Checkpoint, pair: "PairWriter", decisions: dict[str, Decision], layer: int,
                     x: torch.Tensor | None, w: dict[str, torch.Tensor], tokens: dict[int, torch.Tensor],
                     recipe, group_size: int, method: str, dtype, dev, bar,
@@ -553,7 +560,8 @@ def convert(
                         max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory,
                         source_bytes=sum(ckpt.storage_bytes(n) for n in ckpt.tensors),
                         output_bytes=_predicted_bytes(ckpt, decisions, G), max_shard_bytes=max_shard_bytes,
-                        validate=rec.validate if validate else None, activation_dtype=activation_dtype)
+                        validate=rec.validate if validate else None, activation_dtype=activation_dtype,
+                        nproc=group.world, int4_experts=new_int4_experts(ckpt, decisions))
     if progress:
         from rich.console import Console
 

@@ -32,6 +32,12 @@ C experts per chunk, B samples per micro-batch, w = 4 bytes per float32; compute
 On a GPU, layer/store/routing/attention/experts are device memory, base/writer and the source's
 pages host memory (plus the store when it lives in pinned host memory).
 
+Several ranks (`nproc`, quantkit.distributed: torchrun, one rank per GPU): every figure is per
+rank. Each rank runs the whole single-process layer loop except the routed experts' Hessians and
+GPTQ, which are split (balanced by routed tokens, so divided by nproc); memory adds `received`,
+every INT4 expert of a layer quantized (int8 q + bf16 scales), which each rank holds between the
+exchange and the h update; time adds `exchange`, broadcasting them.
+
 Time is FLOPs over a sustained rate per device (CPU_FLOPS_PER_THREAD measured on the 2-core test
 machine, GPU rates from the data sheet at the efficiency stated in GPU_SPECS), bytes over disk bandwidth, and a per-column kernel-launch cost for GPTQ's column loop
 on a GPU. It is an estimate; docs/benchmarks.md compares it with measurements.
@@ -62,6 +68,10 @@ CHUNK_MAX = 16  # experts per chunk at most (one GPTQ batch)
 # (2048x6144 @ 6144x2048: 36 GFLOP/s on one thread; 56 on two, 28 each); times torch's threads.
 CPU_FLOPS_PER_THREAD = 28e9
 CPU_DISK = 1.0e9  # bytes/s read or written
+# the multi-rank exchange (quantkit.distributed): NCCL over NVLink at a conservative share of its
+# 450 GB/s per direction for broadcasts; gloo over loopback TCP on one host
+NVLINK_BYTES = 100e9
+GLOO_BYTES = 1.0e9
 # GPU: float32 (no TF32) matmul at 50% of the data sheet; NVMe at 2 GB/s; GPTQ's per-column step
 # is ~12 small kernels, launch bound.
 GPU_SPECS: dict[str, dict[str, float]] = {
@@ -181,6 +191,7 @@ class ConvertCost:
     notes: list[str] = field(default_factory=list)
     fits: bool = True
     reason: str = ""
+    nproc: int = 1  # ranks (quantkit.distributed); memory and time are per rank, all ranks in parallel
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -193,8 +204,9 @@ class ConvertCost:
         s = self.store
         dev = f", peak device {self.peak_device / GB:.2f} GB of {self.gpu_budget / GB:.1f}" if self.peak_device else ""
         where = "disk" if s.backing == "disk" else ("device" if s.location == "device" and self.device != "cpu" else "host")
+        ranks = f" per rank ({self.nproc} ranks)" if self.nproc > 1 else ""
         lines = [
-            f"predicted: peak host {self.peak_host / GB:.2f} GB of {self.host_budget / GB:.1f} GB budget{dev}; "
+            f"predicted{ranks}: peak host {self.peak_host / GB:.2f} GB of {self.host_budget / GB:.1f} GB budget{dev}; "
             f"time {_hms(sum(self.seconds.values()))} ("
             + ", ".join(f"{k} {_hms(v)}" for k, v in self.seconds.items()) + ")",
             f"  activations: {self.tokens} tokens in {str(s.dtype).removeprefix('torch.')} on {where}, "
@@ -272,11 +284,15 @@ def plan_convert(
     max_shard_bytes: int = 5 * GiB,
     validate=None,
     activation_dtype: str | None = None,
+    nproc: int = 1,
+    int4_experts: int | None = None,
 ) -> ConvertCost:
     """Settings and predicted cost of converting `arch` (see the module docstring for the terms).
 
     output_bytes: (prefill, decode) sizes; validate: the recipe's validate section, or None;
     activation_dtype: "float32" or "bfloat16" to force the store's dtype (default: the budget's choice).
+    nproc: ranks of a multi-rank convert (memory and time per rank); int4_experts: routed experts per
+    MoE layer that decode stores as new INT4 (what the ranks split and exchange; default: all).
     """
     x = layer_shapes(arch)
     host = parse_bytes(max_host_memory, "--max-host-memory") or available_host_memory()
@@ -363,16 +379,26 @@ def plan_convert(
     store = StorePlan(dtype=dt, backing=backing, location=location, micro_batch=min(B, max(N, 1)))
     work = max(phase_attention(B), phase_experts(B, C))
 
+    # multi-rank: a layer's INT4 experts, quantized (int8 q, bf16 scale per group), held by every rank
+    # from the exchange to the end of the h update; the chunk size stays the single-process one
+    E4 = x.experts if int4_experts is None else int4_experts
+    shared_work = nproc > 1 and calibrate and method != "rtn"
+    received = E4 * 3 * x.expert_width * D * (1 + 2 / group_size) if shared_work else 0
     memory = {"base": BASE_BYTES, "writer": writer, "store": store_b, "routing": routing,
               "dense_layer": w_dense, "moe_layer": w_moe, "load_transient": transient,
               "attention": _attention_bytes(x, B, T) if calibrate else 0,
-              "experts": phase_experts(B, C) - w_moe, "work": work}
+              "experts": phase_experts(B, C) - w_moe, "work": work, "received": int(received)}
     if on_gpu:
-        peak_device = (store_b if location == "device" else 0) + routing + work
+        peak_device = (store_b if location == "device" else 0) + routing + work + received
         peak_host = host_fixed + (store_b if location == "host" else 0) + transient
     else:
         peak_device = None
-        peak_host = host_fixed + store_b + routing + work
+        peak_host = host_fixed + store_b + routing + work + received
+    if fits and received and (peak_device if on_gpu else peak_host) > budget:
+        fits = False
+        knob = "--max-gpu-memory" if on_gpu else "--max-host-memory"
+        reason = (f"{nproc} ranks: each holds a layer's {E4} quantized experts ({received / GB:.1f} GB) on top of the "
+                  f"single-process work; raise {knob} or use fewer ranks")
     if calibrate and store.dtype == torch.bfloat16 and activation_dtype is None:
         notes.append("hidden states stored in bfloat16 (float32 does not fit the budget)")
     if calibrate and x.has_dsa and T > x.index_topk:
@@ -395,11 +421,13 @@ def plan_convert(
     attn_flops += tokens * 2 * 3 * x.max_dense_width * D * (n_dense + x.moe_layers)  # dense MLP / shared expert
     routed = tokens * x.topk  # token-expert pairs per MoE layer
     gptq_on = calibrate and method in ("gptq", "awq")
+    # the experts that get a Hessian and GPTQ (reused source INT4 ones do not), this rank's part of them
+    share = E4 / max(x.experts, 1) / (nproc if shared_work else 1)
     per_token_hess, per_expert_gptq = expert_flops(D, I)
-    hess_flops = routed * per_token_hess * x.moe_layers if gptq_on else 0
+    hess_flops = routed * per_token_hess * x.moe_layers * share if gptq_on else 0
     out_flops = routed * 2 * 3 * I * D * x.moe_layers if calibrate else 0
-    gptq_flops = x.experts * x.moe_layers * per_expert_gptq if gptq_on else 0
-    chunks = x.moe_layers * math.ceil(x.experts / C)
+    gptq_flops = x.experts * x.moe_layers * per_expert_gptq * share if gptq_on else 0
+    chunks = x.moe_layers * math.ceil(x.experts * share / C)
     gptq_launch = chunks * (D + I) * LAUNCHES_PER_COLUMN * launch if gptq_on else 0.0
     seconds = {
         "read": source_bytes / disk_bw,
@@ -409,6 +437,10 @@ def plan_convert(
         "experts_out": out_flops / flops,
         "write": (output_bytes[0] + output_bytes[1]) / disk_bw,
     }
+    if shared_work:  # each rank receives the others' share of every layer's quantized experts
+        seconds["exchange"] = received * (nproc - 1) / nproc * x.moe_layers / (NVLINK_BYTES if on_gpu else GLOO_BYTES)
+        notes.append(f"{nproc} ranks: hessians and gptq are split (balanced by routed tokens); read, attention, "
+                     "experts_out are run by every rank for all tokens, write by rank 0 (docs/distributed.md)")
     if method == "awq" and calibrate:
         seconds["gptq"] *= 1.3  # AWQ's scale search on top (measured ~1.3x GPTQ on the tiny models)
         notes.append("awq: the per-expert inputs are gathered (not budgeted); prediction as GPTQ x 1.3")
@@ -427,7 +459,7 @@ def plan_convert(
                        store=store, expert_chunk=C, shard_bytes=shard, memory=memory, peak_host=int(peak_host),
                        peak_device=int(peak_device) if peak_device is not None else None, disk=disk,
                        seconds={k: round(v, 1) for k, v in seconds.items()}, validate_seconds=validate_s,
-                       notes=notes, fits=fits, reason=reason)
+                       notes=notes, fits=fits, reason=reason, nproc=nproc)
 
 
 def plan_convert_for(
@@ -442,10 +474,11 @@ def plan_convert_for(
     max_host_memory: int | str | None = None,
     max_gpu_memory: int | str | None = None,
     validate: bool = True,
+    nproc: int = 1,
 ) -> ConvertCost:
     """`quantkit plan MODEL --convert`: the cost `convert` would predict for MODEL (a preset, a
     folder, a tiny:/realshape: id or hf://org/repo@rev, headers only) with the recipe and overrides,
-    on `gpu` (h200, h100, b200) or on the CPU (`cpu`)."""
+    on `gpu` (h200, h100, b200) or on the CPU (`cpu`); `nproc` ranks (one per GPU) split the experts."""
     from pathlib import Path
 
     from quantkit.arch import arch_from_config, load_preset, preset_names
@@ -467,17 +500,23 @@ def plan_convert_for(
     if is_preset:
         from quantkit.planner import plan as size_plan
 
+        from quantkit.conversion import _source_int4_group
+
         sizes = size_plan(model, group_size=G).checkpoints
         source_bytes = sizes["source"].total_bytes
         out = (sizes["prefill"].total_bytes, sizes["decode"].total_bytes)
+        # a source whose experts are INT4 in the target scheme (Kimi's QAT) is copied, not quantized
+        reused = _source_int4_group(arch) == G and rec.decode.reuse_source_int4
+        int4_experts = 0 if reused else arch.n_routed_experts
     else:
-        from quantkit.conversion import _predicted_bytes, _source_int4_group
+        from quantkit.conversion import _predicted_bytes, _source_int4_group, new_int4_experts
         from quantkit.precision import decide
 
         sg = _source_int4_group(arch)
         decisions = {n: decide(st, rec, G, sg) for n, st in ckpt.tensors.items()}
         source_bytes = sum(ckpt.storage_bytes(n) for n in ckpt.tensors)
         out = _predicted_bytes(ckpt, decisions, G)
+        int4_experts = new_int4_experts(ckpt, decisions)
     # as convert: any calibrated method runs the calibration pass, even when every expert is reused,
     # because the FP8 KV-cache scales are measured on it (quantkit.kvcache)
     calibrate = rec.method != "rtn"
@@ -486,7 +525,7 @@ def plan_convert_for(
                         seq_len=rec.calibration.seq_len, calibrate=calibrate, device=device,
                         gpu=None if gpu == "cpu" else gpu, max_host_memory=max_host_memory,
                         max_gpu_memory=max_gpu_memory, source_bytes=source_bytes, output_bytes=out,
-                        validate=rec.validate if validate else None)
+                        validate=rec.validate if validate else None, nproc=nproc, int4_experts=int4_experts)
 
 
 def validate_expert_chunk(arch, device: str, max_host_memory=None, max_gpu_memory=None) -> int:
