@@ -572,14 +572,14 @@ def convert(
 
     digits = _shard_digits(ckpt)
     wp = wd = None
-    if not finishing and group.leader:
+    if not group.leader:  # rank 0 writes the shards; the others compute what it needs (quantkit.distributed)
+        wp, wd = DiscardWriter(), DiscardWriter()
+    elif not finishing:
         _check_disk(ckpt, decisions, out, G, extra=cost.disk["resume_state"])
         wp = CheckpointWriter(out / "prefill", digits=digits, resume=resume, max_shard_bytes=max_shard_bytes)
         wd = CheckpointWriter(out / "decode", digits=digits, resume=resume, max_shard_bytes=max_shard_bytes)
         wp.truncate_parts(state.prefill_parts)
         wd.truncate_parts(state.decode_parts)
-    elif not finishing:  # rank 0 writes the shards; the others compute what it needs (quantkit.distributed)
-        wp, wd = DiscardWriter(), DiscardWriter()
     pair = PairWriter(ckpt, wp, wd)
     pair.differ = list(state.differ)
 
@@ -693,7 +693,8 @@ def convert(
     parts = None
     if store is not None:
         store.close()
-    group.barrier("before the finish")  # every rank is done with the state folder; rank 0 finishes alone
+    # every rank is done with the state folder (rank 0 finishes alone), and says what it used
+    peak_rss = group.all_gather_object(_peak_rss(), "before the finish")
     distributed.close(group)
     if not group.leader:
         return ConvertResult(out, out / "prefill", out / "decode", {}, rank=group.rank)
@@ -704,7 +705,7 @@ def convert(
         out, state_dir, parts, digits, {"prefill": prefill_cfg, "decode": decode_cfg}, carried, set(state.differ),
         lambda manifests: _report(model, src_path, source_files, rec, tokens, state, ckpt, decisions, out, t_start, G,
                                   block, manifests) | {"kv_cache": kv_cache_report(state.layers), "cost": cost.to_json(),
-                                                       "distributed": _distributed_report(group, state)},
+                                                       "distributed": _distributed_report(group, state, peak_rss)},
     )
     return _done(ConvertResult(out, out / "prefill", out / "decode", report), validate, device, progress,
                  {"max_host_memory": max_host_memory, "max_gpu_memory": max_gpu_memory})
@@ -725,8 +726,8 @@ def _rank_summary(records: list[ExpertRecord], world: int) -> dict:
     return {"experts": experts, "tokens": tokens}
 
 
-def _distributed_report(group, state: State) -> dict:
-    """The job's shape and each rank's share over all layers (quantkit.distributed)."""
+def _distributed_report(group, state: State, peak_rss: list[int]) -> dict:
+    """The job's shape, each rank's share over all layers and its peak RSS (quantkit.distributed)."""
     if not group.distributed:
         return {"world": 1}
     shares = [lay["ranks"] for lay in state.layers if "ranks" in lay]
@@ -737,6 +738,7 @@ def _distributed_report(group, state: State) -> dict:
             experts[r] += n
             tokens[r] += t
     return {"world": group.world, "backend": group.backend, "experts_per_rank": experts, "tokens_per_rank": tokens,
+            "peak_rss_bytes_per_rank": peak_rss,
             "redundant": "every rank runs attention, routing and the routed outputs for all calibration tokens; "
                          "rank 0 writes the files"}
 
