@@ -667,7 +667,7 @@ def convert(
                                  "seconds": round(time.time() - t0, 3), "attention_seconds": round(t_attention, 3),
                                  "calibrated": calibrate and arch.is_moe(layer),
                                  **({"kv_cache": kv_stats} if kv_stats else {}),
-                                 **({"ranks": _rank_summary(records, group.world)} if group.distributed else {})})
+                                 **({"ranks": _rank_summary(records, group.world)} if group.distributed and records else {})})
             state.next_layer = layer + 1
             state.prefill_parts, state.decode_parts = wp.num_parts, wd.num_parts
             state.differ = pair.differ

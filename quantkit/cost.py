@@ -382,7 +382,7 @@ def plan_convert(
     # multi-rank: a layer's INT4 experts, quantized (int8 q, bf16 scale per group), held by every rank
     # from the exchange to the end of the h update; the chunk size stays the single-process one
     E4 = x.experts if int4_experts is None else int4_experts
-    shared_work = nproc > 1 and calibrate and method != "rtn"
+    shared_work = nproc > 1 and calibrate and method != "rtn" and E4 > 0
     received = E4 * 3 * x.expert_width * D * (1 + 2 / group_size) if shared_work else 0
     memory = {"base": BASE_BYTES, "writer": writer, "store": store_b, "routing": routing,
               "dense_layer": w_dense, "moe_layer": w_moe, "load_transient": transient,
@@ -441,6 +441,9 @@ def plan_convert(
         seconds["exchange"] = received * (nproc - 1) / nproc * x.moe_layers / (NVLINK_BYTES if on_gpu else GLOO_BYTES)
         notes.append(f"{nproc} ranks: hessians and gptq are split (balanced by routed tokens); read, attention, "
                      "experts_out are run by every rank for all tokens, write by rank 0 (docs/distributed.md)")
+    elif nproc > 1:
+        notes.append(f"{nproc} ranks: no expert is quantized here (reused source INT4, or no calibration), so "
+                     "there is nothing to split: every rank repeats the whole run; use one (docs/distributed.md)")
     if method == "awq" and calibrate:
         seconds["gptq"] *= 1.3  # AWQ's scale search on top (measured ~1.3x GPTQ on the tiny models)
         notes.append("awq: the per-expert inputs are gathered (not budgeted); prediction as GPTQ x 1.3")
