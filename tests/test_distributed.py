@@ -218,3 +218,32 @@ def test_fixed_cost_is_gptq_over_hessian_work_per_token(tiny_glm):
     D, I = a.hidden_size, a.moe_intermediate_size
     assert expert_fixed_tokens(a) == pytest.approx((4 * I * D * D + 2 * D * I * I + D**3 + I**3)
                                                    / (2 * D * D + 4 * I * D + 2 * I * I))
+
+
+# ---- the CLI -------------------------------------------------------------------------------------
+def test_convert_nproc_launches_torchrun_with_the_same_options(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from quantkit import cli
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    seen = []
+    monkeypatch.setattr(cli, "_torchrun", lambda n, argv: seen.append((n, argv)) or 7)
+    out = tmp_path / "o"
+    r = CliRunner().invoke(cli.app, ["convert", "tiny:glm-5.2", "--out", str(out), "--num-samples", "8", "--resume",
+                                     "--no-validate", "--max-host-memory", "8GB", "--nproc", "4"])
+    assert r.exit_code == 7  # torchrun's status
+    assert seen == [(4, ["convert", "tiny:glm-5.2", "--out", str(out), "--num-samples", "8", "--device", "auto",
+                         "--max-host-memory", "8GB", "--resume", "--no-validate"])]
+    assert not out.exists()  # nothing ran here
+
+
+def test_plan_convert_nproc_on_the_command_line():
+    from typer.testing import CliRunner
+
+    from quantkit import cli
+
+    r = CliRunner().invoke(cli.app, ["plan", "glm-5.2", "--convert", "--nproc", "8", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["nproc"] == 8 and d["memory"]["received"] > 0 and "exchange" in d["seconds"]
