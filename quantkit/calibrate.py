@@ -27,6 +27,8 @@ micro-batch's selection is kept for the next (IndexShare) layers, as (B, T, k) i
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -246,7 +248,8 @@ def add_expert_outputs(store: ActivationStore, routing: LayerRouting, weights: d
 
 
 def convert_experts_streamed(ckpt, pair, decisions, layer: int, store: ActivationStore, routing: LayerRouting,
-                             recipe, group_size: int, method: str, dtype, dev, bar, chunk: int, group=None) -> list:
+                             recipe, group_size: int, method: str, dtype, dev, bar, chunk: int, group=None,
+                             shares: dict | None = None) -> list:
     """conversion.convert_experts for a calibrated layer: `chunk` experts at a time, loaded,
     quantized from streamed Hessians (GPTQ), written to both outputs, and their outputs under the
     decode weights added to h. Returns one ExpertRecord per expert.
@@ -254,7 +257,8 @@ def convert_experts_streamed(ckpt, pair, decisions, layer: int, store: Activatio
     With several ranks (`group`, quantkit.distributed), each rank first quantizes only the experts
     the partition gives it, the results are exchanged, and then every rank runs the same loop as a
     single process with every expert already quantized: the h update is then the single-process
-    one, expert by expert in ascending order."""
+    one, expert by expert in ascending order. `shares`, when a dict, receives each rank's experts,
+    their routed tokens and the seconds it spent quantizing them (how balanced the split was)."""
     from quantkit.conversion import layer_experts
     from quantkit.experts import PROJS, ExpertRecord, expert_weights
 
@@ -276,6 +280,7 @@ def convert_experts_streamed(ckpt, pair, decisions, layer: int, store: Activatio
         owner = distributed.partition(counts, group.world, expert_fixed_tokens(ckpt.arch) if method != "rtn" else 0.0)
         mine = [e for e in sorted(int4) if owner[e] == group.rank]
         quantized_mine, records_mine = {}, []
+        t0 = time.time()
         for start in range(0, len(mine), chunk):
             part = mine[start:start + chunk]
             bar.update(note=f"layer {layer}: quantizing {len(mine)} of {len(experts)} experts on rank {group.rank}")
@@ -286,9 +291,14 @@ def convert_experts_streamed(ckpt, pair, decisions, layer: int, store: Activatio
             quantized_mine.update(q)
             records_mine += recs
             del ew, q
+        took = time.time() - t0
         done = distributed.exchange_experts(group, owner, quantized_mine, dev)
         records += distributed.exchange_records(group, records_mine)
         del quantized_mine
+        if shares is not None:
+            shares["experts"] = [sum(1 for r in owner.values() if r == k) for k in range(group.world)]
+            shares["tokens"] = [sum(counts[e] for e, r in owner.items() if r == k) for k in range(group.world)]
+            shares["seconds"] = [round(t, 3) for t in group.all_gather_object(took, "exchanging timings")]
 
     for start in range(0, len(experts), chunk):
         part = experts[start:start + chunk]

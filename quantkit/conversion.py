@@ -647,9 +647,10 @@ def convert(
                 kv_stats = write_kv_scales(pair, pre, ctx.kv, layer)
             t_attention = time.time() - t0
             records: list[ExpertRecord] = []
+            shares: dict = {}  # multi-rank: each rank's part of this layer's experts
             if arch.is_moe(layer) and calibrate:  # h += routed experts under the decode weights
                 records = convert_experts_streamed(ckpt, pair, decisions, layer, store, routing, rec, G, rec.method,
-                                                   dtype, dev, bar, cost.expert_chunk, group)
+                                                   dtype, dev, bar, cost.expert_chunk, group, shares)
                 del routing
             elif arch.is_moe(layer) and pair.writes:  # not calibrated: rank 0 rounds and writes, nothing to share
                 tok = {e: torch.empty(0, dtype=torch.long, device=dev) for e in range(arch.n_routed_experts)}
@@ -667,7 +668,7 @@ def convert(
                                  "seconds": round(time.time() - t0, 3), "attention_seconds": round(t_attention, 3),
                                  "calibrated": calibrate and arch.is_moe(layer),
                                  **({"kv_cache": kv_stats} if kv_stats else {}),
-                                 **({"ranks": _rank_summary(records, group.world)} if group.distributed and records else {})})
+                                 **({"ranks": shares} if shares else {})})
             state.next_layer = layer + 1
             state.prefill_parts, state.decode_parts = wp.num_parts, wd.num_parts
             state.differ = pair.differ
@@ -716,28 +717,20 @@ def _record(r: ExpertRecord) -> dict:
     return {k: v for k, v in vars(r).items() if k != "rank" or v is not None}
 
 
-def _rank_summary(records: list[ExpertRecord], world: int) -> dict:
-    """One layer's share per rank: experts quantized and their routed tokens."""
-    experts, tokens = [0] * world, [0] * world
-    for r in records:
-        if r.rank is not None:
-            experts[r.rank] += 1
-            tokens[r.rank] += r.tokens
-    return {"experts": experts, "tokens": tokens}
-
-
 def _distributed_report(group, state: State, peak_rss: list[int]) -> dict:
     """The job's shape, each rank's share over all layers and its peak RSS (quantkit.distributed)."""
     if not group.distributed:
         return {"world": 1}
     shares = [lay["ranks"] for lay in state.layers if "ranks" in lay]
     world = max([group.world] + [len(s["experts"]) for s in shares])  # a resumed run may have had more ranks
-    experts, tokens = [0] * world, [0] * world
+    experts, tokens, seconds = [0] * world, [0] * world, [0.0] * world
     for share in shares:
-        for r, (n, t) in enumerate(zip(share["experts"], share["tokens"])):
+        for r, (n, t, sec) in enumerate(zip(share["experts"], share["tokens"], share["seconds"])):
             experts[r] += n
             tokens[r] += t
+            seconds[r] += sec
     return {"world": group.world, "backend": group.backend, "experts_per_rank": experts, "tokens_per_rank": tokens,
+            "quantize_seconds_per_rank": [round(s, 3) for s in seconds],
             "peak_rss_bytes_per_rank": peak_rss,
             "redundant": "every rank runs attention, routing and the routed outputs for all calibration tokens; "
                          "rank 0 writes the files"}

@@ -9,7 +9,9 @@ For each rank count it runs, in a child process (N > 1 through torchrun, gloo on
 with OMP_NUM_THREADS=--threads in every rank (so N ranks use N x threads cores: on the 2-core test
 machine 2 ranks of 1 thread against 1 rank of 1 thread). It prints wall time, speed-up over the
 first rank count, each rank's peak RSS (convert-report.json: distributed.peak_rss_bytes_per_rank),
-the summed per-layer attention and expert seconds of rank 0, whether the output bytes equal the
+the seconds each rank spent quantizing its own experts (the balance), the summed per-layer
+attention and MoE-expert seconds of rank 0 (the expert column includes the exchange and the
+redundant output pass), whether the output bytes equal the
 first run's, and the planner's prediction for the same run (`quantkit plan --convert --nproc N
 --gpu cpu`). Then the full-scale predictions for the shipped recipes on 8 x H200.
 
@@ -62,10 +64,12 @@ def run(model: str, nproc: int, args) -> dict:
     r = json.loads(report.read_text())
     d = r.get("distributed", {"world": 1})
     moe = [lay for lay in r["layers"] if lay["kind"] == "moe"]
+    calibrated = {lay["layer"] for lay in moe if lay["calibrated"]}  # the layers whose experts ranks split
     return {
         "nproc": nproc, "wall": json.loads(meta.read_text())["wall"], "digest": _digest(out),
         "rss": d.get("peak_rss_bytes_per_rank", [r["peak_rss_bytes"]]),
-        "experts": d.get("experts_per_rank", [sum(1 for e in r["experts"] if e["method"] != "reused")]),
+        "experts": d.get("experts_per_rank", [sum(1 for e in r["experts"] if e["layer"] in calibrated and e["method"] != "reused")]),
+        "quantize": d.get("quantize_seconds_per_rank"),  # each rank's own experts (multi-rank only)
         "attention": sum(lay["attention_seconds"] for lay in r["layers"]),
         "moe_experts": sum(lay["seconds"] - lay["attention_seconds"] for lay in moe),
     }
@@ -100,13 +104,14 @@ def main() -> None:
         print(f"realshape:{args.model}, {args.samples} x {args.seq_len} tokens, gptq, {args.budget} per rank, "
               f"{args.threads} thread(s) per rank")
         print("| ranks | wall s | speed-up | predicted s | peak RSS per rank GB | experts per rank | "
-              "attention s | MoE expert s | bytes = first |")
-        print("|---|---|---|---|---|---|---|---|---|")
+              "quantize s per rank | attention s | MoE expert s | bytes = first |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             rss = ", ".join(f"{b / GB:.2f}" for b in r["rss"])
             print(f"| {r['nproc']} | {r['wall']:.0f} | {base['wall'] / r['wall']:.2f}x | "
                   f"{predicted(f'realshape:{args.model}', r['nproc'], args):.0f} | {rss} | "
-                  f"{', '.join(map(str, r['experts']))} | {r['attention']:.0f} | {r['moe_experts']:.0f} | "
+                  f"{', '.join(map(str, r['experts']))} | {', '.join(f'{t:.0f}' for t in r['quantize'] or [])} | "
+                  f"{r['attention']:.0f} | {r['moe_experts']:.0f} | "
                   f"{'yes' if r['digest'] == base['digest'] else 'NO'} |")
         print()
 
