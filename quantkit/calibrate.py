@@ -33,9 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.activations import ActivationStore
-from quantkit.errors import OutputError
-from quantkit.experts import HOLDOUT
-from quantkit.gptq import HessianError, QuantizedWeight, gptq
+from quantkit.experts import is_heldout, run_gptq, starved
+from quantkit.gptq import QuantizedWeight
 from quantkit.reference import mla_attention, rms_norm, route, swiglu
 
 
@@ -109,7 +108,7 @@ def _rows(idx_b: torch.Tensor, e: int, seen: int, start: int, use_all: bool) -> 
     else:
         rows = _tokens(idx_b, e)[0]
         pos = seen + torch.arange(len(rows), device=rows.device)
-    held = pos % HOLDOUT == HOLDOUT - 1
+    held = is_heldout(pos)
     return rows[~held], rows[held]
 
 
@@ -158,18 +157,8 @@ def _layer_heldout(store: ActivationStore) -> torch.Tensor:
         xb = store.x.read(sl).reshape(-1, D)
         start = sl.start * store.shape[1]
         pos = start + torch.arange(len(xb), device=xb.device)
-        rows.append(xb[pos % HOLDOUT == HOLDOUT - 1])
+        rows.append(xb[is_heldout(pos)])
     return torch.cat(rows)
-
-
-def _gptq(W, H, group_size, g, layer, experts) -> QuantizedWeight:
-    box = [H]
-    del H
-    try:
-        return gptq(W, box.pop(), group_size, block_size=g.block_size, dampening=g.dampening, actorder=g.actorder,
-                    consume=True)
-    except HessianError as e:
-        raise OutputError(f"layer {layer}, experts {experts}: {e}; raise gptq.dampening in the recipe") from None
 
 
 def gptq_experts(store: ActivationStore, routing: LayerRouting, ew: dict[str, torch.Tensor], experts: list[int],
@@ -182,16 +171,15 @@ def gptq_experts(store: ActivationStore, routing: LayerRouting, ew: dict[str, to
 
     g = recipe.gptq
     counts = routing.counts
-    # an expert's fit tokens: its routed tokens less every HOLDOUT-th (quantkit.experts.split_heldout)
-    starved = {e for e in experts if int(counts[e]) - int(counts[e]) // HOLDOUT < max(g.min_tokens, 1)}
+    hungry = {e for e in experts if starved(int(counts[e]), g)}
     records, quantized = {}, {}
     for e in experts:
-        if e in starved and g.fallback == "rtn":
+        if e in hungry and g.fallback == "rtn":
             quantized[e] = rtn_expert(ew, e, group_size)
             records[e] = ExpertRecord(layer, e, int(counts[e]), "rtn", fallback="rtn")
     run = [e for e in experts if e not in quantized]
     if run:
-        all_tokens = starved & set(run)
+        all_tokens = hungry & set(run)
         I = ew[f"mlp.experts.{run[0]}.gate_proj.weight"].shape[0]
         # gate and up: one Hessian per expert, shared; the weights stacked by rows [C, 2I, D]
         held: dict = {}
@@ -200,7 +188,7 @@ def gptq_experts(store: ActivationStore, routing: LayerRouting, ew: dict[str, to
                                       ew[f"mlp.experts.{e}.up_proj.weight"]]) for e in run]).float()
         box = [H]
         del H
-        qgu = _gptq(Wgu, box.pop(), group_size, g, layer, run)
+        qgu = run_gptq(Wgu, box.pop(), group_size, g, layer, run, consume=True)
         del Wgu
         gu_hat = QuantizedWeight(qgu.q, qgu.scale).dequantize(torch.float32)  # [C, 2I, D]
 
@@ -212,7 +200,7 @@ def gptq_experts(store: ActivationStore, routing: LayerRouting, ew: dict[str, to
         Wd = torch.stack([ew[f"mlp.experts.{e}.down_proj.weight"] for e in run]).float()  # [C, D, I]
         box = [Hd]
         del Hd
-        qd = _gptq(Wd, box.pop(), group_size, g, layer, run)
+        qd = run_gptq(Wd, box.pop(), group_size, g, layer, run, consume=True)
         del Wd
         layer_held = None
         for j, e in enumerate(run):
@@ -221,7 +209,7 @@ def gptq_experts(store: ActivationStore, routing: LayerRouting, ew: dict[str, to
                 "up_proj": QuantizedWeight(qgu.q[j, I:], qgu.scale[j, I:]),
                 "down_proj": QuantizedWeight(qd.q[j], qd.scale[j]),
             }
-            r = ExpertRecord(layer, e, int(counts[e]), "gptq", "all_tokens" if e in starved else None,
+            r = ExpertRecord(layer, e, int(counts[e]), "gptq", "all_tokens" if e in hungry else None,
                              float(qgu.loss[j] + qd.loss[j]))
             x_held = held.get(e)
             if x_held is None:  # no held-out routed token: every held-out token of the layer
@@ -247,96 +235,119 @@ def add_expert_outputs(store: ActivationStore, routing: LayerRouting, weights: d
         del hb, xb
 
 
-def convert_experts_streamed(ckpt, pair, decisions, layer: int, store: ActivationStore, routing: LayerRouting,
-                             recipe, group_size: int, method: str, dtype, dev, bar, chunk: int, group=None,
-                             shares: dict | None = None) -> list:
-    """conversion.convert_experts for a calibrated layer: `chunk` experts at a time, loaded,
-    quantized from streamed Hessians (GPTQ), written to both outputs, and their outputs under the
-    decode weights added to h. Returns one ExpertRecord per expert.
+def convert_experts(ckpt, pair, decisions, layer: int, store: ActivationStore | None, routing: LayerRouting | None,
+                    recipe, group_size: int, method: str, dtype, dev, bar, chunk: int, group=None,
+                    shares: dict | None = None) -> list:
+    """The routed experts of one MoE layer, `chunk` at a time: loaded (dequantized), quantized when
+    decode stores them as new INT4, written to both outputs, and, when calibrating (store given),
+    their outputs under the decode weights added to h. Never the whole layer's experts in memory:
+    for Kimi K2.6 that would be 17G parameters. Without a store (RTN, or an MTP layer) the experts
+    are rounded to nearest. GPTQ's Hessians stream from the store (gptq_experts); AWQ's search
+    gathers the layer's inputs (budgeted by quantkit.cost). Returns one ExpertRecord per expert.
 
-    With several ranks (`group`, quantkit.distributed), each rank first quantizes only the experts
-    the partition gives it, the results are exchanged, and then every rank runs the same loop as a
-    single process with every expert already quantized: the h update is then the single-process
-    one, expert by expert in ascending order. `shares`, when a dict, receives each rank's experts,
-    their routed tokens and the seconds it spent quantizing them (how balanced the split was)."""
+    With several ranks (`group`, quantkit.distributed) and a store, each rank first quantizes only
+    the experts the partition gives it, the results are exchanged, and then every rank runs the
+    same loop as a single process with those experts already quantized: the h update is the
+    single-process one, expert by expert in ascending order. `shares`, when a dict, receives each
+    rank's experts, their routed tokens and the seconds it spent quantizing them (the balance)."""
     from quantkit.conversion import layer_experts
     from quantkit.experts import PROJS, ExpertRecord, expert_weights
 
     pre = ckpt.arch.layer_prefix(layer)
     by_expert, int4 = layer_experts(ckpt, decisions, layer)
     experts = sorted(by_expert)
+    method = method if store is not None else "rtn"
+    counts = routing.counts.tolist() if routing is not None else [0] * (max(experts, default=-1) + 1)
 
-    def load(part):  # the chunk's source weights, dequantized, on the compute device
+    def load(part):  # the experts' source weights, dequantized, on the compute device
         return {n[len(pre):]: ckpt.get(n, dtype).to(dev) for e in part for n in by_expert[e]}
 
-    done: dict = {}  # expert -> quantized weights, from the ranks' share of the work
+    done: dict = {}  # expert -> quantized weights, from the ranks' shares of the work
     records: list = []
-    if group is not None and group.distributed and int4:
-        from quantkit import distributed
-        from quantkit.cost import expert_fixed_tokens
-
-        counts = {e: int(routing.counts[e]) for e in sorted(int4)}
-        distributed.check_same(group, routing.counts, f"layer {layer}: routed-token counts")
-        owner = distributed.partition(counts, group.world, expert_fixed_tokens(ckpt.arch) if method != "rtn" else 0.0)
-        mine = [e for e in sorted(int4) if owner[e] == group.rank]
-        quantized_mine, records_mine = {}, []
-        t0 = time.time()
-        for start in range(0, len(mine), chunk):
-            part = mine[start:start + chunk]
-            bar.update(note=f"layer {layer}: quantizing {len(mine)} of {len(experts)} experts on rank {group.rank}")
-            ew = load(part)
-            q, recs = _quantize_chunk(store, routing, ew, part, recipe, group_size, method, layer, dev)
-            for r in recs:
-                r.rank = group.rank
-            quantized_mine.update(q)
-            records_mine += recs
-            del ew, q
-        took = time.time() - t0
-        done = distributed.exchange_experts(group, owner, quantized_mine, dev)
-        records += distributed.exchange_records(group, records_mine)
-        del quantized_mine
-        if shares is not None:
-            shares["experts"] = [sum(1 for r in owner.values() if r == k) for k in range(group.world)]
-            shares["tokens"] = [sum(counts[e] for e, r in owner.items() if r == k) for k in range(group.world)]
-            shares["seconds"] = [round(t, 3) for t in group.all_gather_object(took, "exchanging timings")]
+    if group is not None and group.distributed and store is not None and int4:
+        done = _quantize_share(group, store, routing, load, sorted(int4), counts, recipe, group_size, method, layer,
+                               dev, bar, chunk, records, shares, len(experts), ckpt.arch)
 
     for start in range(0, len(experts), chunk):
         part = experts[start:start + chunk]
         need = [e for e in part if e in int4 and e not in done]
-        ew = load([e for e in part if e not in done])  # to quantize, or to compute with (reused experts)
         quantized: dict = {e: done.pop(e) for e in part if e in done}
+        if not need and store is None:  # reused experts pass through; nothing to compute
+            ew = {}
+        else:  # to quantize, or to compute with (reused experts)
+            ew = load([e for e in part if e not in quantized])
         if need:
             bar.update(note=f"layer {layer}: quantizing experts {need[0]}-{need[-1]} of {len(experts)}")
             q, recs = _quantize_chunk(store, routing, ew, need, recipe, group_size, method, layer, dev)
             quantized.update(q)
             records += recs
-        records += [ExpertRecord(layer, e, int(routing.counts[e]), "reused") for e in part if e not in int4]
+        records += [ExpertRecord(layer, e, counts[e], "reused") for e in part if e not in int4]
         for e in part:
             for name in by_expert[e]:
                 pair.write_expert(name, decisions[name], quantized.get(e, {}).get(ckpt.tensors[name].info.proj))
-        weights = {e: tuple(quantized[e][p].dequantize(dtype).to(dev) for p in PROJS) if e in quantized
-                   else expert_weights(ew, e) for e in part}
-        del ew, quantized
-        add_expert_outputs(store, routing, weights)
-        del weights
+        if store is not None:
+            weights = {e: tuple(quantized[e][p].dequantize(dtype).to(dev) for p in PROJS) if e in quantized
+                       else expert_weights(ew, e) for e in part}
+            del ew, quantized
+            add_expert_outputs(store, routing, weights)
+            del weights
+        else:
+            del ew, quantized
     return sorted(records, key=lambda r: r.expert)
 
 
-def _quantize_chunk(store: ActivationStore, routing: LayerRouting, ew: dict, need: list[int], recipe, group_size: int,
-                    method: str, layer: int, dev) -> tuple[dict, list]:
-    """Quantize the experts `need` (their source weights in `ew`) by `method`, held-out guard included."""
+def _quantize_share(group, store: ActivationStore, routing: LayerRouting, load, int4: list[int], counts: list[int],
+                    recipe, group_size: int, method: str, layer: int, dev, bar, chunk: int, records: list,
+                    shares: dict | None, n_experts: int, arch) -> dict:
+    """Multi-rank: quantize this rank's part of the layer's INT4 experts (quantkit.distributed.partition
+    by routed tokens), `chunk` at a time, then exchange, so that every rank returns every INT4
+    expert's quantized weights; `records` receives every rank's ExpertRecords."""
+    from quantkit import distributed
+    from quantkit.cost import expert_fixed_tokens
+
+    distributed.check_same(group, routing.counts, f"layer {layer}: routed-token counts")
+    tokens = {e: counts[e] for e in int4}
+    owner = distributed.partition(tokens, group.world, expert_fixed_tokens(arch) if method != "rtn" else 0.0)
+    mine = [e for e in int4 if owner[e] == group.rank]
+    quantized, own_records = {}, []
+    t0 = time.time()
+    for start in range(0, len(mine), chunk):
+        part = mine[start:start + chunk]
+        bar.update(note=f"layer {layer}: quantizing {len(mine)} of {n_experts} experts on rank {group.rank}")
+        ew = load(part)
+        q, recs = _quantize_chunk(store, routing, ew, part, recipe, group_size, method, layer, dev)
+        for r in recs:
+            r.rank = group.rank
+        quantized.update(q)
+        own_records += recs
+        del ew, q
+    took = time.time() - t0
+    done = distributed.exchange_experts(group, owner, quantized, dev)
+    records += distributed.exchange_records(group, own_records)
+    if shares is not None:
+        shares["experts"] = [sum(1 for r in owner.values() if r == k) for k in range(group.world)]
+        shares["tokens"] = [sum(tokens[e] for e, r in owner.items() if r == k) for k in range(group.world)]
+        shares["seconds"] = [round(t, 3) for t in group.all_gather_object(took, "exchanging timings")]
+    return done
+
+
+def _quantize_chunk(store: ActivationStore | None, routing: LayerRouting | None, ew: dict, need: list[int], recipe,
+                    group_size: int, method: str, layer: int, dev) -> tuple[dict, list]:
+    """Quantize the experts `need` (their source weights in `ew`) by `method`; calibrated ones pass
+    the held-out guard (never worse than RTN, quantkit.experts)."""
     from quantkit.conversion import quantize_experts
-    from quantkit.experts import guard_experts
+    from quantkit.experts import ExpertRecord, guard_experts, rtn_expert
 
     if method == "gptq":
         return gptq_experts(store, routing, ew, need, recipe, group_size, layer)
-    # rtn, awq: the per-expert inputs gathered, as conversion.convert_experts (AWQ's search needs them; not budgeted)
+    if method == "rtn":
+        return {e: rtn_expert(ew, e, group_size) for e in need}, [ExpertRecord(layer, e, 0, "rtn") for e in need]
+    # awq: the search needs the per-expert inputs, gathered (budgeted by quantkit.cost)
     D = store.shape[-1]
-    x = torch.cat([store.x.read(sl).reshape(-1, D) for sl in store.slices()]) if method == "awq" else None
+    x = torch.cat([store.x.read(sl).reshape(-1, D) for sl in store.slices()])
     idx = routing.idx.to(dev)
     tokens = {e: (idx == e).any(-1).nonzero(as_tuple=True)[0] for e in need}
     alternatives: dict = {}
     quantized, recs = quantize_experts(x, ew, tokens, need, recipe, group_size, method, layer, alternatives)
-    if method != "rtn":  # never worse than RTN on held-out routed tokens (quantkit.experts)
-        guard_experts(recs, quantized, x, tokens, ew, group_size, alternatives)
+    guard_experts(recs, quantized, x, tokens, ew, group_size, alternatives)
     return quantized, recs

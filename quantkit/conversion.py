@@ -39,12 +39,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from quantkit import __version__
+from quantkit.calibrate import attention_pass, convert_experts
 from quantkit.checkpoint import Checkpoint, CheckpointWriter, file_sha256
 from quantkit import distributed, faults
 from quantkit.errors import ConfigError, OutputError
 from quantkit.formats import fp8, int4
 from quantkit.experts import (
-    HOLDOUT, PROJS, ExpertRecord, calibration_inputs, expert_weights, guard_experts, rtn_expert, run_gptq,
+    HOLDOUT, ExpertRecord, calibration_inputs, expert_weights, rtn_expert, run_gptq,
 )
 from quantkit.gptq import QuantizedWeight, hessian_from_inputs
 from quantkit.kvcache import KVAbsmax, kv_cache_report, kv_cache_scheme, write_kv_scales
@@ -53,7 +54,7 @@ from quantkit.precision import (
     prefill_quantization_config, set_quantization_config, stored_as,
 )
 from quantkit.progress import LayerProgress, rich_html
-from quantkit.reference import Context, route, swiglu
+from quantkit.reference import Context, route
 from quantkit.tensors import TensorClass
 
 STATE_DIR = ".quantkit-convert"
@@ -118,7 +119,12 @@ def quantize_experts(
     layer: int,
     alternatives: dict | None = None,
 ) -> tuple[dict[int, dict[str, QuantizedWeight]], list[ExpertRecord]]:
-    """GPTQ, AWQ or RTN for the given routed experts of one layer, batched across experts.
+    """GPTQ, AWQ or RTN for the given routed experts of one layer, batched across experts, from
+    the layer's MoE inputs held whole in memory.
+
+    convert's GPTQ streams its Hessians instead (quantkit.calibrate.gptq_experts, the same policy
+    and arithmetic; tests/test_calibrate.py holds the two equal); this whole-layer form is AWQ's
+    path, the oracle of that test, and what tests/test_device.py runs on a fake device.
 
     x: (N, D) the MoE input of every calibration token; tokens[e]: indices of the tokens routed to e.
     Which tokens an expert is fitted on, and what a starved one gets, is quantkit.experts' one
@@ -143,7 +149,7 @@ def quantize_experts(
             records.append(ExpertRecord(layer, e, len(tokens[e]), "rtn", fallback="rtn"))
     run = [e for e in experts if inputs[e] is not None]
 
-    if run:  # one batched GPTQ call; the caller bounds how many experts that is (EXPERT_CHUNK)
+    if run:  # one batched GPTQ call; the caller bounds how many experts that is
         # gate and up: one Hessian per expert, shared by both projections
         H = torch.stack([hessian_from_inputs(inputs[e].float()) for e in run])  # (C, D, D)
         Wgu = torch.stack([torch.stack(expert_weights(w, e)[:2]) for e in run]).float()  # (C, 2, I, D)
@@ -172,9 +178,6 @@ def routed_tokens(x: torch.Tensor, w: dict[str, torch.Tensor], arch) -> dict[int
     return {e: (topk_idx == e).nonzero(as_tuple=True)[0] for e in range(arch.n_routed_experts)}
 
 
-EXPERT_CHUNK = 16  # routed experts in memory at once (dequantized source + quantized), per layer
-
-
 def layer_experts(ckpt: Checkpoint, decisions: dict[str, Decision], layer: int) -> tuple[dict[int, list[str]], set[int]]:
     """A layer's routed experts: {expert: its tensor names}, and the experts decode stores as new INT4."""
     by_expert: dict[int, list[str]] = {}
@@ -189,54 +192,6 @@ def new_int4_experts(ckpt: Checkpoint, decisions: dict[str, Decision]) -> int:
     the ones that get Hessians and GPTQ (quantkit.cost), not the reused source INT4 ones."""
     a = ckpt.arch
     return max([len(layer_experts(ckpt, decisions, L)[1]) for L in range(a.num_hidden_layers) if a.is_moe(L)], default=0)
-
-
-def convert_experts(ckpt: Checkpoint, pair: "PairWriter", decisions: dict[str, Decision], layer: int,
-                    x: torch.Tensor | None, w: dict[str, torch.Tensor], tokens: dict[int, torch.Tensor],
-                    recipe, group_size: int, method: str, dtype, dev, bar,
-                    chunk: int | None = None) -> tuple[torch.Tensor | None, list[ExpertRecord]]:
-    """The routed experts of one MoE layer, EXPERT_CHUNK at a time: load them (dequantized),
-    quantize those the decode output needs in INT4, write both outputs, and when calibrating
-    (x given) add their output under the *decode* weights to the routed MoE sum. Never the whole
-    layer's experts in memory: for Kimi K2.6 that would be 17G parameters.
-
-    Returns (routed-expert output (N, D) or None, one ExpertRecord per expert).
-    """
-    a = ckpt.arch
-    pre = a.layer_prefix(layer)
-    by_expert, int4 = layer_experts(ckpt, decisions, layer)
-    experts = sorted(by_expert)
-    routed = None
-    if x is not None:
-        topk_idx, topk_weight = route(x, w, a)
-        routed = torch.zeros_like(x)
-    records: list[ExpertRecord] = []
-    step = chunk or EXPERT_CHUNK
-    for start in range(0, len(experts), step):
-        chunk = experts[start:start + step]
-        need = [e for e in chunk if e in int4]
-        ew: dict[str, torch.Tensor] = {}
-        if need or x is not None:
-            ew = {n[len(pre):]: ckpt.get(n, dtype).to(dev) for e in chunk for n in by_expert[e]}
-        quantized: dict[int, dict[str, QuantizedWeight]] = {}
-        if need:
-            bar.update(note=f"layer {layer}: quantizing experts {need[0]}-{need[-1]} of {len(experts)}")
-            alternatives: dict = {}
-            quantized, recs = quantize_experts(x, ew, tokens, need, recipe, group_size, method, layer, alternatives)
-            if method != "rtn":  # never worse than RTN on held-out routed tokens (quantkit.experts)
-                guard_experts(recs, quantized, x, tokens, ew, group_size, alternatives)
-            records += recs
-        records += [ExpertRecord(layer, e, len(tokens.get(e, ())), "reused") for e in chunk if e not in need]
-        for e in chunk:
-            for name in by_expert[e]:
-                pair.write_expert(name, decisions[name], quantized.get(e, {}).get(ckpt.tensors[name].info.proj))
-            if x is not None:
-                tok, slot = (topk_idx == e).nonzero(as_tuple=True)
-                if len(tok):
-                    we = tuple(quantized[e][p].dequantize(dtype).to(dev) for p in PROJS) if e in quantized else expert_weights(ew, e)
-                    routed.index_add_(0, tok, swiglu(x[tok], *we) * topk_weight[tok, slot, None].to(x.dtype))
-        del ew, quantized
-    return routed, sorted(records, key=lambda r: r.expert)
 
 
 # ---- writing -----------------------------------------------------------------------------------
@@ -590,7 +545,6 @@ def convert(
     topks: list = []
     if tokens is not None:
         from quantkit.activations import ActivationStore
-        from quantkit.calibrate import attention_pass, convert_experts_streamed
 
         ids = tokens.ids
         ctx = Context.build(arch, ids.shape[1], dev, dtype, kv=KVAbsmax())  # measures what the KV cache holds
@@ -649,13 +603,12 @@ def convert(
             records: list[ExpertRecord] = []
             shares: dict = {}  # multi-rank: each rank's part of this layer's experts
             if arch.is_moe(layer) and calibrate:  # h += routed experts under the decode weights
-                records = convert_experts_streamed(ckpt, pair, decisions, layer, store, routing, rec, G, rec.method,
-                                                   dtype, dev, bar, cost.expert_chunk, group, shares)
+                records = convert_experts(ckpt, pair, decisions, layer, store, routing, rec, G, rec.method,
+                                          dtype, dev, bar, cost.expert_chunk, group, shares)
                 del routing
-            elif arch.is_moe(layer) and pair.writes:  # not calibrated: rank 0 rounds and writes, nothing to share
-                tok = {e: torch.empty(0, dtype=torch.long, device=dev) for e in range(arch.n_routed_experts)}
-                _, records = convert_experts(ckpt, pair, decisions, layer, None, w, tok, rec, G, "rtn", dtype, dev, bar,
-                                             chunk=cost.expert_chunk)
+            elif arch.is_moe(layer) and pair.writes:  # no calibration (RTN, or an MTP layer): rank 0 rounds to nearest
+                records = convert_experts(ckpt, pair, decisions, layer, None, None, rec, G, "rtn", dtype, dev,
+                                          bar, cost.expert_chunk)
                 if mtp:
                     for r in records:
                         if r.method != "reused":

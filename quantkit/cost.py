@@ -23,7 +23,9 @@ C experts per chunk, B samples per micro-batch, w = 4 bytes per float32; compute
     experts       C x max(7 I D w + D^2 w, 5 I D w + 2 I D + 2 D^2 w): source weights (kept for
                   the held-out guard), the row-stacked gate/up and, during GPTQ, H being factored
                   and its factor; plus each expert's held-out rows (1/8 of its routed tokens), one
-                  micro-batch's gathered rows and down inputs, and the all-token H
+                  micro-batch's gathered rows and down inputs, and the all-token H.
+                  AWQ gathers instead: the layer's MoE inputs (N T D w) and, per expert, its
+                  routed rows n = N T k / E as inputs, outputs and down inputs (n (2D + 2I) w)
 
     peak = base + writer + store + routing + max(attention phase, experts phase)
     attention phase = max over dense/MoE layers of (layer weights + max(load_transient, attention))
@@ -246,6 +248,16 @@ def _per_expert(x: LayerShapes, tokens: int = 0) -> int:
     return max(7 * I * D * F32 + D * D * F32, 5 * I * D * F32 + 2 * I * D + 2 * D * D * F32) + held
 
 
+def _awq_per_expert(x: LayerShapes, tokens: int) -> int:
+    """One expert of an AWQ chunk: GPTQ's work on the smoothed weights (`_per_expert`), plus the
+    search's per-expert rows, gathered whole (quantkit.awq.quantize_experts_awq): its fit inputs
+    and the float expert's outputs (n x D each), down's input before and after quantization
+    (n x I each), and the s = 1 alternative's dequantized weights kept for the guard."""
+    D, I = x.hidden, x.expert_width
+    n = tokens * x.topk // max(x.experts, 1)
+    return _per_expert(x, tokens) + n * F32 * (2 * D + 2 * I) + 3 * I * D * F32
+
+
 def _expert_mb_bytes(x: LayerShapes, B: int, T: int) -> int:
     n = B * T
     return n * F32 * (3 * x.hidden + 3 * x.expert_width) + x.hidden * x.hidden * F32  # + all-token H
@@ -321,11 +333,15 @@ def plan_convert(
         att = _attention_bytes(x, B, T) if calibrate else 0
         return max(w_dense + max(transient, att), w_moe + max(transient, att))
 
+    awq = calibrate and method == "awq"
+    per_expert = _awq_per_expert(x, tokens) if awq else _per_expert(x, tokens)
+
     def phase_experts(B: int, C: int) -> int:
         """A MoE layer's routed experts, C at a time."""
         if not calibrate:
             return w_moe + C * 3 * x.expert_width * D * F32 * 2
-        return w_moe + C * _per_expert(x, tokens) + _expert_mb_bytes(x, B, T)
+        gathered = tokens * D * F32 if awq else 0  # AWQ's search reads the layer's x whole
+        return w_moe + C * per_expert + _expert_mb_bytes(x, B, T) + gathered
 
     choice = None
     B = max(N, 1)
@@ -352,7 +368,7 @@ def plan_convert(
             left = room - (store_b if location == "device" else 0)
             if phase_attention(B) > left:
                 continue
-            C = int((left - phase_experts(B, 0)) // _per_expert(x, tokens))
+            C = int((left - phase_experts(B, 0)) // per_expert)
             C = max(min(C, CHUNK_MAX, x.experts), 0)
             cand = (dt, backing, location, C, store_b)
             if C >= min(4, x.experts):
@@ -446,7 +462,8 @@ def plan_convert(
                      "there is nothing to split: every rank repeats the whole run; use one (docs/distributed.md)")
     if method == "awq" and calibrate:
         seconds["gptq"] *= 1.3  # AWQ's scale search on top (measured ~1.3x GPTQ on the tiny models)
-        notes.append("awq: the per-expert inputs are gathered (not budgeted); prediction as GPTQ x 1.3")
+        notes.append("awq: the search gathers the layer's MoE inputs and each expert's routed rows (budgeted); "
+                     "time as GPTQ x 1.3")
 
     validate_s = None
     if validate is not None:

@@ -29,7 +29,8 @@ from quantkit.errors import OutputError
 from quantkit.gptq import HessianError, QuantizedWeight, gptq, quantize_rtn
 from quantkit.reference import swiglu
 
-__all__ = ["PROJS", "HOLDOUT", "ExpertRecord", "expert_weights", "split_heldout", "calibration_inputs",
+__all__ = ["PROJS", "HOLDOUT", "ExpertRecord", "expert_weights", "is_heldout", "split_heldout", "starved",
+           "calibration_inputs",
            "heldout_inputs", "rtn_expert", "run_gptq", "guard_against_rtn", "guard_experts"]
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -56,9 +57,23 @@ def expert_weights(w: dict[str, torch.Tensor], e: int) -> tuple[torch.Tensor, to
     return w[p + "gate_proj.weight"], w[p + "up_proj.weight"], w[p + "down_proj.weight"]
 
 
+def is_heldout(pos: torch.Tensor) -> torch.Tensor:
+    """The policy itself, for positions (n,) in an expert's routed-token list (or the layer's token
+    list): True where held out. The streamed path (quantkit.calibrate), which sees an expert's
+    tokens one micro-batch at a time, applies it to running positions; `split_heldout` is the same
+    rule for a whole list at once."""
+    return pos % HOLDOUT == HOLDOUT - 1
+
+
+def starved(n_routed: int, g) -> bool:
+    """Whether an expert routed n_routed calibration tokens has too few fit tokens (those not held
+    out) for its own Hessian: fewer than max(gptq.min_tokens, 1)."""
+    return n_routed - n_routed // HOLDOUT < max(g.min_tokens, 1)
+
+
 def split_heldout(tok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Token indices (n,) -> (fit, held out): every HOLDOUT-th entry (positions HOLDOUT-1, 2*HOLDOUT-1,
-    ...) is held out. By position, with slices and views only, so the sizes follow from n alone
+    ...) is held out (`is_heldout`). By position, with slices and views only, so the sizes follow from n alone
     (no data-dependent shapes: the same code runs under torch's FakeTensorMode, tests/test_device.py)."""
     n = len(tok)
     m = n - n % HOLDOUT
@@ -73,9 +88,8 @@ def calibration_inputs(x: torch.Tensor, routed: torch.Tensor, g) -> tuple[torch.
     Returns (x[fit tokens], None) normally; (x[every fit token of the layer], "all_tokens") or
     (None, "rtn") for a starved expert, as gptq.fallback says.
     """
-    fit, _ = split_heldout(routed)
-    if len(fit) >= max(g.min_tokens, 1):
-        return x[fit], None
+    if not starved(len(routed), g):
+        return x[split_heldout(routed)[0]], None
     if g.fallback == "rtn":
         return None, "rtn"
     return x[split_heldout(torch.arange(len(x), device=x.device))[0]], "all_tokens"
@@ -94,10 +108,15 @@ def rtn_expert(w: dict[str, torch.Tensor], e: int, group_size: int) -> dict[str,
     return {p: quantize_rtn(t, group_size) for p, t in zip(PROJS, expert_weights(w, e))}
 
 
-def run_gptq(W: torch.Tensor, H: torch.Tensor, group_size: int, g, layer: int, experts) -> QuantizedWeight:
-    """`quantkit.gptq.gptq` with the recipe's settings; a broken Hessian becomes a one-line error."""
+def run_gptq(W: torch.Tensor, H: torch.Tensor, group_size: int, g, layer: int, experts,
+             consume: bool = False) -> QuantizedWeight:
+    """`quantkit.gptq.gptq` with the recipe's settings; a broken Hessian becomes a one-line error.
+    consume=True lets GPTQ factor H in place and free it (the caller must hold no other reference)."""
+    box = [H]
+    del H  # no reference left here, so that a consumed H is freed inside gptq
     try:
-        return gptq(W, H, group_size, block_size=g.block_size, dampening=g.dampening, actorder=g.actorder)
+        return gptq(W, box.pop(), group_size, block_size=g.block_size, dampening=g.dampening, actorder=g.actorder,
+                    consume=consume)
     except HessianError as e:
         raise OutputError(f"layer {layer}, experts {experts}: {e}; raise gptq.dampening in the recipe") from None
 

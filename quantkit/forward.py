@@ -1,18 +1,47 @@
-"""Streaming forward over a checkpoint: embed, then one decoder layer at a time, then the head.
+"""Streaming forward over checkpoints: embed, then one decoder layer at a time, then the head.
 
-Peak memory is one layer's weights plus the activations, whatever the depth. This is the loop
-`logits`, `validate` and the incremental decode path share; `convert` has its own visible loop
-because it also quantizes and writes between the two halves of each layer.
+Peak memory is one layer's weights (its routed experts a chunk at a time, quantkit.layerstream)
+plus the activations, whatever the depth. `step` is the one forward loop: `logits`/`run` drive
+it with one stream, `validate` with many in lockstep (the source, both outputs, the cross-phase
+and FP8-KV paths), each checkpoint's layer loaded once for all the streams that run it.
+`convert` has its own visible loop because it quantizes and writes between the two halves of
+each layer; its attention half is the same reference code (quantkit.calibrate.attention_pass).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from quantkit.checkpoint import Checkpoint
-from quantkit.reference import Context, LayerCache, decoder_layer, head_weight_name, resolve_device, rms_norm
+from quantkit.reference import Context, LayerCache, head_weight_name, resolve_device, rms_norm
+
+
+@dataclass
+class Stream:
+    """One sequence of forward passes: whose weights it runs and the caches it extends."""
+
+    name: str
+    model: str  # key of the checkpoint whose weights it runs
+    caches: list[LayerCache] | None  # None: no cache (one full-sequence pass)
+    ids: torch.Tensor | None = None  # (B, T) tokens fed at the current step
+    kv: Any = None  # quantkit.kvcache.KVCache: how this stream's KV cache stores values (None: as computed)
+    options: dict[str, Any] = field(default_factory=dict)  # Context options (dsa_dense, dsa_ties)
+    h: torch.Tensor | None = field(default=None, repr=False)  # (B, T, D)
+    ctx: Context | None = field(default=None, repr=False)
+    tokens: list[torch.Tensor] = field(default_factory=list, repr=False)  # generated, each (B,)
+
+
+def fork(caches: list[LayerCache]) -> list[LayerCache]:
+    """Caches that continue from the same prefix independently (appends make new tensors)."""
+    return [LayerCache(c.latent, c.k_rot, c.index_k) for c in caches]
+
+
+def new_caches(ckpt: Checkpoint) -> list[LayerCache]:
+    return [LayerCache() for _ in range(ckpt.arch.num_hidden_layers)]
 
 
 def embed(ckpt: Checkpoint, input_ids: torch.Tensor, device, dtype) -> torch.Tensor:
@@ -22,14 +51,50 @@ def embed(ckpt: Checkpoint, input_ids: torch.Tensor, device, dtype) -> torch.Ten
     return torch.nn.functional.embedding(input_ids.cpu(), table).to(device)  # (B, T, D)
 
 
-def head(ckpt: Checkpoint, h: torch.Tensor, dtype) -> torch.Tensor:
+def heads(ckpt: Checkpoint, hs: list[torch.Tensor], dtype) -> list[torch.Tensor]:
+    """Logits (B, T, V) for each hidden state, the final norm and head weights loaded once."""
     a = ckpt.arch
-    h = rms_norm(h, ckpt.get(f"{a.prefix}norm.weight", dtype).to(h.device), a.rms_norm_eps)
-    return torch.nn.functional.linear(h, ckpt.get(head_weight_name(a), dtype).to(h.device))  # (B, T, V)
+    norm = ckpt.get(f"{a.prefix}norm.weight", dtype)
+    w = ckpt.get(head_weight_name(a), dtype)
+    return [torch.nn.functional.linear(rms_norm(h, norm.to(h.device), a.rms_norm_eps), w.to(h.device)) for h in hs]
+
+
+def head(ckpt: Checkpoint, h: torch.Tensor, dtype) -> torch.Tensor:
+    return heads(ckpt, [h], dtype)[0]
 
 
 def layer_weights(ckpt: Checkpoint, layer: int, device, dtype) -> dict[str, torch.Tensor]:
+    """A whole decoder layer's weights (tests' oracle for the streamed layer)."""
     return {k: v.to(device) for k, v in ckpt.layer(layer, dtype).items()}
+
+
+def step(ckpts: dict[str, Checkpoint], streams: list[Stream], device, dtype, on_layer=None, advance=None,
+         chunk: int = 16) -> None:
+    """One forward of every stream over its `ids`, in lockstep: layer i of every checkpoint runs
+    before layer i+1 of any; each checkpoint's layer is loaded once for all its streams, then freed.
+    Leaves each stream's final hidden state in `h`; `on_layer(layer, {name: h})` sees every layer.
+    Routed experts are loaded `chunk` at a time (quantkit.layerstream), as convert does."""
+    from quantkit.layerstream import streamed_layer
+
+    groups = {m: [s for s in streams if s.model == m] for m in ckpts}
+    groups = {m: g for m, g in groups.items() if g}
+    for m, group in groups.items():
+        table = ckpts[m].get(f"{ckpts[m].arch.prefix}embed_tokens.weight", dtype)
+        for s in group:
+            start = s.caches[0].length if s.caches else 0
+            s.ctx = Context.build(ckpts[m].arch, s.ids.shape[1], device, dtype, start=start, caches=s.caches, kv=s.kv,
+                                  **s.options)
+            s.h = torch.nn.functional.embedding(s.ids.cpu(), table).to(device)  # (B, T, D)
+        del table
+    for layer in range(next(iter(ckpts.values())).arch.num_hidden_layers):
+        for m, group in groups.items():
+            for s, h in zip(group, streamed_layer(ckpts[m], layer, [s.h for s in group], [s.ctx for s in group],
+                                                  device, dtype, chunk)):
+                s.h = h
+            if advance:
+                advance()
+        if on_layer is not None:
+            on_layer(layer, {s.name: s.h for s in streams})
 
 
 def run(
@@ -40,6 +105,7 @@ def run(
     dtype: torch.dtype = torch.float32,
     caches: list[LayerCache] | None = None,
     on_layer=None,
+    chunk: int = 16,
     **options,
 ) -> torch.Tensor:
     """Logits (B, T, V) for `input_ids` (B, T), continuing `caches` when given (incremental decode).
@@ -48,19 +114,14 @@ def run(
     `options` go to the reference Context (`dsa_dense`, `dsa_ties`).
     """
     device = resolve_device(device)
-    a = ckpt.arch
     input_ids = torch.as_tensor(input_ids)
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
-    start = caches[0].length if caches else 0
-    ctx = Context.build(a, input_ids.shape[1], device, dtype, start=start, caches=caches, **options)
+    s = Stream("run", "model", caches, ids=input_ids, options=options)
+    seen = None if on_layer is None else (lambda layer, hs: on_layer(layer, hs["run"]))
     with torch.no_grad():
-        h = embed(ckpt, input_ids, device, dtype)
-        for layer in range(a.num_hidden_layers):
-            h = decoder_layer(h, layer_weights(ckpt, layer, device, dtype), ctx, layer).hidden
-            if on_layer is not None:
-                on_layer(layer, h)
-        return head(ckpt, h, dtype)
+        step({"model": ckpt}, [s], device, dtype, seen, chunk=chunk)
+        return head(ckpt, s.h, dtype)
 
 
 def logits(model: str | Path | Checkpoint, input_ids, device: str = "auto", dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -77,7 +138,3 @@ def logits(model: str | Path | Checkpoint, input_ids, device: str = "auto", dtyp
 
     ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model)
     return run(ckpt, input_ids, device=device, dtype=dtype)
-
-
-def new_caches(ckpt: Checkpoint) -> list[LayerCache]:
-    return [LayerCache() for _ in range(ckpt.arch.num_hidden_layers)]

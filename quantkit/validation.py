@@ -40,7 +40,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,8 @@ from quantkit import __version__
 from quantkit.checkpoint import Checkpoint, file_sha256
 from quantkit.errors import ConfigError
 from quantkit.progress import LayerProgress, rich_html
-from quantkit.reference import Context, LayerCache, head_weight_name, resolve_device, rms_norm
+from quantkit.forward import Stream, fork, heads, step
+from quantkit.reference import LayerCache, resolve_device
 
 __all__ = ["validate", "ValidationResult", "METRICS", "load_gates", "check_gates", "cross_phase_logits", "render_markdown"]
 
@@ -269,66 +270,6 @@ def check_gates(gates: dict[str, float], rows: dict[str, dict]) -> list[dict]:
     return results
 
 
-# ---- lockstep streams ----------------------------------------------------------------------------
-@dataclass
-class Stream:
-    """One sequence of forward passes: whose weights it runs and the caches it extends."""
-
-    name: str
-    model: str  # key of the checkpoint whose weights it runs
-    caches: list[LayerCache]
-    ids: torch.Tensor | None = None  # (B, T) tokens fed at the current step
-    kv: Any = None  # quantkit.kvcache.KVCache: how this stream's KV cache stores values (None: as computed)
-    h: torch.Tensor | None = field(default=None, repr=False)  # (B, T, D)
-    ctx: Context | None = field(default=None, repr=False)
-    tokens: list[torch.Tensor] = field(default_factory=list, repr=False)  # generated, each (B,)
-
-
-def fork(caches: list[LayerCache]) -> list[LayerCache]:
-    """Caches that continue from the same prefix independently (appends make new tensors)."""
-    return [LayerCache(c.latent, c.k_rot, c.index_k) for c in caches]
-
-
-def _embed(ckpt: Checkpoint, streams: list[Stream], device, dtype) -> None:
-    table = ckpt.get(f"{ckpt.arch.prefix}embed_tokens.weight", dtype)
-    for s in streams:
-        s.h = torch.nn.functional.embedding(s.ids.cpu(), table).to(device)  # (B, T, D)
-
-
-def _heads(ckpt: Checkpoint, hs: list[torch.Tensor], dtype) -> list[torch.Tensor]:
-    """Logits (B, T, V) for each hidden state, the head weights loaded once."""
-    a = ckpt.arch
-    norm = ckpt.get(f"{a.prefix}norm.weight", dtype)
-    w = ckpt.get(head_weight_name(a), dtype)
-    return [torch.nn.functional.linear(rms_norm(h, norm.to(h.device), a.rms_norm_eps), w.to(h.device)) for h in hs]
-
-
-def step(ckpts: dict[str, Checkpoint], streams: list[Stream], device, dtype, on_layer=None, advance=None,
-         chunk: int = 16) -> None:
-    """One forward of every stream over its `ids`, in lockstep: layer i of every checkpoint runs
-    before layer i+1 of any; each checkpoint's layer is loaded once for all its streams, then freed.
-    Leaves each stream's final hidden state in `h`; `on_layer(layer, {name: h})` sees every layer.
-    Routed experts are loaded `chunk` at a time (quantkit.layerstream), as convert does."""
-    from quantkit.layerstream import streamed_layer
-
-    groups = {m: [s for s in streams if s.model == m] for m in ckpts}
-    groups = {m: g for m, g in groups.items() if g}
-    for m, group in groups.items():
-        for s in group:
-            start = s.caches[0].length
-            s.ctx = Context.build(ckpts[m].arch, s.ids.shape[1], device, dtype, start=start, caches=s.caches, kv=s.kv)
-        _embed(ckpts[m], group, device, dtype)
-    for layer in range(next(iter(ckpts.values())).arch.num_hidden_layers):
-        for m, group in groups.items():
-            for s, h in zip(group, streamed_layer(ckpts[m], layer, [s.h for s in group], [s.ctx for s in group],
-                                                  device, dtype, chunk)):
-                s.h = h
-            if advance:
-                advance()
-        if on_layer is not None:
-            on_layer(layer, {s.name: s.h for s in streams})
-
-
 def cross_phase_logits(prefill: Checkpoint, decode: Checkpoint, prompt: torch.Tensor, tokens: torch.Tensor, *,
                        device="cpu", dtype=torch.float32) -> torch.Tensor:
     """Logits (B, K, V) of decoding `tokens` (B, K) one at a time with the `decode` weights on top of
@@ -343,7 +284,7 @@ def cross_phase_logits(prefill: Checkpoint, decode: Checkpoint, prompt: torch.Te
         for k in range(tokens.shape[1]):
             cross.ids = tokens[:, k: k + 1]
             step(ckpts, [cross], device, dtype)
-            out.append(_heads(decode, [cross.h], dtype)[0])
+            out.append(heads(decode, [cross.h], dtype)[0])
         return torch.cat(out, dim=1)
 
 
@@ -420,12 +361,12 @@ def _measure(ckpts: dict[str, Checkpoint], ids: torch.Tensor, K: int, pair: bool
             errs[m].add(layer, hs[m], hs["reference"])
 
     step(ckpts, list(prompt.values()), device, dtype, on_prompt_layer, bar.advance, chunk)
-    (ref_logits,) = _heads(ckpts["reference"], [prompt["reference"].h], dtype)
+    (ref_logits,) = heads(ckpts["reference"], [prompt["reference"].h], dtype)
     ref_nll = _nll(ref_logits, ids)
     last = {"reference": ref_logits[:, -1]}
     rows: dict[str, dict] = {}
     for m in models:
-        (logits,) = _heads(ckpts[m], [prompt[m].h], dtype)
+        (logits,) = heads(ckpts[m], [prompt[m].h], dtype)
         kl, agree, n = _kl_top1(ref_logits, logits)
         nll = _nll(logits, ids)
         curve = errs[m].rel()
@@ -440,7 +381,7 @@ def _measure(ckpts: dict[str, Checkpoint], ids: torch.Tensor, K: int, pair: bool
     for v in kv:
         for m in ("decode", "prefill"):
             s = prompt[f"{m}+kv{v}"]
-            last[s.name] = _heads(ckpts[m], [s.h[:, -1:]], dtype)[0][:, -1]
+            last[s.name] = heads(ckpts[m], [s.h[:, -1:]], dtype)[0][:, -1]
     for s in prompt.values():
         s.h = None
     reference = {"ppl": math.exp(ref_nll)}
@@ -487,7 +428,7 @@ def _measure(ckpts: dict[str, Checkpoint], ids: torch.Tensor, K: int, pair: bool
         logits = {}
         for m, ck in ckpts.items():
             group = [s for s in streams if s.model == m]
-            for s, lg in zip(group, _heads(ck, [s.h for s in group], dtype)):
+            for s, lg in zip(group, heads(ck, [s.h for s in group], dtype)):
                 logits[s.name] = lg[:, -1]  # (B, V)
         for s in free.values():
             s.tokens.append(logits[s.name].argmax(-1).cpu())

@@ -33,7 +33,10 @@ What runs here, on the device:
 What is left, because it needs values on the host, which a fake run does not have:
   - reference.moe's expert loop, `torch.unique(topk_idx).tolist()`: the test runs each of its
     parts (above), with the loop over all experts instead.
-  - conversion.convert_experts and convert(), forward.run, validation: they read checkpoint
+  - calibrate.gptq_experts (the streamed Hessians select each micro-batch's routed rows with
+    nonzero: a data-dependent shape; tests/test_calibrate.py holds it equal to the whole-layer
+    quantize_experts run here), calibrate.convert_experts and convert(), forward.step
+    (forward.run, validation): they read checkpoint
     bytes (and convert writes shards), which fake tensors do not have. Their device steps are
     `.to(dev)` after each CPU read, and safetensors' own move to the CPU when writing.
   - gptq's HessianError branch: it runs only after torch has raised on a failed Cholesky
