@@ -195,27 +195,12 @@ def new_int4_experts(ckpt: Checkpoint, decisions: dict[str, Decision]) -> int:
 
 
 # ---- writing -----------------------------------------------------------------------------------
-class DiscardWriter:
-    """A CheckpointWriter stand-in for ranks other than 0 in a multi-rank convert: they compute
-    what rank 0 writes (quantkit.distributed), so they take the tensors and write nothing."""
-
-    num_parts = 0
-    parts: list[str] = []
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
-
-
 class PairWriter:
     """Writes a tensor to both outputs (or one), deduplicating FP8/BF16 work shared by both."""
 
-    def __init__(self, ckpt: Checkpoint, prefill: CheckpointWriter | DiscardWriter, decode: CheckpointWriter | DiscardWriter):
+    def __init__(self, ckpt: Checkpoint, prefill: CheckpointWriter, decode: CheckpointWriter):
         self.ckpt, self.prefill, self.decode = ckpt, prefill, decode
         self.differ: list[str] = []
-        self.writes = not isinstance(prefill, DiscardWriter)  # False: compute what shared tensors hold, write nothing
 
     def stored(self, name: str, action: str, *, scale_name: str) -> dict[str, torch.Tensor]:
         """The stored tensors for `action` on source tensor `name` (suffix -> tensor)."""
@@ -251,9 +236,6 @@ class PairWriter:
         return parts
 
     def write_expert(self, name: str, d: Decision, q: QuantizedWeight | None) -> None:
-        self.differ.append(name)
-        if not self.writes:  # nothing here is computed with
-            return
         base = name[: -len("weight")]
         for suffix, t in self.stored(name, d.prefill, scale_name="weight_scale_inv").items():
             self.prefill.add(base + suffix, t)
@@ -263,6 +245,7 @@ class PairWriter:
             parts = int4.store(q.q, q.scale)
         for suffix, t in parts.items():
             self.decode.add(base + suffix, t)
+        self.differ.append(name)
 
     def flush(self) -> None:
         self.prefill.flush()
@@ -527,14 +510,22 @@ def convert(
 
     digits = _shard_digits(ckpt)
     wp = wd = None
-    if not group.leader:  # rank 0 writes the shards; the others compute what it needs (quantkit.distributed)
-        wp, wd = DiscardWriter(), DiscardWriter()
-    elif not finishing:
-        _check_disk(ckpt, decisions, out, G, extra=cost.disk["resume_state"])
-        wp = CheckpointWriter(out / "prefill", digits=digits, resume=resume, max_shard_bytes=max_shard_bytes)
-        wd = CheckpointWriter(out / "decode", digits=digits, resume=resume, max_shard_bytes=max_shard_bytes)
-        wp.truncate_parts(state.prefill_parts)
-        wd.truncate_parts(state.decode_parts)
+    if not finishing:
+        # several ranks: all add the same tensors, so all cut the same parts; part i of prefill is
+        # saved by rank i % world, of decode by rank (i + 1) % world (a layer's two parts, two ranks)
+        owns = [(lambda i, k=k: (i + k) % group.world == group.rank) if group.distributed else None for k in (0, 1)]
+        if group.leader:
+            _check_disk(ckpt, decisions, out, G, extra=cost.disk["resume_state"])
+            wp = CheckpointWriter(out / "prefill", digits=digits, resume=resume, max_shard_bytes=max_shard_bytes, owns=owns[0])
+            wd = CheckpointWriter(out / "decode", digits=digits, resume=resume, max_shard_bytes=max_shard_bytes, owns=owns[1])
+            wp.truncate_parts(state.prefill_parts)
+            wd.truncate_parts(state.decode_parts)
+        group.barrier("opening the outputs")  # rank 0 has cleared or truncated them
+        if not group.leader:
+            wp = CheckpointWriter(out / "prefill", digits=digits, resume=True, max_shard_bytes=max_shard_bytes, owns=owns[0])
+            wd = CheckpointWriter(out / "decode", digits=digits, resume=True, max_shard_bytes=max_shard_bytes, owns=owns[1])
+            wp.adopt_parts(state.prefill_parts)
+            wd.adopt_parts(state.decode_parts)
     pair = PairWriter(ckpt, wp, wd)
     pair.differ = list(state.differ)
 
@@ -563,7 +554,7 @@ def convert(
                 for sl in store.slices():
                     store.h.write(sl, F.embedding(ids[sl], table).to(dev, dtype))
                 del table
-            for name in ckpt.names(layer=None) if pair.writes else ():  # nothing here is computed with
+            for name in ckpt.names(layer=None):
                 pair.write_shared(name, decisions[name])
             pair.flush()
             ckpt.release_finished()
@@ -587,7 +578,7 @@ def convert(
 
             # shared tensors first: their stored form is also what we compute with
             calibrate = store is not None and not mtp
-            for name in ckpt.names(layer) if calibrate or pair.writes else ():  # other ranks compute nothing here
+            for name in ckpt.names(layer):
                 klass = ckpt.tensors[name].info.klass
                 if klass == TensorClass.ROUTED_EXPERT or (klass == TensorClass.KV_SCALE and calibrate):
                     continue  # experts below; a source's KV scales give way to the ones measured here
@@ -606,7 +597,7 @@ def convert(
                 records = convert_experts(ckpt, pair, decisions, layer, store, routing, rec, G, rec.method,
                                           dtype, dev, bar, cost.expert_chunk, group, shares)
                 del routing
-            elif arch.is_moe(layer) and pair.writes:  # no calibration (RTN, or an MTP layer): rank 0 rounds to nearest
+            elif arch.is_moe(layer):  # no calibration (RTN, or an MTP layer): round to nearest
                 records = convert_experts(ckpt, pair, decisions, layer, None, None, rec, G, "rtn", dtype, dev,
                                           bar, cost.expert_chunk)
                 if mtp:
@@ -647,19 +638,20 @@ def convert(
     parts = None
     if store is not None:
         store.close()
-    # every rank is done with the state folder (rank 0 finishes alone), and says what it used
-    peak_rss = group.all_gather_object(_peak_rss(), "before the finish")
+    if wp is not None:
+        pair.flush()  # (empty after the last layer) every rank, so that all agree on the parts
+        parts = {"prefill": wp.parts, "decode": wd.parts}
+    # every rank has written its parts and is done with the state folder (rank 0 finishes alone)
+    used = group.all_gather_object({"peak_rss": _peak_rss(), "parts": wp.written + wd.written if wp else 0},
+                                   "before the finish")
     distributed.close(group)
     if not group.leader:
         return ConvertResult(out, out / "prefill", out / "decode", {}, rank=group.rank)
-    if wp is not None:
-        pair.flush()
-        parts = {"prefill": wp.parts, "decode": wd.parts}
     report = finish_pair(
         out, state_dir, parts, digits, {"prefill": prefill_cfg, "decode": decode_cfg}, carried, set(state.differ),
         lambda manifests: _report(model, src_path, source_files, rec, tokens, state, ckpt, decisions, out, t_start, G,
                                   block, manifests) | {"kv_cache": kv_cache_report(state.layers), "cost": cost.to_json(),
-                                                       "distributed": _distributed_report(group, state, peak_rss)},
+                                                       "distributed": _distributed_report(group, state, used)},
     )
     return _done(ConvertResult(out, out / "prefill", out / "decode", report), validate, device, progress,
                  {"max_host_memory": max_host_memory, "max_gpu_memory": max_gpu_memory})
@@ -670,8 +662,9 @@ def _record(r: ExpertRecord) -> dict:
     return {k: v for k, v in vars(r).items() if k != "rank" or v is not None}
 
 
-def _distributed_report(group, state: State, peak_rss: list[int]) -> dict:
-    """The job's shape, each rank's share over all layers and its peak RSS (quantkit.distributed)."""
+def _distributed_report(group, state: State, used: list[dict]) -> dict:
+    """The job's shape, each rank's share of the experts over all layers, the parts it wrote (this
+    run) and its peak RSS (quantkit.distributed)."""
     if not group.distributed:
         return {"world": 1}
     shares = [lay["ranks"] for lay in state.layers if "ranks" in lay]
@@ -684,9 +677,10 @@ def _distributed_report(group, state: State, peak_rss: list[int]) -> dict:
             seconds[r] += sec
     return {"world": group.world, "backend": group.backend, "experts_per_rank": experts, "tokens_per_rank": tokens,
             "quantize_seconds_per_rank": [round(s, 3) for s in seconds],
-            "peak_rss_bytes_per_rank": peak_rss,
-            "redundant": "every rank runs attention, routing and the routed outputs for all calibration tokens; "
-                         "rank 0 writes the files"}
+            "parts_written_per_rank": [u["parts"] for u in used],
+            "peak_rss_bytes_per_rank": [u["peak_rss"] for u in used],
+            "redundant": "every rank runs attention, routing and the routed outputs for all calibration tokens, "
+                         "and computes every stored tensor; each writes the parts it owns"}
 
 
 def _done(result: ConvertResult, validate: bool, device, progress, budgets: dict | None = None) -> ConvertResult:

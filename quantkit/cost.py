@@ -456,7 +456,8 @@ def plan_convert(
     if shared_work:  # each rank receives the others' share of every layer's quantized experts
         seconds["exchange"] = received * (nproc - 1) / nproc * x.moe_layers / (NVLINK_BYTES if on_gpu else GLOO_BYTES)
         notes.append(f"{nproc} ranks: hessians and gptq are split (balanced by routed tokens); read, attention, "
-                     "experts_out are run by every rank for all tokens, write by rank 0 (docs/distributed.md)")
+                     "experts_out are run by every rank for all tokens; write is spread over the ranks, at one "
+                     "disk's bandwidth (docs/distributed.md)")
     elif nproc > 1:
         notes.append(f"{nproc} ranks: no expert is quantized here (reused source INT4, or no calibration), so "
                      "there is nothing to split: every rank repeats the whole run; use one (docs/distributed.md)")

@@ -11,7 +11,9 @@ ranks; everything else is done by every rank, redundantly (design A, docs/distri
     exchange         each expert's quantized tensors (q, scale) broadcast from its owner, records
                      all-gathered: every rank then holds every expert's result
     every rank       h += routed outputs under the decode weights, all experts in ascending order
-    rank 0           writes both outputs' shards, the resume state and the finish journal
+    every rank       computes every stored tensor, so all cut the same shards; saves the ones it owns
+                     (part i of prefill: rank i % world; of decode: rank (i + 1) % world)
+    rank 0           the resume state after each layer (after a barrier) and the finish journal
 
 Why the result is byte-identical to a single-process run: every rank runs the single-process code
 on the same inputs in the same order, except that an expert's GPTQ batch holds other experts

@@ -162,6 +162,7 @@ def test_two_ranks_equal_one_glm_via_nproc(single, tmp_path):
     report = json.loads((out / "convert-report.json").read_text())
     d = report["distributed"]
     assert d["world"] == 2 and d["backend"] == "gloo" and all(n > 0 for n in d["experts_per_rank"])
+    assert all(n > 0 for n in d["parts_written_per_rank"])  # both ranks wrote shards
     calibrated = [e for e in report["experts"] if e["layer"] < 5]  # MoE layers 1-4 (5 is the MTP layer: RTN, rank 0)
     assert sum(d["experts_per_rank"]) == len(calibrated) == sum("rank" in e for e in report["experts"]) == 64
     assert {e["rank"] for e in report["experts"] if "rank" in e} == {0, 1}
@@ -179,21 +180,26 @@ def test_two_ranks_equal_one_kimi_via_torchrun(single, tmp_path):
 
 # ---- failure: bounded exit, then --resume --------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("how, rank", [("kill", 1), ("kill", 0), ("hang", 1)])
-def test_a_failed_rank_stops_the_job_and_resume_completes(single, tmp_path, how, rank):
-    """SIGKILL of one rank after its third layer (torchrun's agent stops the other), or a hung rank
-    (the others' collective times out after QUANTKIT_DIST_TIMEOUT): non-zero exit within 120 s,
-    then --resume on 2 ranks gives the single-process bytes."""
+@pytest.mark.parametrize("point, how, rank, again", [
+    ("layer:written#3", "kill", 1, 2),
+    ("layer:written#3", "kill", 0, 1),
+    ("flush:tmp#3", "kill", 1, 2),  # rank 1 dies while saving a part it owns
+    ("layer:written#3", "hang", 1, 2),
+])
+def test_a_failed_rank_stops_the_job_and_resume_completes(single, tmp_path, point, how, rank, again):
+    """SIGKILL of one rank after its third layer or mid-write (torchrun's agent stops the other),
+    or a hung rank (the others' collective times out after QUANTKIT_DIST_TIMEOUT): non-zero exit
+    within 120 s, then --resume on `again` ranks (1: a plain process) gives the single-process bytes."""
     out = tmp_path / f"{how}{rank}"
     t0 = time.time()
-    done = _torchrun(MODELS["glm"], out, QUANTKIT_FAULT=f"layer:written#3:{how}", QUANTKIT_FAULT_RANK=str(rank),
+    done = _torchrun(MODELS["glm"], out, QUANTKIT_FAULT=f"{point}:{how}", QUANTKIT_FAULT_RANK=str(rank),
                      QUANTKIT_DIST_TIMEOUT="10")
     took = time.time() - t0
     assert done.returncode != 0 and took < 120, (done.returncode, took)
     assert not (out / "decode").exists() and (out / ".quantkit-convert" / "state.json").is_file()
     if how == "hang":  # the survivor says what happened, in one line
         assert "another rank died or did not answer within 10s" in done.stderr and "--resume" in done.stderr
-    resumed = _torchrun(MODELS["glm"], out, "--resume")
+    resumed = _torchrun(MODELS["glm"], out, "--resume") if again == 2 else _single(MODELS["glm"], out, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _files(out) == _files(single["glm"])
 
