@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from quantkit import faults
@@ -42,6 +41,44 @@ _DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
     "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool,
 }
+
+
+class _Shard:
+    """One open safetensors file, read with positioned reads (os.preadv) into memory that belongs to
+    the tensor and is freed with it. Not a memory map: a map keeps every page a layer touched
+    resident (and counted in RSS) until the file closes, which made peak RSS grow with the layers
+    and the shard size instead of the work. Thread-safe (no shared file position)."""
+
+    MAX_READ = 1 << 30  # Linux returns at most ~2 GiB per read call
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+        self.start = 8 + struct.unpack("<Q", os.pread(self.fd, 8, 0))[0]  # the length, then the JSON header
+
+    def read(self, name: str, entry: dict) -> torch.Tensor:
+        """The tensor a header entry {dtype, shape, data_offsets} describes (checked by _read_header)."""
+        begin, end = entry["data_offsets"]
+        dtype, shape = _DTYPES[entry["dtype"]], entry["shape"]
+        if end == begin:
+            return torch.empty(shape, dtype=dtype)
+        buf = bytearray(end - begin)
+        view, done = memoryview(buf), 0
+        while done < len(buf):
+            n = os.preadv(self.fd, [view[done:done + self.MAX_READ]], self.start + begin + done)
+            if n <= 0:
+                raise CheckpointError(f"ends {len(buf) - done} bytes early; the shard is truncated, re-download it",
+                                      file=str(self.path), tensor=name)
+            done += n
+        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self):
+        self.close()
 
 
 @dataclass(frozen=True)
@@ -269,9 +306,9 @@ class Checkpoint:
         if h is None:
             if self.remote is not None:
                 self.remote.fetch(f)
-            h = self._handles[f] = safe_open(str(self.folder / f), framework="pt")
+            h = self._handles[f] = _Shard(self.folder / f)
         self._unread[f].discard(storage)
-        return h.get_tensor(storage)
+        return h.read(storage, self.headers[f][storage])
 
     def release_finished(self) -> list[str]:
         """Close every shard all of whose tensors have been read, and with a streamed source and
@@ -280,10 +317,30 @@ class Checkpoint:
         resident, which would make peak RSS grow with depth."""
         done = [f for f, unread in self._unread.items() if not unread and f in self._handles]
         for f in done:
-            del self._handles[f]
+            self._handles.pop(f).close()
             if self.release_consumed and self.remote is not None:
                 self.remote.release(f)
         return done
+
+    def readahead(self, layer: int) -> int:
+        """Ask the kernel to read a local layer's stored bytes into the page cache now
+        (posix_fadvise WILLNEED: asynchronous, nothing mapped, so no RSS), so that reading the next
+        layer overlaps computing this one. Returns the bytes requested (0 where unsupported)."""
+        if self.remote is not None or not hasattr(os, "posix_fadvise"):
+            return 0
+        spans: dict[str, list[tuple[int, int]]] = {}
+        for n in self.names(layer):
+            for s in self.tensors[n].parts.values():
+                f = self.weight_map[s]
+                spans.setdefault(f, []).append(tuple(self.headers[f][s]["data_offsets"]))
+        total = 0
+        for f, ranges in spans.items():
+            with open(self.folder / f, "rb") as fh:
+                start = 8 + struct.unpack("<Q", fh.read(8))[0]  # data follow the length and the JSON header
+                for b, e in ranges:
+                    os.posix_fadvise(fh.fileno(), start + b, e - b, os.POSIX_FADV_WILLNEED)
+                    total += e - b
+        return total
 
     def prefetch(self, layer: int) -> list[str]:
         """Shard files a layer needs (for a streamed source, fetch them ahead in a thread)."""
@@ -344,6 +401,8 @@ class Checkpoint:
         return {n[len(pre):]: self.get(n, dtype) for n in self.names(layer)}
 
     def close(self) -> None:
+        for h in self._handles.values():
+            h.close()
         self._handles.clear()
 
     def other_files(self) -> list[Path]:

@@ -187,13 +187,6 @@ def layer_experts(ckpt: Checkpoint, decisions: dict[str, Decision], layer: int) 
     return by_expert, {e for e in by_expert if decisions[f"{pre}mlp.experts.{e}.down_proj.weight"].decode == INT4}
 
 
-def new_int4_experts(ckpt: Checkpoint, decisions: dict[str, Decision]) -> int:
-    """Routed experts per MoE layer (the most of any calibrated layer) that decode stores as new INT4:
-    the ones that get Hessians and GPTQ (quantkit.cost), not the reused source INT4 ones."""
-    a = ckpt.arch
-    return max([len(layer_experts(ckpt, decisions, L)[1]) for L in range(a.num_hidden_layers) if a.is_moe(L)], default=0)
-
-
 # ---- writing -----------------------------------------------------------------------------------
 class PairWriter:
     """Writes a tensor to both outputs (or one), deduplicating FP8/BF16 work shared by both."""
@@ -491,7 +484,7 @@ def convert(
     if group.leader:
         state_dir.mkdir(exist_ok=True)
     group.barrier("starting")  # every rank has read the state rank 0 will overwrite, and sees its folder
-    from quantkit.cost import plan_convert
+    from quantkit.cost import plan_convert, quantized_fraction
 
     cost = plan_convert(arch, method=rec.method, group_size=G, num_samples=rec.calibration.num_samples,
                         seq_len=rec.calibration.seq_len, calibrate=needs_calibration, device=dev.type,
@@ -499,7 +492,7 @@ def convert(
                         source_bytes=sum(ckpt.storage_bytes(n) for n in ckpt.tensors),
                         output_bytes=_predicted_bytes(ckpt, decisions, G), max_shard_bytes=max_shard_bytes,
                         validate=rec.validate if validate else None, activation_dtype=activation_dtype,
-                        nproc=group.world, int4_experts=new_int4_experts(ckpt, decisions))
+                        quantized=quantized_fraction(ckpt, decisions), nproc=group.world)
     if progress:
         from rich.console import Console
 
@@ -624,6 +617,7 @@ def convert(
             bar.update(layer + 1)
             if delay := float(os.environ.get("QUANTKIT_CONVERT_LAYER_DELAY", 0)):
                 time.sleep(delay)  # debug knob: widens the window for crash/resume tests
+        fetcher.close()
 
     # 3. configs, carried files, rename into place: journaled in the state folder so that --resume
     #    completes an interrupted finish from any step (quantkit.finish); the report comes last
@@ -700,18 +694,21 @@ def _source_identity(ckpt: Checkpoint) -> dict[str, str]:
 
 
 class _Prefetcher:
-    """Downloads the shards of the next layer in a background thread (streamed sources only)."""
+    """Brings the next layer's bytes close while this one computes, in a background thread: a
+    streamed source downloads its shards; a local one has the kernel read them into the page cache
+    (Checkpoint.readahead), so that quantkit.cost can count reading as overlapped with compute."""
 
     def __init__(self, ckpt: Checkpoint):
-        self.ckpt = ckpt
-        self.pool = None
-        if ckpt.remote is not None:
-            from concurrent.futures import ThreadPoolExecutor
+        from concurrent.futures import ThreadPoolExecutor
 
-            self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prefetch")
+        self.ckpt = ckpt
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prefetch")
 
     def ahead(self, layer: int) -> None:
-        if self.pool is None or layer >= self.ckpt.arch.num_layers_with_mtp:
+        if layer >= self.ckpt.arch.num_layers_with_mtp:
+            return
+        if self.ckpt.remote is None:
+            self.pool.submit(self.ckpt.readahead, layer)
             return
         for f in self.ckpt.prefetch(layer):
             self.pool.submit(self._fetch, f)
@@ -719,6 +716,9 @@ class _Prefetcher:
     def _fetch(self, f: str) -> None:
         if self.ckpt._unread[f]:  # not consumed (and so not released) yet
             self.ckpt.remote.fetch(f)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
 
 
 def _source_int4_group(arch) -> int | None:

@@ -14,7 +14,9 @@ C experts per chunk, B samples per micro-batch, w = 4 bytes per float32; compute
                   (safetensors 0.8 writes from the tensors' memory, no serialized copy)
     dense_layer,  a dense layer's weights, and a MoE layer's weights other than its routed
     moe_layer     experts, float32
-    load_transient dequantizing the largest tensor: 3 float32 copies (values, scales, product)
+    load_transient dequantizing the largest tensor: 3 float32 copies (values, scales, product);
+                  the source itself costs nothing beyond that: it is read with positioned reads
+                  into memory freed with each tensor, not memory-mapped (quantkit.checkpoint)
     store         h and x for every calibration token: 2 N T D bytes-per-element (MoE layers)
                   (0 in RAM when disk-backed)
     routing       top-k ids (int16) and weights (float32): 6 N T k
@@ -41,8 +43,9 @@ every INT4 expert of a layer quantized (int8 q + bf16 scales), which each rank h
 exchange and the h update; time adds `exchange`, broadcasting them.
 
 Time is FLOPs over a sustained rate per device (CPU_FLOPS_PER_THREAD measured on the 2-core test
-machine, GPU rates from the data sheet at the efficiency stated in GPU_SPECS), bytes over disk bandwidth, and a per-column kernel-launch cost for GPTQ's column loop
-on a GPU. It is an estimate; docs/benchmarks.md compares it with measurements.
+machine, GPTQ's column loop at CPU_GPTQ_EFFICIENCY of it; GPU rates from the data sheet at the
+efficiency stated in GPU_SPECS), bytes over disk bandwidth (reading overlapped with compute: the
+next layer is read ahead), and a per-column kernel-launch cost for GPTQ's column loop on a GPU. It is an estimate; docs/benchmarks.md compares it with measurements.
 """
 
 from __future__ import annotations
@@ -64,11 +67,19 @@ F32 = 4
 
 BASE_BYTES = int(0.40 * GB)  # RSS of `quantkit convert` before the first tensor (measured: 0.33-0.40 GB)
 MIN_SHARD = 256 * 2**20
-CHUNK_MAX = 16  # experts per chunk at most (one GPTQ batch)
+CHUNK_MAX = 16  # experts per chunk at most (one GPTQ batch) on the CPU
+# On a GPU, GPTQ's column loop is launch-bound (LAUNCHES_PER_COLUMN small kernels per column,
+# whatever the batch), so a larger batch of experts per call costs launches once for all of them.
+CHUNK_MAX_GPU = 64
 
-# Sustained rates. CPU: float32 matmul per torch thread, measured on the 2-core test machine
-# (2048x6144 @ 6144x2048: 36 GFLOP/s on one thread; 56 on two, 28 each); times torch's threads.
-CPU_FLOPS_PER_THREAD = 28e9
+# Sustained rates. CPU: float32 matmul per torch thread, in CPU time, on the 2-core AMD EPYC test
+# machine (2048x6144 @ 6144x2048 and x^T x at D 6144: 97-106 GFLOP/s; scripts/bench_realshape.py
+# prints it); times torch's threads. Wall time on a shared machine is longer by the load.
+CPU_FLOPS_PER_THREAD = 95e9
+# GPTQ's column loop on the CPU (rank-1 updates within each block, per-column quantization) runs
+# at a fraction of the matmul rate: 0.4, fitted to the real-shape GLM runs at 8x512 and 32x512
+# tokens and checked on the real-shape Kimi ones (docs/benchmarks.md).
+CPU_GPTQ_EFFICIENCY = 0.4
 CPU_DISK = 1.0e9  # bytes/s read or written
 # the multi-rank exchange (quantkit.distributed): NCCL over NVLink at a conservative share of its
 # 450 GB/s per direction for broadcasts; gloo over loopback TCP on one host
@@ -131,12 +142,16 @@ class LayerShapes:
     qk_head: int
     v_head: int
     max_dense_width: int  # the widest MLP a micro-batch runs (dense MLP or shared expert)
+    dense_width: int  # a dense layer's MLP width (0 without one)
+    shared_width: int  # a MoE layer's shared experts' width (0 without them)
     layer_params: int  # the largest layer's parameters other than routed experts
     dense_layer_params: int  # the largest dense layer's parameters (0 without one)
     moe_layer_params: int  # the largest MoE layer's parameters other than routed experts
     largest_tensor: int  # parameters of the largest single tensor (dequantized at once)
-    moe_layers: int
+    moe_layers: int  # MoE layers, MTP included (they are all written)
     layers: int  # decoder layers, MTP included
+    calibrated_layers: int  # decoder layers the calibration pass runs (not MTP: its experts are RTN)
+    calibrated_moe_layers: int
     attn_params: int  # attention parameters of one layer (for time)
     index_heads: int
     index_topk: int
@@ -167,7 +182,10 @@ def layer_shapes(arch) -> LayerShapes:
         layer_params=max(per_layer.values()), largest_tensor=largest,
         dense_layer_params=max([v for L, v in per_layer.items() if not a.is_moe(L)], default=0),
         moe_layer_params=max([v for L, v in per_layer.items() if a.is_moe(L)], default=0),
+        dense_width=a.intermediate_size if not all(a.is_moe(i) for i in range(a.num_hidden_layers)) else 0,
+        shared_width=a.moe_intermediate_size * a.n_shared_experts,
         moe_layers=sum(a.is_moe(i) for i in range(a.num_layers_with_mtp)), layers=a.num_layers_with_mtp,
+        calibrated_layers=a.num_hidden_layers, calibrated_moe_layers=sum(a.is_moe(i) for i in range(a.num_hidden_layers)),
         attn_params=attn, index_heads=a.index_n_heads if a.has_dsa else 0,
         index_topk=a.index_topk if a.has_dsa else 0, has_dsa=a.has_dsa)
 
@@ -296,15 +314,17 @@ def plan_convert(
     max_shard_bytes: int = 5 * GiB,
     validate=None,
     activation_dtype: str | None = None,
+    quantized: float = 1.0,
     nproc: int = 1,
-    int4_experts: int | None = None,
 ) -> ConvertCost:
     """Settings and predicted cost of converting `arch` (see the module docstring for the terms).
 
+    quantized: the fraction of the calibrated layers' routed experts that decode stores as new INT4
+    (Hessians and GPTQ run only for those; 0 when every expert is the source's reused INT4).
+
     output_bytes: (prefill, decode) sizes; validate: the recipe's validate section, or None;
     activation_dtype: "float32" or "bfloat16" to force the store's dtype (default: the budget's choice).
-    nproc: ranks of a multi-rank convert (memory and time per rank); int4_experts: routed experts per
-    MoE layer that decode stores as new INT4 (what the ranks split and exchange; default: all).
+    nproc: ranks of a multi-rank convert (quantkit.distributed): memory and time per rank.
     """
     x = layer_shapes(arch)
     host = parse_bytes(max_host_memory, "--max-host-memory") or available_host_memory()
@@ -316,6 +336,7 @@ def plan_convert(
     D = x.hidden
     on_gpu = device == "cuda"
     budget = gpu_mem if on_gpu else host  # where the compute work lives
+    chunk_max = CHUNK_MAX_GPU if on_gpu else CHUNK_MAX
 
     w_dense, w_moe = x.dense_layer_params * F32, x.moe_layer_params * F32
     transient = 3 * x.largest_tensor * F32  # dequantizing one FP8 tensor: values, expanded scales, product
@@ -369,7 +390,7 @@ def plan_convert(
             if phase_attention(B) > left:
                 continue
             C = int((left - phase_experts(B, 0)) // per_expert)
-            C = max(min(C, CHUNK_MAX, x.experts), 0)
+            C = max(min(C, chunk_max, x.experts), 0)
             cand = (dt, backing, location, C, store_b)
             if C >= min(4, x.experts):
                 choice = cand
@@ -379,7 +400,7 @@ def plan_convert(
         choice = choice or fallback
     else:
         C = int((room - phase_experts(1, 0)) // (3 * x.expert_width * D * F32 * 2))
-        choice = (torch.float32, "memory", "device", max(min(C, CHUNK_MAX, x.experts), 0), 0)
+        choice = (torch.float32, "memory", "device", max(min(C, chunk_max, x.experts), 0), 0)
 
     fits, reason = True, ""
     if choice is None or choice[3] < 1:
@@ -397,7 +418,7 @@ def plan_convert(
 
     # multi-rank: a layer's INT4 experts, quantized (int8 q, bf16 scale per group), held by every rank
     # from the exchange to the end of the h update; the chunk size stays the single-process one
-    E4 = x.experts if int4_experts is None else int4_experts
+    E4 = round(quantized * x.experts)  # a layer's experts that are quantized: what ranks split and exchange
     shared_work = nproc > 1 and calibrate and method != "rtn" and E4 > 0
     received = E4 * 3 * x.expert_width * D * (1 + 2 / group_size) if shared_work else 0
     memory = {"base": BASE_BYTES, "writer": writer, "store": store_b, "routing": routing,
@@ -431,30 +452,36 @@ def plan_convert(
         flops, disk_bw, launch = spec["flops"], spec["disk"], spec["launch"]
     else:
         flops, disk_bw, launch = CPU_FLOPS_PER_THREAD * torch.get_num_threads(), CPU_DISK, 0.0
+    gptq_rate = flops * (1.0 if on_gpu else CPU_GPTQ_EFFICIENCY)
     I = x.expert_width
-    n_dense = x.layers - x.moe_layers
-    attn_flops = tokens * (2 * x.attn_params + 2 * 2 * x.heads * T * (x.qk_head + x.v_head)) * x.layers
-    attn_flops += tokens * 2 * 3 * x.max_dense_width * D * (n_dense + x.moe_layers)  # dense MLP / shared expert
+    L, Lm = x.calibrated_layers, x.calibrated_moe_layers  # the calibration pass skips MTP layers
+    attn_flops = tokens * (2 * x.attn_params + 2 * 2 * x.heads * T * (x.qk_head + x.v_head)) * L
+    attn_flops += tokens * 2 * 3 * D * (x.dense_width * (L - Lm) + x.shared_width * Lm)  # dense MLP / shared expert
     routed = tokens * x.topk  # token-expert pairs per MoE layer
     gptq_on = calibrate and method in ("gptq", "awq")
-    # the experts that get a Hessian and GPTQ (reused source INT4 ones do not), this rank's part of them
-    share = E4 / max(x.experts, 1) / (nproc if shared_work else 1)
+    # the experts that get Hessians and GPTQ (not the reused source INT4 ones), this rank's part of them
+    share = quantized / (nproc if shared_work else 1)
     per_token_hess, per_expert_gptq = expert_flops(D, I)
-    hess_flops = routed * per_token_hess * x.moe_layers * share if gptq_on else 0
-    out_flops = routed * 2 * 3 * I * D * x.moe_layers if calibrate else 0
-    gptq_flops = x.experts * x.moe_layers * per_expert_gptq * share if gptq_on else 0
-    chunks = x.moe_layers * math.ceil(x.experts * share / C)
+    hess_flops = share * routed * per_token_hess * Lm if gptq_on else 0
+    out_flops = routed * 2 * 3 * I * D * Lm if calibrate else 0
+    gptq_flops = share * x.experts * Lm * per_expert_gptq if gptq_on else 0
+    chunks = Lm * math.ceil(share * x.experts / C)
     gptq_launch = chunks * (D + I) * LAUNCHES_PER_COLUMN * launch if gptq_on else 0.0
+    rtn_flops = x.experts * (x.moe_layers - (Lm if gptq_on else 0)) * 3 * I * D * 20  # RTN'd experts (MTP, or all)
     seconds = {
         "read": source_bytes / disk_bw,
         "attention": attn_flops / flops,
         "hessians": hess_flops / flops,
-        "gptq": gptq_flops / flops + gptq_launch + (0 if gptq_on else x.experts * x.moe_layers * 3 * I * D * 20 / flops),
+        "gptq": gptq_flops / gptq_rate + gptq_launch + rtn_flops / flops,
         "experts_out": out_flops / flops,
         "write": (output_bytes[0] + output_bytes[1]) / disk_bw,
     }
+    # A local source's next layer is read ahead while this one computes (conversion._Prefetcher),
+    # so reading costs only what compute does not cover: the first layer's share, and any excess.
+    compute = sum(v for k, v in seconds.items() if k not in ("read", "write"))
+    seconds["read"] = seconds["read"] / max(x.layers, 1) + max(0.0, seconds["read"] - compute)
     if shared_work:  # each rank receives the others' share of every layer's quantized experts
-        seconds["exchange"] = received * (nproc - 1) / nproc * x.moe_layers / (NVLINK_BYTES if on_gpu else GLOO_BYTES)
+        seconds["exchange"] = received * (nproc - 1) / nproc * Lm / (NVLINK_BYTES if on_gpu else GLOO_BYTES)
         notes.append(f"{nproc} ranks: hessians and gptq are split (balanced by routed tokens); read, attention, "
                      "experts_out are run by every rank for all tokens; write is spread over the ranks, at one "
                      "disk's bandwidth (docs/distributed.md)")
@@ -518,6 +545,9 @@ def plan_convert_for(
     rec = load_recipe(recipe) if recipe is not None else default_recipe(str(model), arch)
     rec = recipe_overrides(rec, method=method, group_size=group_size, num_samples=num_samples, seq_len=seq_len)
     G = rec.group_size
+    from quantkit.conversion import _predicted_bytes, _source_int4_group
+
+    sg = _source_int4_group(arch)
     if is_preset:
         from quantkit.planner import plan as size_plan
 
@@ -526,18 +556,15 @@ def plan_convert_for(
         sizes = size_plan(model, group_size=G).checkpoints
         source_bytes = sizes["source"].total_bytes
         out = (sizes["prefill"].total_bytes, sizes["decode"].total_bytes)
-        # a source whose experts are INT4 in the target scheme (Kimi's QAT) is copied, not quantized
-        reused = _source_int4_group(arch) == G and rec.decode.reuse_source_int4
-        int4_experts = 0 if reused else arch.n_routed_experts
+        # the preset's experts are in the source's own format: reused when it is the target INT4 scheme
+        quantized = 0.0 if (sg == G and rec.decode.reuse_source_int4) else 1.0
     else:
-        from quantkit.conversion import _predicted_bytes, _source_int4_group, new_int4_experts
         from quantkit.precision import decide
 
-        sg = _source_int4_group(arch)
         decisions = {n: decide(st, rec, G, sg) for n, st in ckpt.tensors.items()}
         source_bytes = sum(ckpt.storage_bytes(n) for n in ckpt.tensors)
         out = _predicted_bytes(ckpt, decisions, G)
-        int4_experts = new_int4_experts(ckpt, decisions)
+        quantized = quantized_fraction(ckpt, decisions)
     # as convert: any calibrated method runs the calibration pass, even when every expert is reused,
     # because the FP8 KV-cache scales are measured on it (quantkit.kvcache)
     calibrate = rec.method != "rtn"
@@ -546,7 +573,17 @@ def plan_convert_for(
                         seq_len=rec.calibration.seq_len, calibrate=calibrate, device=device,
                         gpu=None if gpu == "cpu" else gpu, max_host_memory=max_host_memory,
                         max_gpu_memory=max_gpu_memory, source_bytes=source_bytes, output_bytes=out,
-                        validate=rec.validate if validate else None, nproc=nproc, int4_experts=int4_experts)
+                        validate=rec.validate if validate else None, quantized=quantized, nproc=nproc)
+
+
+def quantized_fraction(ckpt, decisions) -> float:
+    """The fraction of the decoder layers' routed experts (MTP aside) that decode stores as new INT4."""
+    from quantkit.precision import INT4
+    from quantkit.tensors import TensorClass
+
+    downs = [n for n, st in ckpt.tensors.items()
+             if st.info.klass == TensorClass.ROUTED_EXPERT and st.info.proj == "down_proj" and not st.info.mtp]
+    return sum(decisions[n].decode == INT4 for n in downs) / max(len(downs), 1)
 
 
 def validate_expert_chunk(arch, device: str, max_host_memory=None, max_gpu_memory=None) -> int:

@@ -18,6 +18,9 @@ standard error over eval windows, for the INT4-only and the cross-phase path.
     python scripts/kv_cache_study.py                 # 32 held-out windows x 64 tokens, 8 greedy tokens
     python scripts/kv_cache_study.py --samples 8 --json
     python scripts/kv_cache_study.py --sweep --samples 32
+    python scripts/kv_cache_study.py --pairs /tmp/rs9/glm-5.2-8x512 /tmp/rs9/kimi-k2.6-8x512 --samples 8
+        # convert outputs already there (the real-shape ones of scripts/bench_realshape.py):
+        # calibrated, scale 1.0 and (DSA) fp8_ds_mla only
 
 A study that prints a table, not a test: it asserts nothing.
 """
@@ -92,14 +95,16 @@ def sweep(folder: Path, samples: int, gen_tokens: int) -> list[dict]:
     return out
 
 
-def study(folder: Path, samples: int, gen_tokens: int) -> list[dict]:
+def study(folder: Path, samples: int, gen_tokens: int, few: bool = False) -> list[dict]:
     ckpts, report, tokens = _setup(folder, samples)
     layers = report["kv_cache"]["layers"]
     cache_only = {int(i): max(v["latent_absmax"], v["k_rot_absmax"]) / E4M3_MAX for i, v in layers.items()}
     variants = [("fp8_e4m3 calibrated", {"": KVCache("fp8_e4m3"), SCALE_1: KVCache("fp8_e4m3", "one")}),
                 ("fp8_e4m3 cache-only absmax", {"": CacheOnly("fp8_e4m3", per_layer=cache_only)}),
                 ("fp8_ds_mla", {"": KVCache("fp8_ds_mla")})]
-    if ckpts["reference"].arch.has_dsa:
+    if few:  # calibrated (with scale 1.0), and vLLM's DSA layout where it applies
+        variants = [variants[0]] + ([variants[2]] if ckpts["reference"].arch.has_dsa else [])
+    elif ckpts["reference"].arch.has_dsa:
         variants += [("fp8_e4m3 calibrated, latent cache only", {"": LatentOnly("fp8_e4m3")}),
                      ("fp8_e4m3 calibrated, index keys only", {"": IndexOnly("fp8_e4m3")})]
     out = []
@@ -129,18 +134,23 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="fixed scales on tiny Kimi instead of the main table")
+    ap.add_argument("--pairs", type=Path, nargs="*", help="measure these convert outputs (fewer variants)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     root = a.out or Path(tempfile.mkdtemp(prefix="kv-study-"))
     results = {}
-    for name in ("kimi-k2.6",) if a.sweep else ("kimi-k2.6", "glm-5.2"):
+    if a.pairs:
+        for folder in a.pairs:
+            name = json.loads((folder / "convert-report.json").read_text())["source"]["spec"]
+            results[f"{name} ({folder.name})"] = study(folder, a.samples, a.gen_tokens, few=True)
+    for name in () if a.pairs else ("kimi-k2.6",) if a.sweep else ("kimi-k2.6", "glm-5.2"):
         folder = root / name
         if not (folder / "convert-report.json").is_file():
             convert(f"tiny:{name}", folder, validate=False, progress=False)
-        results[name] = (sweep if a.sweep else study)(folder, a.samples, a.gen_tokens)
+        results[f"tiny {name}"] = (sweep if a.sweep else study)(folder, a.samples, a.gen_tokens)
     if a.sweep and not a.json:
         print(f"tiny kimi-k2.6, fp8_e4m3 with one scale for every layer, INT4-only decode steps, {a.samples} windows")
-        for r in results["kimi-k2.6"]:
+        for r in results["tiny kimi-k2.6"]:
             print(f"  scale {r['scale']:<5g} KL added {r['kv_delta']:+.3g} ± {r['kv_delta_se']:.1g}")
         return
     if a.json:
@@ -152,13 +162,13 @@ def main() -> None:
     for name, rows in results.items():
         for r in rows:
             se = "—" if r["kv_delta_se"] is None else f"{r['kv_delta_se']:.1g}"
-            print(f"| tiny {name} | {r['kv']} | {r['path'].replace('_kv', '').replace('_', '-')} | {r['weights_only_kl']:.2g} "
+            print(f"| {name} | {r['kv']} | {r['path'].replace('_kv', '').replace('_', '-')} | {r['weights_only_kl']:.2g} "
                   f"| {r['kv_delta']:+.2g} | {se} | {r['greedy_agree']:.3f} |")
     print("\ncalibrated - scale 1.0 (paired per window):")
     for name, rows in results.items():
         for r in rows:
             if "calibrated_minus_scale_1" in r:
-                print(f"  tiny {name} {r['path']}: {r['calibrated_minus_scale_1']:+.2g} ± {r['calibrated_minus_scale_1_se']:.1g}")
+                print(f"  {name} {r['path']}: {r['calibrated_minus_scale_1']:+.2g} ± {r['calibrated_minus_scale_1_se']:.1g}")
 
 
 if __name__ == "__main__":

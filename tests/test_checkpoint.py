@@ -223,24 +223,27 @@ def test_raw_returns_bytes_as_stored(tmp_path, ds_weights, fmt):
 
 # ---- laziness -----------------------------------------------------------------------------------
 class SpyOpen:
-    """Wraps safetensors.safe_open and records every tensor read."""
+    """Wraps quantkit.checkpoint's shard reader and records every tensor read."""
 
     def __init__(self):
         self.reads: list[str] = []
 
-    def __call__(self, *args, **kwargs):
-        handle = safe_open(*args, **kwargs)
+    def __call__(self, path):
+        shard = _REAL_SHARD(path)
         spy = self
 
         class Handle:
-            def get_tensor(self, name):
+            def read(self, name, entry):
                 spy.reads.append(name)
-                return handle.get_tensor(name)
+                return shard.read(name, entry)
 
-            def __getattr__(self, attr):
-                return getattr(handle, attr)
+            def close(self):
+                shard.close()
 
         return Handle()
+
+
+_REAL_SHARD = ckmod._Shard
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4"])
@@ -248,7 +251,7 @@ def test_open_reads_no_tensor_data(tmp_path, ds_weights, monkeypatch, fmt):
     cfg, t = ds_weights
     folder, _ = write_random(tmp_path / fmt, cfg, experts=fmt, tensors=t)
     spy = SpyOpen()
-    monkeypatch.setattr(ckmod, "safe_open", spy)
+    monkeypatch.setattr(ckmod, "_Shard", spy)
     ckpt = Checkpoint(folder)
     # nothing is read, not even INT4's weight_shape (the logical shape comes from the headers;
     # `get` checks it against weight_shape), so a streamed source plans before any download
@@ -288,6 +291,30 @@ def test_open_does_not_load_a_large_shard(tmp_path):
     x = ckpt.raw(name).clone()
     assert _rss() - opened > nbytes // 2
     assert x.shape == (131072, 1024)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
+def test_a_read_tensor_leaves_nothing_resident(tmp_path):
+    """Two 256 MiB tensors in one open shard: reading, using and dropping the second leaves RSS
+    where the first left it. A memory map would keep the second's pages too, until the file
+    closes; that is what made peak RSS grow with depth and shard size."""
+    cfg = small_config("deepseek_v3", vocab_size=131072, hidden_size=1024)
+    folder = tmp_path / "big"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    nbytes = 131072 * 1024 * 2
+    names = ["model.embed_tokens.weight", "lm_head.weight"]
+    header = json.dumps({n: {"dtype": "BF16", "shape": [131072, 1024], "data_offsets": [i * nbytes, (i + 1) * nbytes]}
+                         for i, n in enumerate(names)}).encode()
+    header += b" " * (-len(header) % 8)
+    with open(folder / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.truncate(8 + len(header) + 2 * nbytes)
+    ckpt = Checkpoint(folder, complete=False)
+    assert float(ckpt.get(names[0]).sum()) == 0
+    first = _rss()
+    assert float(ckpt.get(names[1]).sum()) == 0
+    assert _rss() - first < 32 * 2**20, f"{(_rss() - first) / 2**20:.0f} MiB of the second tensor still resident"
 
 
 # ---- bad input ----------------------------------------------------------------------------------
@@ -589,3 +616,11 @@ def test_written_checkpoint_reads_back(tmp_path, ds_weights):
         sum(ckpt.storage_bytes(n) for n in ckpt.names()),
         json.loads((folder / INDEX).read_text())["metadata"]["total_size"],
     )
+
+
+def test_readahead_requests_exactly_a_layers_stored_bytes(tiny_glm):
+    """convert reads the next layer ahead (conversion._Prefetcher); quantkit.cost counts the read as
+    overlapped on the strength of it, so it must cover the layer's bytes, no more."""
+    ckpt = Checkpoint(tiny_glm)
+    for layer in (0, 1):
+        assert ckpt.readahead(layer) == sum(ckpt.storage_bytes(n) for n in ckpt.names(layer)) > 0

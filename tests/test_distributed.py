@@ -207,8 +207,9 @@ def test_a_failed_rank_stops_the_job_and_resume_completes(single, tmp_path, poin
 # ---- the planner ---------------------------------------------------------------------------------
 def test_plan_divides_the_split_phases_and_keeps_the_redundant_ones():
     one, eight = (plan_convert_for("glm-5.2", gpu="h200", nproc=n) for n in (1, 8))
-    for phase in ("hessians", "gptq"):
-        assert eight.seconds[phase] < one.seconds[phase] / 6
+    assert eight.seconds["hessians"] < one.seconds["hessians"] / 6
+    # GPTQ on a GPU is partly launch-bound per call: a rank's 32 experts are one call, as 64 would be
+    assert one.seconds["gptq"] / 8 < eight.seconds["gptq"] < one.seconds["gptq"] / 4
     for phase in ("read", "attention", "experts_out", "write"):
         assert eight.seconds[phase] == one.seconds[phase]
     assert eight.nproc == 8 and eight.memory["received"] > 0 and eight.peak_device > one.peak_device
