@@ -27,6 +27,8 @@ micro-batch's selection is kept for the next (IndexShare) layers, as (B, T, k) i
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -233,50 +235,53 @@ def add_expert_outputs(store: ActivationStore, routing: LayerRouting, weights: d
         del hb, xb
 
 
-def convert_experts(ckpt, pair, decisions, layer: int, store: ActivationStore | None,
-                             routing: LayerRouting | None, recipe, group_size: int, method: str, dtype, dev, bar,
-                             chunk: int) -> list:
+def convert_experts(ckpt, pair, decisions, layer: int, store: ActivationStore | None, routing: LayerRouting | None,
+                    recipe, group_size: int, method: str, dtype, dev, bar, chunk: int, group=None,
+                    shares: dict | None = None) -> list:
     """The routed experts of one MoE layer, `chunk` at a time: loaded (dequantized), quantized when
     decode stores them as new INT4, written to both outputs, and, when calibrating (store given),
     their outputs under the decode weights added to h. Never the whole layer's experts in memory:
     for Kimi K2.6 that would be 17G parameters. Without a store (RTN, or an MTP layer) the experts
     are rounded to nearest. GPTQ's Hessians stream from the store (gptq_experts); AWQ's search
-    gathers the layer's inputs (budgeted by quantkit.cost). Returns one ExpertRecord per expert."""
-    from quantkit.conversion import layer_experts, quantize_experts
-    from quantkit.experts import PROJS, ExpertRecord, expert_weights, guard_experts, rtn_expert
+    gathers the layer's inputs (budgeted by quantkit.cost). Returns one ExpertRecord per expert.
+
+    With several ranks (`group`, quantkit.distributed) and a store, each rank first quantizes only
+    the experts the partition gives it, the results are exchanged, and then every rank runs the
+    same loop as a single process with those experts already quantized: the h update is the
+    single-process one, expert by expert in ascending order. `shares`, when a dict, receives each
+    rank's experts, their routed tokens and the seconds it spent quantizing them (the balance)."""
+    from quantkit.conversion import layer_experts
+    from quantkit.experts import PROJS, ExpertRecord, expert_weights
 
     pre = ckpt.arch.layer_prefix(layer)
     by_expert, int4 = layer_experts(ckpt, decisions, layer)
     experts = sorted(by_expert)
     method = method if store is not None else "rtn"
     counts = routing.counts.tolist() if routing is not None else [0] * (max(experts, default=-1) + 1)
+
+    def load(part):  # the experts' source weights, dequantized, on the compute device
+        return {n[len(pre):]: ckpt.get(n, dtype).to(dev) for e in part for n in by_expert[e]}
+
+    done: dict = {}  # expert -> quantized weights, from the ranks' shares of the work
     records: list = []
+    if group is not None and group.distributed and store is not None and int4:
+        done = _quantize_share(group, store, routing, load, sorted(int4), counts, recipe, group_size, method, layer,
+                               dev, bar, chunk, records, shares, len(experts), ckpt.arch)
+
     for start in range(0, len(experts), chunk):
         part = experts[start:start + chunk]
-        need = [e for e in part if e in int4]
+        need = [e for e in part if e in int4 and e not in done]
+        quantized: dict = {e: done.pop(e) for e in part if e in done}
         if not need and store is None:  # reused experts pass through; nothing to compute
             ew = {}
-        else:
-            ew = {n[len(pre):]: ckpt.get(n, dtype).to(dev) for e in part for n in by_expert[e]}
-        quantized: dict = {}
+        else:  # to quantize, or to compute with (reused experts)
+            ew = load([e for e in part if e not in quantized])
         if need:
             bar.update(note=f"layer {layer}: quantizing experts {need[0]}-{need[-1]} of {len(experts)}")
-            if method == "gptq":
-                quantized, recs = gptq_experts(store, routing, ew, need, recipe, group_size, layer)
-            elif method == "rtn":
-                quantized = {e: rtn_expert(ew, e, group_size) for e in need}
-                recs = [ExpertRecord(layer, e, 0, "rtn") for e in need]
-            else:  # awq: the search needs the per-expert inputs, gathered (budgeted by quantkit.cost)
-                D = store.shape[-1]
-                x = torch.cat([store.x.read(sl).reshape(-1, D) for sl in store.slices()])
-                idx = routing.idx.to(dev)
-                tokens = {e: (idx == e).any(-1).nonzero(as_tuple=True)[0] for e in need}
-                alternatives: dict = {}
-                quantized, recs = quantize_experts(x, ew, tokens, need, recipe, group_size, method, layer, alternatives)
-                guard_experts(recs, quantized, x, tokens, ew, group_size, alternatives)  # never worse than RTN
-                del x
+            q, recs = _quantize_chunk(store, routing, ew, need, recipe, group_size, method, layer, dev)
+            quantized.update(q)
             records += recs
-        records += [ExpertRecord(layer, e, counts[e], "reused") for e in part if e not in need]
+        records += [ExpertRecord(layer, e, counts[e], "reused") for e in part if e not in int4]
         for e in part:
             for name in by_expert[e]:
                 pair.write_expert(name, decisions[name], quantized.get(e, {}).get(ckpt.tensors[name].info.proj))
@@ -289,3 +294,60 @@ def convert_experts(ckpt, pair, decisions, layer: int, store: ActivationStore | 
         else:
             del ew, quantized
     return sorted(records, key=lambda r: r.expert)
+
+
+def _quantize_share(group, store: ActivationStore, routing: LayerRouting, load, int4: list[int], counts: list[int],
+                    recipe, group_size: int, method: str, layer: int, dev, bar, chunk: int, records: list,
+                    shares: dict | None, n_experts: int, arch) -> dict:
+    """Multi-rank: quantize this rank's part of the layer's INT4 experts (quantkit.distributed.partition
+    by routed tokens), `chunk` at a time, then exchange, so that every rank returns every INT4
+    expert's quantized weights; `records` receives every rank's ExpertRecords."""
+    from quantkit import distributed
+    from quantkit.cost import expert_fixed_tokens
+
+    distributed.check_same(group, routing.counts, f"layer {layer}: routed-token counts")
+    tokens = {e: counts[e] for e in int4}
+    owner = distributed.partition(tokens, group.world, expert_fixed_tokens(arch) if method != "rtn" else 0.0)
+    mine = [e for e in int4 if owner[e] == group.rank]
+    quantized, own_records = {}, []
+    t0 = time.time()
+    for start in range(0, len(mine), chunk):
+        part = mine[start:start + chunk]
+        bar.update(note=f"layer {layer}: quantizing {len(mine)} of {n_experts} experts on rank {group.rank}")
+        ew = load(part)
+        q, recs = _quantize_chunk(store, routing, ew, part, recipe, group_size, method, layer, dev)
+        for r in recs:
+            r.rank = group.rank
+        quantized.update(q)
+        own_records += recs
+        del ew, q
+    took = time.time() - t0
+    done = distributed.exchange_experts(group, owner, quantized, dev)
+    records += distributed.exchange_records(group, own_records)
+    if shares is not None:
+        shares["experts"] = [sum(1 for r in owner.values() if r == k) for k in range(group.world)]
+        shares["tokens"] = [sum(tokens[e] for e, r in owner.items() if r == k) for k in range(group.world)]
+        shares["seconds"] = [round(t, 3) for t in group.all_gather_object(took, "exchanging timings")]
+    return done
+
+
+def _quantize_chunk(store: ActivationStore | None, routing: LayerRouting | None, ew: dict, need: list[int], recipe,
+                    group_size: int, method: str, layer: int, dev) -> tuple[dict, list]:
+    """Quantize the experts `need` (their source weights in `ew`) by `method`; calibrated ones pass
+    the held-out guard (never worse than RTN, quantkit.experts)."""
+    from quantkit.conversion import quantize_experts
+    from quantkit.experts import ExpertRecord, guard_experts, rtn_expert
+
+    if method == "gptq":
+        return gptq_experts(store, routing, ew, need, recipe, group_size, layer)
+    if method == "rtn":
+        return {e: rtn_expert(ew, e, group_size) for e in need}, [ExpertRecord(layer, e, 0, "rtn") for e in need]
+    # awq: the search needs the per-expert inputs, gathered (budgeted by quantkit.cost)
+    D = store.shape[-1]
+    x = torch.cat([store.x.read(sl).reshape(-1, D) for sl in store.slices()])
+    idx = routing.idx.to(dev)
+    tokens = {e: (idx == e).any(-1).nonzero(as_tuple=True)[0] for e in need}
+    alternatives: dict = {}
+    quantized, recs = quantize_experts(x, ew, tokens, need, recipe, group_size, method, layer, alternatives)
+    guard_experts(recs, quantized, x, tokens, ew, group_size, alternatives)
+    return quantized, recs

@@ -21,7 +21,7 @@ import struct
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors.torch import save_file
@@ -519,9 +519,14 @@ class CheckpointWriter:
     Shards are cut at `flush()` (the converter flushes after every layer, which makes a resumed
     run write exactly the shards an uninterrupted one would) or when a buffer passes
     `max_shard_bytes`. Shard names get their final `-of-N` only in `finish()`.
+
+    `owns(i)`, when given, says whether this process writes part i: in a multi-rank convert every
+    rank adds the same tensors in the same order, so all agree on where parts are cut and what
+    they are named, and each saves only the parts it owns (quantkit.distributed).
     """
 
-    def __init__(self, out: str | Path, *, max_shard_bytes: int = 5 * 2**30, digits: int = 5, resume: bool = False):
+    def __init__(self, out: str | Path, *, max_shard_bytes: int = 5 * 2**30, digits: int = 5, resume: bool = False,
+                 owns: Callable[[int], bool] | None = None):
         self.out = Path(out)
         self.tmp = self.out.with_name(self.out.name + ".partial")
         self.max_shard_bytes = max_shard_bytes
@@ -534,6 +539,8 @@ class CheckpointWriter:
         self._buf: dict[str, torch.Tensor] = {}
         self._buf_bytes = 0
         self._parts = sorted(p.name for p in self.tmp.glob("part-*.safetensors"))
+        self.owns = owns
+        self.written = 0  # parts this process saved
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name in self._buf:
@@ -548,10 +555,12 @@ class CheckpointWriter:
         if not self._buf:
             return
         name = f"part-{len(self._parts):06d}.safetensors"
-        tmp = self.tmp / (name + ".tmp")
-        save_file(dict(sorted(self._buf.items())), str(tmp), metadata={"format": "pt"})
-        faults.point("flush:tmp")
-        os.replace(tmp, self.tmp / name)
+        if self.owns is None or self.owns(len(self._parts)):
+            tmp = self.tmp / (name + ".tmp")
+            save_file(dict(sorted(self._buf.items())), str(tmp), metadata={"format": "pt"})
+            faults.point("flush:tmp")
+            os.replace(tmp, self.tmp / name)
+            self.written += 1
         self._parts.append(name)
         self._buf, self._buf_bytes = {}, 0
 
@@ -563,6 +572,11 @@ class CheckpointWriter:
     def parts(self) -> list[str]:
         """The part files written so far, in order (quantkit.finish names them model-*-of-N)."""
         return list(self._parts)
+
+    def adopt_parts(self, n: int) -> None:
+        """Resume, on a rank other than the one that truncated: the first n parts are the written
+        ones (names only: the files are whoever wrote them)."""
+        self._parts = [f"part-{i:06d}.safetensors" for i in range(n)]
 
     def truncate_parts(self, n: int) -> None:
         """Resume: drop parts written after the last completed layer (a crash mid-layer)."""

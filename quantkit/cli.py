@@ -44,7 +44,9 @@ def user_errors(fn):
         except QuantkitError as e:
             if os.environ.get("QUANTKIT_DEBUG"):
                 raise
-            console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+            from rich.markup import escape
+
+            console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)  # messages quote paths, [x]
             raise typer.Exit(1) from None
 
     return wrapper
@@ -85,6 +87,7 @@ def plan(
     seq_len: Annotated[Optional[int], typer.Option(help="--convert: tokens per calibration sample.")] = None,
     max_host_memory: Annotated[Optional[str], typer.Option(help="--convert: host RAM budget, e.g. 8GB (default: available memory).")] = None,
     max_gpu_memory: Annotated[Optional[str], typer.Option(help="--convert: GPU memory budget (default: the --gpu's).")] = None,
+    nproc: Annotated[int, typer.Option(help="--convert: ranks of an expert-parallel convert (one per GPU; `quantkit convert --nproc`): memory and time per rank.")] = 1,
     validation: Annotated[Optional[Path], typer.Option(help="A validation.json (validate --kv-cache-dtype fp8_e4m3): show the measured FP8 KV delta beside its capacity.")] = None,
     json_out: Json = False,
 ):
@@ -94,7 +97,8 @@ def plan(
         from quantkit.cost import plan_convert_for
 
         cost = plan_convert_for(model, recipe=recipe, gpu=gpu, method=method, num_samples=num_samples, seq_len=seq_len,
-                                group_size=group_size, max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory)
+                                group_size=group_size, max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory,
+                                nproc=nproc)
         if json_out:
             emit_json(cost.to_json())
         else:
@@ -166,6 +170,7 @@ def convert(
     allow_unverified: Unverified = False,
     max_host_memory: Annotated[Optional[str], typer.Option(help="Host RAM budget, e.g. 8GB (default: available memory).")] = None,
     max_gpu_memory: Annotated[Optional[str], typer.Option(help="GPU memory budget, e.g. 120GB (default: the device's).")] = None,
+    nproc: Annotated[Optional[int], typer.Option(help="Ranks on this machine (one per GPU): launches torchrun, which splits each layer's routed experts across them (docs/distributed.md).")] = None,
     json_out: Json = False,
 ):
     """Emit the FP8 prefill and INT4 decode checkpoints from one streaming pass, with calibrated per-expert GPTQ or AWQ."""
@@ -173,6 +178,15 @@ def convert(
 
     if recipe and preset:
         raise typer.BadParameter("give --recipe or --preset, not both")
+    if nproc is not None and nproc > 1 and "WORLD_SIZE" not in os.environ:
+        args = {"--out": out, "--recipe": recipe, "--preset": preset, "--method": method, "--calib": calib,
+                "--num-samples": num_samples, "--seq-len": seq_len, "--group-size": group_size,
+                "--decode-rest": decode_rest, "--device": device, "--max-host-memory": max_host_memory,
+                "--max-gpu-memory": max_gpu_memory}
+        flags = {"--resume": resume, "--no-validate": no_validate, "--trust-remote-code": trust_remote_code,
+                 "--delete-source-after": delete_source_after, "--allow-unverified": allow_unverified, "--json": json_out}
+        argv = [model] + [str(a) for k, v in args.items() if v is not None for a in (k, v)] + [k for k, v in flags.items() if v]
+        raise typer.Exit(_torchrun(nproc, ["convert", *argv]))
     try:
         result = run_convert(model, out, recipe=recipe or preset, method=method, calib=calib, num_samples=num_samples,
                              seq_len=seq_len, group_size=group_size, decode_rest=decode_rest, device=device, resume=resume,
@@ -183,6 +197,8 @@ def convert(
         console.print(f"[red]interrupted:[/red] {out} is not complete; run the same command with --resume to continue "
                       "from the last completed layer", highlight=False, soft_wrap=True)
         raise typer.Exit(130) from None
+    if result.rank:  # a multi-rank convert's other ranks: rank 0 prints
+        return
     if json_out:
         emit_json(result.to_json() | ({"validation": result.validation.to_json()} if result.validation else {}))
     else:
@@ -265,6 +281,23 @@ def verify(
         for p in result.problems:
             console.print(f"[red]{p}[/red]", highlight=False, soft_wrap=True)
     result.raise_for_problems()
+
+
+def _torchrun(nproc: int, argv: list[str]) -> int:
+    """`quantkit ... --nproc N`: run `python -m torch.distributed.run --standalone --nproc-per-node N
+    -m quantkit ARGV` (one machine, a free rendezvous port) and return its exit status. torchrun
+    stops every rank when one fails (quantkit.distributed)."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "quantkit", *argv]
+    console.print(f"launching {nproc} ranks: {' '.join(cmd[2:])}", highlight=False, soft_wrap=True)
+    rc = subprocess.run(cmd).returncode
+    if rc:
+        console.print(f"[red]error:[/red] a rank failed (exit {rc}; torchrun's summary above names it, and the first "
+                      "failure is the cause); the completed layers are saved: rerun the same command with --resume",
+                      highlight=False, soft_wrap=True)
+    return rc
 
 
 def _gates_failed(result) -> None:

@@ -41,8 +41,8 @@ from safetensors.torch import load_file, save_file
 from quantkit import __version__
 from quantkit.calibrate import attention_pass, convert_experts
 from quantkit.checkpoint import Checkpoint, CheckpointWriter, file_sha256
-from quantkit import faults
-from quantkit.errors import OutputError
+from quantkit import distributed, faults
+from quantkit.errors import ConfigError, OutputError
 from quantkit.formats import fp8, int4
 from quantkit.experts import (
     HOLDOUT, ExpertRecord, calibration_inputs, expert_weights, rtn_expert, run_gptq,
@@ -69,6 +69,7 @@ class ConvertResult:
     decode: Path
     report: dict[str, Any]
     validation: Any = None  # quantkit.validation.ValidationResult when convert ran validate
+    rank: int = 0  # a multi-rank convert's other ranks (> 0) return an empty report: rank 0 has the real one
 
     def to_json(self) -> dict[str, Any]:
         return self.report
@@ -316,8 +317,12 @@ def _owned_output(fn):
         from quantkit.outlock import acquire
         from quantkit.reference import resolve_device
 
+        from quantkit.distributed import from_env
+
         resolve_device(device)
         out = Path(out)
+        if not from_env().leader:  # a multi-rank convert: rank 0 owns the folder for all
+            return fn(model, out, *args, device=device, **kwargs)
         lock = acquire(out, "convert")
         if lock.took_over:
             logger.warning("%s: took over the lock of a run that died (pid %s on %s)", out,
@@ -424,6 +429,13 @@ def convert(
                            decode_rest=decode_rest)
     G = rec.group_size
     dev = resolve_device(device)
+    # torchrun: join the other ranks (quantkit.distributed); a plain run is SINGLE and this is a no-op
+    group, dev = distributed.init(dev)
+    if group.distributed and delete_source_after:
+        raise ConfigError("--delete-source-after: ranks share the source's files; with several ranks pull the model "
+                          "first (quantkit pull) and convert the local folder")
+    progress = progress and group.leader
+    validate = validate and group.leader
 
     # decisions for every tensor, up front (a dry run of the whole conversion)
     source_group = _source_int4_group(arch)
@@ -439,7 +451,8 @@ def convert(
     state_dir = out / STATE_DIR
     from quantkit.finish import finish_pair, journal
 
-    shutil.rmtree(out / (STATE_DIR + ".done"), ignore_errors=True)  # a finished run's state, left by a crash
+    if group.leader:
+        shutil.rmtree(out / (STATE_DIR + ".done"), ignore_errors=True)  # a finished run's state, left by a crash
     if resume and (out / "convert-report.json").is_file() and not state_dir.exists():
         report = json.loads((out / "convert-report.json").read_text())  # the interrupted run had finished
         return _done(ConvertResult(out, out / "prefill", out / "decode", report), validate, device, progress)
@@ -465,10 +478,12 @@ def convert(
         if state.fingerprint != fingerprint:
             raise OutputError(f"{state_dir}: the interrupted run used another source, recipe or calibration; "
                               "rerun without --resume (or restore them)")
-    elif state_dir.exists():
+    elif state_dir.exists() and group.leader:
         if not resume:
             shutil.rmtree(state_dir)
-    state_dir.mkdir(exist_ok=True)
+    if group.leader:
+        state_dir.mkdir(exist_ok=True)
+    group.barrier("starting")  # every rank has read the state rank 0 will overwrite, and sees its folder
     from quantkit.cost import plan_convert, quantized_fraction
 
     cost = plan_convert(arch, method=rec.method, group_size=G, num_samples=rec.calibration.num_samples,
@@ -477,7 +492,7 @@ def convert(
                         source_bytes=sum(ckpt.storage_bytes(n) for n in ckpt.tensors),
                         output_bytes=_predicted_bytes(ckpt, decisions, G), max_shard_bytes=max_shard_bytes,
                         validate=rec.validate if validate else None, activation_dtype=activation_dtype,
-                        quantized=quantized_fraction(ckpt, decisions))
+                        quantized=quantized_fraction(ckpt, decisions), nproc=group.world)
     if progress:
         from rich.console import Console
 
@@ -489,11 +504,21 @@ def convert(
     digits = _shard_digits(ckpt)
     wp = wd = None
     if not finishing:
-        _check_disk(ckpt, decisions, out, G, extra=cost.disk["resume_state"])
-        wp = CheckpointWriter(out / "prefill", digits=digits, resume=resume, max_shard_bytes=max_shard_bytes)
-        wd = CheckpointWriter(out / "decode", digits=digits, resume=resume, max_shard_bytes=max_shard_bytes)
-        wp.truncate_parts(state.prefill_parts)
-        wd.truncate_parts(state.decode_parts)
+        # several ranks: all add the same tensors, so all cut the same parts; part i of prefill is
+        # saved by rank i % world, of decode by rank (i + 1) % world (a layer's two parts, two ranks)
+        owns = [(lambda i, k=k: (i + k) % group.world == group.rank) if group.distributed else None for k in (0, 1)]
+        if group.leader:
+            _check_disk(ckpt, decisions, out, G, extra=cost.disk["resume_state"])
+            wp = CheckpointWriter(out / "prefill", digits=digits, resume=resume, max_shard_bytes=max_shard_bytes, owns=owns[0])
+            wd = CheckpointWriter(out / "decode", digits=digits, resume=resume, max_shard_bytes=max_shard_bytes, owns=owns[1])
+            wp.truncate_parts(state.prefill_parts)
+            wd.truncate_parts(state.decode_parts)
+        group.barrier("opening the outputs")  # rank 0 has cleared or truncated them
+        if not group.leader:
+            wp = CheckpointWriter(out / "prefill", digits=digits, resume=True, max_shard_bytes=max_shard_bytes, owns=owns[0])
+            wd = CheckpointWriter(out / "decode", digits=digits, resume=True, max_shard_bytes=max_shard_bytes, owns=owns[1])
+            wp.adopt_parts(state.prefill_parts)
+            wd.adopt_parts(state.decode_parts)
     pair = PairWriter(ckpt, wp, wd)
     pair.differ = list(state.differ)
 
@@ -509,7 +534,9 @@ def convert(
         ctx = Context.build(arch, ids.shape[1], dev, dtype, kv=KVAbsmax())  # measures what the KV cache holds
         # seq_len <= index_topk: the DSA indexer selects every causal key, so no selection is made or kept
         ctx.dsa_dense = arch.has_dsa and ids.shape[1] <= arch.index_topk
-        store = ActivationStore(*ids.shape, arch.hidden_size, cost.store, dev, state_dir)
+        work = state_dir if group.leader else state_dir / f"rank-{group.rank}"  # a disk-backed store's files
+        work.mkdir(exist_ok=True)
+        store = ActivationStore(*ids.shape, arch.hidden_size, cost.store, dev, work)
         topks = [None] * len(list(store.slices()))
 
     with bar:
@@ -526,7 +553,9 @@ def convert(
             ckpt.release_finished()
             state.next_layer = 0
             state.prefill_parts, state.decode_parts = wp.num_parts, wd.num_parts
-            _save_state(state_dir, state, store, topks)
+            group.barrier("after the embeddings")
+            if group.leader:
+                _save_state(state_dir, state, store, topks)
         elif tokens is not None:
             topks = _load_hidden(state_dir, len(topks), store, dev)
         bar.update(state.next_layer)
@@ -556,13 +585,14 @@ def convert(
                 kv_stats = write_kv_scales(pair, pre, ctx.kv, layer)
             t_attention = time.time() - t0
             records: list[ExpertRecord] = []
+            shares: dict = {}  # multi-rank: each rank's part of this layer's experts
             if arch.is_moe(layer) and calibrate:  # h += routed experts under the decode weights
                 records = convert_experts(ckpt, pair, decisions, layer, store, routing, rec, G, rec.method,
-                                                   dtype, dev, bar, cost.expert_chunk)
+                                          dtype, dev, bar, cost.expert_chunk, group, shares)
                 del routing
             elif arch.is_moe(layer):  # no calibration (RTN, or an MTP layer): round to nearest
                 records = convert_experts(ckpt, pair, decisions, layer, None, None, rec, G, "rtn", dtype, dev,
-                                                   bar, cost.expert_chunk)
+                                          bar, cost.expert_chunk)
                 if mtp:
                     for r in records:
                         if r.method != "reused":
@@ -570,15 +600,18 @@ def convert(
             pair.flush()
             faults.point("layer:written")
 
-            state.experts += [vars(r) for r in records]
+            state.experts += [_record(r) for r in records]
             state.layers.append({"layer": layer, "kind": "mtp" if mtp else ("moe" if arch.is_moe(layer) else "dense"),
                                  "seconds": round(time.time() - t0, 3), "attention_seconds": round(t_attention, 3),
                                  "calibrated": calibrate and arch.is_moe(layer),
-                                 **({"kv_cache": kv_stats} if kv_stats else {})})
+                                 **({"kv_cache": kv_stats} if kv_stats else {}),
+                                 **({"ranks": shares} if shares else {})})
             state.next_layer = layer + 1
             state.prefill_parts, state.decode_parts = wp.num_parts, wd.num_parts
             state.differ = pair.differ
-            _save_state(state_dir, state, store, topks)
+            group.barrier(f"end of layer {layer}")  # ranks stay in step; a dead one stops the others here at the latest
+            if group.leader:
+                _save_state(state_dir, state, store, topks)
             del w
             ckpt.release_finished()
             bar.update(layer + 1)
@@ -600,15 +633,48 @@ def convert(
     if store is not None:
         store.close()
     if wp is not None:
-        pair.flush()
+        pair.flush()  # (empty after the last layer) every rank, so that all agree on the parts
         parts = {"prefill": wp.parts, "decode": wd.parts}
+    # every rank has written its parts and is done with the state folder (rank 0 finishes alone)
+    used = group.all_gather_object({"peak_rss": _peak_rss(), "parts": wp.written + wd.written if wp else 0},
+                                   "before the finish")
+    distributed.close(group)
+    if not group.leader:
+        return ConvertResult(out, out / "prefill", out / "decode", {}, rank=group.rank)
     report = finish_pair(
         out, state_dir, parts, digits, {"prefill": prefill_cfg, "decode": decode_cfg}, carried, set(state.differ),
         lambda manifests: _report(model, src_path, source_files, rec, tokens, state, ckpt, decisions, out, t_start, G,
-                                  block, manifests) | {"kv_cache": kv_cache_report(state.layers), "cost": cost.to_json()},
+                                  block, manifests) | {"kv_cache": kv_cache_report(state.layers), "cost": cost.to_json(),
+                                                       "distributed": _distributed_report(group, state, used)},
     )
     return _done(ConvertResult(out, out / "prefill", out / "decode", report), validate, device, progress,
                  {"max_host_memory": max_host_memory, "max_gpu_memory": max_gpu_memory})
+
+
+def _record(r: ExpertRecord) -> dict:
+    """An expert's report entry; `rank` (who quantized it) only in a multi-rank convert."""
+    return {k: v for k, v in vars(r).items() if k != "rank" or v is not None}
+
+
+def _distributed_report(group, state: State, used: list[dict]) -> dict:
+    """The job's shape, each rank's share of the experts over all layers, the parts it wrote (this
+    run) and its peak RSS (quantkit.distributed)."""
+    if not group.distributed:
+        return {"world": 1}
+    shares = [lay["ranks"] for lay in state.layers if "ranks" in lay]
+    world = max([group.world] + [len(s["experts"]) for s in shares])  # a resumed run may have had more ranks
+    experts, tokens, seconds = [0] * world, [0] * world, [0.0] * world
+    for share in shares:
+        for r, (n, t, sec) in enumerate(zip(share["experts"], share["tokens"], share["seconds"])):
+            experts[r] += n
+            tokens[r] += t
+            seconds[r] += sec
+    return {"world": group.world, "backend": group.backend, "experts_per_rank": experts, "tokens_per_rank": tokens,
+            "quantize_seconds_per_rank": [round(s, 3) for s in seconds],
+            "parts_written_per_rank": [u["parts"] for u in used],
+            "peak_rss_bytes_per_rank": [u["peak_rss"] for u in used],
+            "redundant": "every rank runs attention, routing and the routed outputs for all calibration tokens, "
+                         "and computes every stored tensor; each writes the parts it owns"}
 
 
 def _done(result: ConvertResult, validate: bool, device, progress, budgets: dict | None = None) -> ConvertResult:

@@ -36,6 +36,12 @@ C experts per chunk, B samples per micro-batch, w = 4 bytes per float32; compute
 On a GPU, layer/store/routing/attention/experts are device memory, base/writer and the source's
 pages host memory (plus the store when it lives in pinned host memory).
 
+Several ranks (`nproc`, quantkit.distributed: torchrun, one rank per GPU): every figure is per
+rank. Each rank runs the whole single-process layer loop except the routed experts' Hessians and
+GPTQ, which are split (balanced by routed tokens, so divided by nproc); memory adds `received`,
+every INT4 expert of a layer quantized (int8 q + bf16 scales), which each rank holds between the
+exchange and the h update; time adds `exchange`, broadcasting them.
+
 Time is FLOPs over a sustained rate per device (CPU_FLOPS_PER_THREAD measured on the 2-core test
 machine, GPTQ's column loop at CPU_GPTQ_EFFICIENCY of it; GPU rates from the data sheet at the
 efficiency stated in GPU_SPECS), bytes over disk bandwidth (reading overlapped with compute: the
@@ -75,6 +81,10 @@ CPU_FLOPS_PER_THREAD = 95e9
 # tokens and checked on the real-shape Kimi ones (docs/benchmarks.md).
 CPU_GPTQ_EFFICIENCY = 0.4
 CPU_DISK = 1.0e9  # bytes/s read or written
+# the multi-rank exchange (quantkit.distributed): NCCL over NVLink at a conservative share of its
+# 450 GB/s per direction for broadcasts; gloo over loopback TCP on one host
+NVLINK_BYTES = 100e9
+GLOO_BYTES = 1.0e9
 # GPU: float32 (no TF32) matmul at 50% of the data sheet; NVMe at 2 GB/s; GPTQ's per-column step
 # is ~12 small kernels, launch bound.
 GPU_SPECS: dict[str, dict[str, float]] = {
@@ -201,6 +211,7 @@ class ConvertCost:
     notes: list[str] = field(default_factory=list)
     fits: bool = True
     reason: str = ""
+    nproc: int = 1  # ranks (quantkit.distributed); memory and time are per rank, all ranks in parallel
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -213,8 +224,9 @@ class ConvertCost:
         s = self.store
         dev = f", peak device {self.peak_device / GB:.2f} GB of {self.gpu_budget / GB:.1f}" if self.peak_device else ""
         where = "disk" if s.backing == "disk" else ("device" if s.location == "device" and self.device != "cpu" else "host")
+        ranks = f" per rank ({self.nproc} ranks)" if self.nproc > 1 else ""
         lines = [
-            f"predicted: peak host {self.peak_host / GB:.2f} GB of {self.host_budget / GB:.1f} GB budget{dev}; "
+            f"predicted{ranks}: peak host {self.peak_host / GB:.2f} GB of {self.host_budget / GB:.1f} GB budget{dev}; "
             f"time {_hms(sum(self.seconds.values()))} ("
             + ", ".join(f"{k} {_hms(v)}" for k, v in self.seconds.items()) + ")",
             f"  activations: {self.tokens} tokens in {str(s.dtype).removeprefix('torch.')} on {where}, "
@@ -269,6 +281,22 @@ def _expert_mb_bytes(x: LayerShapes, B: int, T: int) -> int:
     return n * F32 * (3 * x.hidden + 3 * x.expert_width) + x.hidden * x.hidden * F32  # + all-token H
 
 
+def expert_flops(D: int, I: int) -> tuple[float, float]:
+    """(FLOPs per routed token, FLOPs per expert) of one routed expert's calibrated quantization,
+    hidden D, expert width I: the Hessians grow with its tokens (gate/up's D x D, the quantized
+    gate/up run on them, down's I x I); GPTQ's lazy updates and the two factorizations do not."""
+    per_token = 2 * D * D + 2 * 2 * I * D + 2 * I * I
+    per_expert = 2 * (2 * I) * D * D + 2 * D * I * I + (D**3 + I**3)
+    return per_token, per_expert
+
+
+def expert_fixed_tokens(arch) -> float:
+    """An expert's GPTQ work in routed tokens' worth of Hessian work: the constant that
+    quantkit.distributed.partition adds to each expert's token count when it balances ranks."""
+    per_token, per_expert = expert_flops(arch.hidden_size, arch.moe_intermediate_size)
+    return per_expert / per_token
+
+
 def plan_convert(
     arch,
     *,
@@ -287,6 +315,7 @@ def plan_convert(
     validate=None,
     activation_dtype: str | None = None,
     quantized: float = 1.0,
+    nproc: int = 1,
 ) -> ConvertCost:
     """Settings and predicted cost of converting `arch` (see the module docstring for the terms).
 
@@ -295,6 +324,7 @@ def plan_convert(
 
     output_bytes: (prefill, decode) sizes; validate: the recipe's validate section, or None;
     activation_dtype: "float32" or "bfloat16" to force the store's dtype (default: the budget's choice).
+    nproc: ranks of a multi-rank convert (quantkit.distributed): memory and time per rank.
     """
     x = layer_shapes(arch)
     host = parse_bytes(max_host_memory, "--max-host-memory") or available_host_memory()
@@ -386,16 +416,26 @@ def plan_convert(
     store = StorePlan(dtype=dt, backing=backing, location=location, micro_batch=min(B, max(N, 1)))
     work = max(phase_attention(B), phase_experts(B, C))
 
+    # multi-rank: a layer's INT4 experts, quantized (int8 q, bf16 scale per group), held by every rank
+    # from the exchange to the end of the h update; the chunk size stays the single-process one
+    E4 = round(quantized * x.experts)  # a layer's experts that are quantized: what ranks split and exchange
+    shared_work = nproc > 1 and calibrate and method != "rtn" and E4 > 0
+    received = E4 * 3 * x.expert_width * D * (1 + 2 / group_size) if shared_work else 0
     memory = {"base": BASE_BYTES, "writer": writer, "store": store_b, "routing": routing,
               "dense_layer": w_dense, "moe_layer": w_moe, "load_transient": transient,
               "attention": _attention_bytes(x, B, T) if calibrate else 0,
-              "experts": phase_experts(B, C) - w_moe, "work": work}
+              "experts": phase_experts(B, C) - w_moe, "work": work, "received": int(received)}
     if on_gpu:
-        peak_device = (store_b if location == "device" else 0) + routing + work
+        peak_device = (store_b if location == "device" else 0) + routing + work + received
         peak_host = host_fixed + (store_b if location == "host" else 0) + transient
     else:
         peak_device = None
-        peak_host = host_fixed + store_b + routing + work
+        peak_host = host_fixed + store_b + routing + work + received
+    if fits and received and (peak_device if on_gpu else peak_host) > budget:
+        fits = False
+        knob = "--max-gpu-memory" if on_gpu else "--max-host-memory"
+        reason = (f"{nproc} ranks: each holds a layer's {E4} quantized experts ({received / GB:.1f} GB) on top of the "
+                  f"single-process work; raise {knob} or use fewer ranks")
     if calibrate and store.dtype == torch.bfloat16 and activation_dtype is None:
         notes.append("hidden states stored in bfloat16 (float32 does not fit the budget)")
     if calibrate and x.has_dsa and T > x.index_topk:
@@ -419,11 +459,13 @@ def plan_convert(
     attn_flops += tokens * 2 * 3 * D * (x.dense_width * (L - Lm) + x.shared_width * Lm)  # dense MLP / shared expert
     routed = tokens * x.topk  # token-expert pairs per MoE layer
     gptq_on = calibrate and method in ("gptq", "awq")
-    hess_flops = quantized * routed * (2 * D * D + 2 * 2 * I * D + 2 * I * I) * Lm if gptq_on else 0
+    # the experts that get Hessians and GPTQ (not the reused source INT4 ones), this rank's part of them
+    share = quantized / (nproc if shared_work else 1)
+    per_token_hess, per_expert_gptq = expert_flops(D, I)
+    hess_flops = share * routed * per_token_hess * Lm if gptq_on else 0
     out_flops = routed * 2 * 3 * I * D * Lm if calibrate else 0
-    per_expert_gptq = 2 * (2 * I) * D * D + 2 * D * I * I + (D**3 + I**3)  # lazy updates + factorizations
-    gptq_flops = quantized * x.experts * Lm * per_expert_gptq if gptq_on else 0
-    chunks = Lm * math.ceil(quantized * x.experts / C)
+    gptq_flops = share * x.experts * Lm * per_expert_gptq if gptq_on else 0
+    chunks = Lm * math.ceil(share * x.experts / C)
     gptq_launch = chunks * (D + I) * LAUNCHES_PER_COLUMN * launch if gptq_on else 0.0
     rtn_flops = x.experts * (x.moe_layers - (Lm if gptq_on else 0)) * 3 * I * D * 20  # RTN'd experts (MTP, or all)
     seconds = {
@@ -438,6 +480,14 @@ def plan_convert(
     # so reading costs only what compute does not cover: the first layer's share, and any excess.
     compute = sum(v for k, v in seconds.items() if k not in ("read", "write"))
     seconds["read"] = seconds["read"] / max(x.layers, 1) + max(0.0, seconds["read"] - compute)
+    if shared_work:  # each rank receives the others' share of every layer's quantized experts
+        seconds["exchange"] = received * (nproc - 1) / nproc * Lm / (NVLINK_BYTES if on_gpu else GLOO_BYTES)
+        notes.append(f"{nproc} ranks: hessians and gptq are split (balanced by routed tokens); read, attention, "
+                     "experts_out are run by every rank for all tokens; write is spread over the ranks, at one "
+                     "disk's bandwidth (docs/distributed.md)")
+    elif nproc > 1:
+        notes.append(f"{nproc} ranks: no expert is quantized here (reused source INT4, or no calibration), so "
+                     "there is nothing to split: every rank repeats the whole run; use one (docs/distributed.md)")
     if method == "awq" and calibrate:
         seconds["gptq"] *= 1.3  # AWQ's scale search on top (measured ~1.3x GPTQ on the tiny models)
         notes.append("awq: the search gathers the layer's MoE inputs and each expert's routed rows (budgeted); "
@@ -457,7 +507,7 @@ def plan_convert(
                        store=store, expert_chunk=C, shard_bytes=shard, memory=memory, peak_host=int(peak_host),
                        peak_device=int(peak_device) if peak_device is not None else None, disk=disk,
                        seconds={k: round(v, 1) for k, v in seconds.items()}, validate_seconds=validate_s,
-                       notes=notes, fits=fits, reason=reason)
+                       notes=notes, fits=fits, reason=reason, nproc=nproc)
 
 
 def plan_convert_for(
@@ -472,10 +522,11 @@ def plan_convert_for(
     max_host_memory: int | str | None = None,
     max_gpu_memory: int | str | None = None,
     validate: bool = True,
+    nproc: int = 1,
 ) -> ConvertCost:
     """`quantkit plan MODEL --convert`: the cost `convert` would predict for MODEL (a preset, a
     folder, a tiny:/realshape: id or hf://org/repo@rev, headers only) with the recipe and overrides,
-    on `gpu` (h200, h100, b200) or on the CPU (`cpu`)."""
+    on `gpu` (h200, h100, b200) or on the CPU (`cpu`); `nproc` ranks (one per GPU) split the experts."""
     from pathlib import Path
 
     from quantkit.arch import arch_from_config, load_preset, preset_names
@@ -500,6 +551,8 @@ def plan_convert_for(
     if is_preset:
         from quantkit.planner import plan as size_plan
 
+        from quantkit.conversion import _source_int4_group
+
         sizes = size_plan(model, group_size=G).checkpoints
         source_bytes = sizes["source"].total_bytes
         out = (sizes["prefill"].total_bytes, sizes["decode"].total_bytes)
@@ -520,7 +573,7 @@ def plan_convert_for(
                         seq_len=rec.calibration.seq_len, calibrate=calibrate, device=device,
                         gpu=None if gpu == "cpu" else gpu, max_host_memory=max_host_memory,
                         max_gpu_memory=max_gpu_memory, source_bytes=source_bytes, output_bytes=out,
-                        validate=rec.validate if validate else None, quantized=quantized)
+                        validate=rec.validate if validate else None, quantized=quantized, nproc=nproc)
 
 
 def quantized_fraction(ckpt, decisions) -> float:

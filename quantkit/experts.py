@@ -49,6 +49,7 @@ class ExpertRecord:
     heldout: int = 0  # tokens the guard judged on
     err: float | None = None  # mean squared expert-output error per held-out token, calibrated weights
     err_rtn: float | None = None  # the same for RTN
+    rank: int | None = None  # multi-rank convert: the rank that quantized it (quantkit.distributed)
 
 
 def expert_weights(w: dict[str, torch.Tensor], e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

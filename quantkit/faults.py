@@ -8,8 +8,11 @@ n-th time (default the first) that point is reached fail, as
     raise    an InjectedFault exception (in-process tests; `finally` blocks run)
     enospc   OSError(ENOSPC), as a full disk raises it
     interrupt  KeyboardInterrupt, as Ctrl-C raises it
+    hang     sleep forever, as a stuck rank (a wedged GPU, a dead NFS mount) would
 
 `points()` lists the points reached by a run (QUANTKIT_FAULT_LOG=<file> appends one per line).
+In a multi-rank convert (quantkit.distributed) every rank inherits QUANTKIT_FAULT; with
+QUANTKIT_FAULT_RANK=<r> only rank r (torchrun's RANK) fails.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import os
 import signal
 
 _seen: dict[str, int] = {}
-_MODES = ("kill", "raise", "enospc", "interrupt")
+_MODES = ("kill", "raise", "enospc", "interrupt", "hang")
 
 
 class InjectedFault(BaseException):
@@ -35,7 +38,7 @@ def point(name: str) -> None:
     if log:
         with open(log, "a") as f:
             f.write(f"{name}#{n}\n")
-    if not spec:
+    if not spec or os.environ.get("QUANTKIT_FAULT_RANK", os.environ.get("RANK", "0")) != os.environ.get("RANK", "0"):
         return
     where, _, how = spec.rpartition(":")  # point names contain ':' themselves
     if how not in _MODES:
@@ -49,6 +52,11 @@ def point(name: str) -> None:
         raise KeyboardInterrupt
     if how == "enospc":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    if how == "hang":
+        import time
+
+        while True:
+            time.sleep(3600)
     os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -1,0 +1,244 @@
+"""Expert-parallel convert: the ranks torchrun starts, who quantizes which routed expert, and the
+exchange that gives every rank every expert's result.
+
+Where a convert's time goes: in a calibrated MoE layer, each routed expert's Hessians (one pass
+over the tokens routed to it) and its GPTQ depend on no other expert. So that part is split across
+ranks; everything else is done by every rank, redundantly (design A, docs/distributed.md):
+
+    every rank       load the layer, FP8 the shared tensors, attention + shared expert + routing for
+                     *all* calibration tokens (so h, x and the routing are the same on every rank)
+    rank r           Hessians, GPTQ and the held-out guard for the experts `partition` gives r
+    exchange         each expert's quantized tensors (q, scale) broadcast from its owner, records
+                     all-gathered: every rank then holds every expert's result
+    every rank       h += routed outputs under the decode weights, all experts in ascending order
+    every rank       computes every stored tensor, so all cut the same shards; saves the ones it owns
+                     (part i of prefill: rank i % world; of decode: rank (i + 1) % world)
+    rank 0           the resume state after each layer (after a barrier) and the finish journal
+
+Why the result is byte-identical to a single-process run: every rank runs the single-process code
+on the same inputs in the same order, except that an expert's GPTQ batch holds other experts
+(its rank's chunk instead of the single-process chunk). GPTQ's batched ops (Cholesky, bmm,
+per-row reductions) treat batch members independently, so an expert's bytes do not depend on
+its chunk; tests/test_distributed.py checks this (chunks of 16, 3 and 1 give one output) and
+that 2 ranks equal 1.
+
+A single process (no torchrun, or WORLD_SIZE=1) is `SINGLE`: no torch.distributed at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+from quantkit.errors import ConfigError, OutputError
+
+TIMEOUT_S = 1800  # a collective waits this long for a peer (QUANTKIT_DIST_TIMEOUT overrides), then fails
+
+
+@dataclass(frozen=True)
+class Group:
+    """This process's place in the job. world 1: a plain single-process convert."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    backend: str | None = None  # gloo | nccl, None when single
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    @property
+    def leader(self) -> bool:
+        """Rank 0: the one that writes files, saves the resume state and prints progress."""
+        return self.rank == 0
+
+    def barrier(self, what: str = "waiting for the other ranks") -> None:
+        if self.distributed:
+            import torch.distributed as dist
+
+            with peers(self, what):
+                dist.barrier()
+
+    def all_gather_object(self, obj, what: str = "exchanging results") -> list:
+        if not self.distributed:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list = [None] * self.world
+        with peers(self, what):
+            dist.all_gather_object(out, obj)
+        return out
+
+    def comm_device(self, dev: torch.device) -> torch.device:
+        """Where tensors must be for a collective: NCCL's on this rank's GPU, gloo's on the host."""
+        return dev if self.backend == "nccl" else torch.device("cpu")
+
+
+SINGLE = Group()
+
+
+class PeerLost(OutputError):
+    """A collective failed: another rank died (its connection closed) or stopped answering."""
+
+
+@contextlib.contextmanager
+def peers(g: Group, what: str):
+    """Turn a failed collective into one line that says what happened and what to do. gloo and
+    NCCL raise RuntimeError (DistBackendError is one) when a peer's connection closes or the
+    timeout passes; torchrun's agent then stops every rank, so the job never hangs."""
+    try:
+        yield
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = re.sub(r"^\[[^\]]*\]\s*", "", first)[:200]  # gloo prefixes its source file and line
+        raise PeerLost(f"rank {g.rank} of {g.world}: {what}: another rank died or did not answer within "
+                       f"{timeout_s():.0f}s (QUANTKIT_DIST_TIMEOUT; {first}); the completed layers are saved: "
+                       "see the failing rank's log, then rerun the same command with --resume") from None
+
+
+def from_env() -> Group:
+    """The group torchrun describes in the environment (RANK, WORLD_SIZE, LOCAL_RANK), without
+    joining it; SINGLE outside torchrun."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return SINGLE
+    try:
+        rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
+    except KeyError as e:
+        raise ConfigError(f"WORLD_SIZE={world} but {e.args[0]} is not set: start a multi-rank convert with "
+                          "`torchrun --nproc-per-node N -m quantkit convert ...` or `quantkit convert --nproc N`") from None
+    return Group(rank=rank, world=world, local_rank=local)
+
+
+def timeout_s() -> float:
+    return float(os.environ.get("QUANTKIT_DIST_TIMEOUT", TIMEOUT_S))
+
+
+def init(device: torch.device) -> tuple[Group, torch.device]:
+    """Join torchrun's process group (NCCL on CUDA, gloo on CPU) with a finite collective timeout,
+    so that a dead or stuck peer becomes an error rather than a hang. Returns the group and this
+    rank's compute device (cuda:LOCAL_RANK on a GPU). Single process: (SINGLE, device) untouched."""
+    g = from_env()
+    if not g.distributed:
+        return SINGLE, device
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        if device.index is not None and g.world > 1:
+            raise ConfigError(f"--device {device}: with several ranks each uses cuda:LOCAL_RANK; pass --device cuda")
+        if g.local_rank >= torch.cuda.device_count():
+            raise ConfigError(f"rank {g.rank}: LOCAL_RANK {g.local_rank} but this machine has "
+                              f"{torch.cuda.device_count()} CUDA device(s); use --nproc-per-node <= that")
+        device = torch.device("cuda", g.local_rank)
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s()),
+                                **({"device_id": device} if backend == "nccl" else {}))
+    return Group(rank=g.rank, world=g.world, local_rank=g.local_rank, backend=backend), device
+
+
+def close(g: Group) -> None:
+    if g.distributed:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ---- who quantizes what ------------------------------------------------------------------------
+def partition(counts: dict[int, int], world: int, fixed: float = 0.0) -> dict[int, int]:
+    """expert -> rank, balancing the work: greedy longest-processing-time over the experts' costs
+    `counts[e] + fixed` (routed tokens, plus GPTQ's per-expert work expressed in tokens: an expert's
+    Hessians grow with its tokens, its factorization does not). Largest first, ties by expert index,
+    each to the least-loaded rank (ties by rank): deterministic, so every rank computes the same map
+    from the same counts. LPT's makespan is within 4/3 of the optimum."""
+    load = [0.0] * world
+    owner: dict[int, int] = {}
+    for e in sorted(counts, key=lambda e: (-(counts[e] + fixed), e)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owner[e] = r
+        load[r] += counts[e] + fixed
+    return owner
+
+
+def check_same(g: Group, value: torch.Tensor, what: str) -> None:
+    """Raise when ranks disagree on `value` (e.g. a layer's routing counts): the redundant attention
+    was meant to give every rank the same h, and a partition built on different counts would leave
+    experts to no rank or two. Happens only with non-deterministic kernels."""
+    if not g.distributed:
+        return
+    seen = g.all_gather_object(value.detach().cpu().tolist(), what)
+    if any(s != seen[0] for s in seen):
+        bad = [r for r, s in enumerate(seen) if s != seen[0]]
+        raise OutputError(f"{what}: ranks {bad} computed different values from rank 0 (non-deterministic kernels?); "
+                          "run single-process, or report this with the device and torch version")
+
+
+# ---- the exchange ------------------------------------------------------------------------------
+def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+
+
+def _unpack(buf: torch.Tensor, meta: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    out, at = [], 0
+    for shape, dtype in meta:
+        n = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        out.append(buf[at:at + n].clone().view(dtype).reshape(shape))  # clone: an aligned, owned copy
+        at += n
+    return out
+
+
+def exchange_experts(g: Group, owner: dict[int, int], mine: dict[int, dict], dev: torch.device) -> dict[int, dict]:
+    """Give every rank every expert's quantized weights: `mine` holds this rank's results
+    (expert -> {proj: QuantizedWeight}); each expert's tensors go out from its owner as one byte
+    buffer (one broadcast per expert, in ascending expert order on every rank). Returns all
+    experts' results, on `dev`."""
+    from quantkit.gptq import QuantizedWeight
+
+    if not g.distributed:
+        return dict(mine)
+    import torch.distributed as dist
+
+    cdev = g.comm_device(dev)
+    # shapes and dtypes first (a few hundred bytes per expert), so that receivers can allocate
+    local = {e: [(p, tuple(q.q.shape), q.q.dtype, tuple(q.scale.shape), q.scale.dtype) for p, q in sorted(qs.items())]
+             for e, qs in mine.items()}
+    metas: dict[int, list] = {}
+    for part in g.all_gather_object(local, "exchanging quantized experts' shapes"):
+        metas.update(part)
+    missing = sorted(set(owner) - set(metas))
+    if missing:
+        raise OutputError(f"experts {missing}: no rank quantized them (the partition and the ranks' results disagree)")
+    result: dict[int, dict] = {}
+    for e in sorted(owner):
+        layout = [(s, d) for _, qs, qd, ss, sd in metas[e] for s, d in ((qs, qd), (ss, sd))]
+        if owner[e] == g.rank:
+            qs = mine[e]
+            buf = _pack([t for p, *_ in metas[e] for t in (qs[p].q, qs[p].scale)]).to(cdev)
+        else:
+            size = sum(torch.Size(s).numel() * torch.empty(0, dtype=d).element_size() for s, d in layout)
+            buf = torch.empty(size, dtype=torch.uint8, device=cdev)
+        with peers(g, f"receiving expert {e} from rank {owner[e]}"):
+            dist.broadcast(buf, src=owner[e])
+        if owner[e] == g.rank:
+            result[e] = mine[e]
+        else:
+            ts = _unpack(buf, layout)
+            result[e] = {p: QuantizedWeight(ts[2 * i].to(dev), ts[2 * i + 1].to(dev)) for i, (p, *_) in enumerate(metas[e])}
+        del buf
+    return result
+
+
+def exchange_records(g: Group, records: list) -> list:
+    """Every rank's ExpertRecords, merged in expert order."""
+    if not g.distributed:
+        return records
+    merged = [r for part in g.all_gather_object(records, "exchanging expert records") for r in part]
+    return sorted(merged, key=lambda r: r.expert)

@@ -1,0 +1,256 @@
+"""Expert-parallel convert (quantkit.distributed): 2 ranks under torchrun (gloo, CPU) write the
+bytes 1 rank does; a killed or hung rank stops the job within a bounded time and --resume completes
+it; the partition balances routed tokens; the planner divides what is split and says what is not."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantkit import distributed
+from quantkit.cost import expert_fixed_tokens, plan_convert_for
+from quantkit.gptq import gptq
+
+# a small calibration: the tiny models convert in about a second, so a run is mostly torch's import
+CALIB = ["--num-samples", "8", "--seq-len", "64", "--no-validate"]
+MODELS = {"glm": "tiny:glm-5.2", "kimi": "tiny:kimi-k2.6"}
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUANTKIT_FAULT")}
+    # float reductions depend on the thread count: every process of a comparison uses one
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]), **extra)
+    return env
+
+
+def _single(model: str, out: Path, *args: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "quantkit", "convert", model, "--out", str(out), *CALIB, *args],
+                          capture_output=True, text=True, env=_env(**env), timeout=600)
+
+
+def _torchrun(model: str, out: Path, *args: str, nproc: int = 2, **env) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "quantkit", "convert", model, "--out", str(out), *CALIB, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=_env(**env), timeout=600)
+
+
+def _files(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for which in ("prefill", "decode")
+            for p in sorted((out / which).iterdir())}
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread, as the subprocesses run (two threads on a loaded 2-core machine crawl)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> dict[str, Path]:
+    """One single-process convert per tiny model: the bytes every multi-rank run must equal."""
+    outs = {}
+    for key, model in MODELS.items():
+        out = tmp_path_factory.mktemp("single") / key
+        done = _single(model, out, "--json")
+        assert done.returncode == 0, done.stderr[-3000:]
+        outs[key] = out
+    return outs
+
+
+# ---- the partition -----------------------------------------------------------------------------
+def test_partition_balances_routed_tokens_not_indices():
+    counts = {0: 900, 1: 10, 2: 10, 3: 10, 4: 500, 5: 400, 6: 20, 7: 30}
+    owner = distributed.partition(counts, 2)
+    load = [sum(c for e, c in counts.items() if owner[e] == r) for r in range(2)]
+    assert sorted(load) == [940, 940]  # 900+10+30 and 500+400+20+10+10: exact here
+    assert owner == distributed.partition(dict(reversed(counts.items())), 2)  # deterministic, order-free
+    # by index it would be 0-3 vs 4-7 (930 vs 950); the largest expert goes alone-first to rank 0
+    assert owner[0] == 0 and set(owner) == set(counts)
+
+
+def test_partition_fixed_cost_spreads_expert_counts():
+    counts = {e: (1000 if e == 0 else 1) for e in range(9)}
+    by_tokens = distributed.partition(counts, 2)
+    assert sum(r == 0 for r in by_tokens.values()) == 1  # tokens only: expert 0 alone, 8 on the other rank
+    both = distributed.partition(counts, 2, fixed=1000.0)  # GPTQ's per-expert work counts too
+    assert sorted(sum(r == k for r in both.values()) for k in range(2)) == [4, 5]
+
+
+def test_partition_ties_go_by_index_and_rank():
+    assert distributed.partition({e: 5 for e in range(6)}, 3) == {0: 0, 1: 1, 2: 2, 3: 0, 4: 1, 5: 2}
+    assert distributed.partition({}, 4) == {} and distributed.partition({3: 1}, 4) == {3: 0}
+
+
+def test_single_process_is_not_distributed(monkeypatch):
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    g, dev = distributed.init(torch.device("cpu"))
+    assert g is distributed.SINGLE and not g.distributed and g.leader and dev == torch.device("cpu")
+    g.barrier()  # no process group: nothing to wait for
+    assert g.all_gather_object(3) == [3]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(Exception, match="torchrun"):
+        distributed.from_env()
+
+
+# ---- the premise: an expert's GPTQ bytes do not depend on its batch ------------------------------
+def _gptq_batches(device: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(7, 64, 256, generator=g)
+    X = torch.randn(7, 300, 256, generator=g)
+    H = (X.transpose(1, 2) @ X).to(device)  # [7, 256, 256]
+    W = W.to(device)
+    whole = gptq(W, H, 128)
+    for parts in ([3, 4], [1] * 7, [2, 5]):
+        at = 0
+        for n in parts:
+            piece = gptq(W[at:at + n], H[at:at + n], 128)
+            assert torch.equal(piece.q, whole.q[at:at + n]) and torch.equal(piece.scale, whole.scale[at:at + n]), (device, parts)
+            at += n
+
+
+def test_gptq_bytes_do_not_depend_on_the_batch_cpu(one_thread):
+    _gptq_batches("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gptq_bytes_do_not_depend_on_the_batch_cuda():
+    """What makes ranks' own chunks give the single-process bytes on GPUs (cuBLAS/cuSOLVER batched)."""
+    _gptq_batches("cuda")
+
+
+def test_expert_chunk_does_not_change_the_output(tmp_path, monkeypatch, one_thread):
+    """convert at 16, 3 and 1 experts per chunk: one output (each rank chunks its own experts)."""
+    import quantkit.cost as cost
+    from quantkit.conversion import convert
+
+    plan = cost.plan_convert
+    outs = []
+    for chunk in (16, 3, 1):
+        def forced(*a, chunk=chunk, **k):
+            c = plan(*a, **k)
+            c.expert_chunk = chunk
+            return c
+
+        monkeypatch.setattr(cost, "plan_convert", forced)
+        r = convert("tiny:glm-5.2", tmp_path / str(chunk), num_samples=8, seq_len=64, validate=False, progress=False)
+        assert r.report["cost"]["expert_chunk"] == chunk
+        outs.append(_files(r.out))
+    assert outs[0] == outs[1] == outs[2]
+
+
+# ---- 2 ranks vs 1 --------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_two_ranks_equal_one_glm_via_nproc(single, tmp_path):
+    """`quantkit convert --nproc 2` launches torchrun; GLM's experts are quantized (GPTQ), split 2 ways."""
+    out = tmp_path / "glm2"
+    done = subprocess.run([sys.executable, "-m", "quantkit", "convert", MODELS["glm"], "--out", str(out), *CALIB,
+                           "--nproc", "2", "--json"], capture_output=True, text=True, env=_env(), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _files(out) == _files(single["glm"])
+    report = json.loads((out / "convert-report.json").read_text())
+    d = report["distributed"]
+    assert d["world"] == 2 and d["backend"] == "gloo" and all(n > 0 for n in d["experts_per_rank"])
+    assert all(n > 0 for n in d["parts_written_per_rank"])  # both ranks wrote shards
+    calibrated = [e for e in report["experts"] if e["layer"] < 5]  # MoE layers 1-4 (5 is the MTP layer: RTN, rank 0)
+    assert sum(d["experts_per_rank"]) == len(calibrated) == sum("rank" in e for e in report["experts"]) == 64
+    assert {e["rank"] for e in report["experts"] if "rank" in e} == {0, 1}
+    assert json.loads(done.stdout)["distributed"]["world"] == 2  # one JSON document: rank 0's
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_kimi_via_torchrun(single, tmp_path):
+    """Kimi's experts are reused INT4: nothing to split, everything else redundant; same bytes."""
+    out = tmp_path / "kimi2"
+    done = _torchrun(MODELS["kimi"], out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _files(out) == _files(single["kimi"])
+
+
+# ---- failure: bounded exit, then --resume --------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("point, how, rank, again", [
+    ("layer:written#3", "kill", 1, 2),
+    ("layer:written#3", "kill", 0, 1),
+    ("flush:tmp#3", "kill", 1, 2),  # rank 1 dies while saving a part it owns
+    ("layer:written#3", "hang", 1, 2),
+])
+def test_a_failed_rank_stops_the_job_and_resume_completes(single, tmp_path, point, how, rank, again):
+    """SIGKILL of one rank after its third layer or mid-write (torchrun's agent stops the other),
+    or a hung rank (the others' collective times out after QUANTKIT_DIST_TIMEOUT): non-zero exit
+    within 120 s, then --resume on `again` ranks (1: a plain process) gives the single-process bytes."""
+    out = tmp_path / f"{how}{rank}"
+    t0 = time.time()
+    done = _torchrun(MODELS["glm"], out, QUANTKIT_FAULT=f"{point}:{how}", QUANTKIT_FAULT_RANK=str(rank),
+                     QUANTKIT_DIST_TIMEOUT="10")
+    took = time.time() - t0
+    assert done.returncode != 0 and took < 120, (done.returncode, took)
+    assert not (out / "decode").exists() and (out / ".quantkit-convert" / "state.json").is_file()
+    if how == "hang":  # the survivor says what happened, in one line
+        assert "another rank died or did not answer within 10s" in done.stderr and "--resume" in done.stderr
+    resumed = _torchrun(MODELS["glm"], out, "--resume") if again == 2 else _single(MODELS["glm"], out, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _files(out) == _files(single["glm"])
+
+
+# ---- the planner ---------------------------------------------------------------------------------
+def test_plan_divides_the_split_phases_and_keeps_the_redundant_ones():
+    one, eight = (plan_convert_for("glm-5.2", gpu="h200", nproc=n) for n in (1, 8))
+    assert eight.seconds["hessians"] < one.seconds["hessians"] / 6
+    # GPTQ on a GPU is partly launch-bound per call: a rank's 32 experts are one call, as 64 would be
+    assert one.seconds["gptq"] / 8 < eight.seconds["gptq"] < one.seconds["gptq"] / 4
+    for phase in ("read", "attention", "experts_out", "write"):
+        assert eight.seconds[phase] == one.seconds[phase]
+    assert eight.nproc == 8 and eight.memory["received"] > 0 and eight.peak_device > one.peak_device
+    assert "per rank (8 ranks)" in eight.summary() and any("split" in n for n in eight.notes)
+    kimi = plan_convert_for("kimi-k2.6", gpu="h200", nproc=8)  # reused QAT experts: nothing to split
+    assert kimi.seconds["hessians"] == kimi.seconds["gptq"] == 0 and kimi.memory["received"] == 0
+
+
+def test_fixed_cost_is_gptq_over_hessian_work_per_token(tiny_glm):
+    from quantkit.models import open_checkpoint
+
+    a = open_checkpoint(tiny_glm).arch
+    D, I = a.hidden_size, a.moe_intermediate_size
+    assert expert_fixed_tokens(a) == pytest.approx((4 * I * D * D + 2 * D * I * I + D**3 + I**3)
+                                                   / (2 * D * D + 4 * I * D + 2 * I * I))
+
+
+# ---- the CLI -------------------------------------------------------------------------------------
+def test_convert_nproc_launches_torchrun_with_the_same_options(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from quantkit import cli
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    seen = []
+    monkeypatch.setattr(cli, "_torchrun", lambda n, argv: seen.append((n, argv)) or 7)
+    out = tmp_path / "o"
+    r = CliRunner().invoke(cli.app, ["convert", "tiny:glm-5.2", "--out", str(out), "--num-samples", "8", "--resume",
+                                     "--no-validate", "--max-host-memory", "8GB", "--nproc", "4"])
+    assert r.exit_code == 7  # torchrun's status
+    assert seen == [(4, ["convert", "tiny:glm-5.2", "--out", str(out), "--num-samples", "8", "--device", "auto",
+                         "--max-host-memory", "8GB", "--resume", "--no-validate"])]
+    assert not out.exists()  # nothing ran here
+
+
+def test_plan_convert_nproc_on_the_command_line():
+    from typer.testing import CliRunner
+
+    from quantkit import cli
+
+    r = CliRunner().invoke(cli.app, ["plan", "glm-5.2", "--convert", "--nproc", "8", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["nproc"] == 8 and d["memory"]["received"] > 0 and "exchange" in d["seconds"]
