@@ -346,7 +346,13 @@ def plan_convert(
     routing = tokens * x.topk * 6
     host_fixed = BASE_BYTES + writer
     dev_fixed = (0 if on_gpu else host_fixed) + routing
-    room = budget - dev_fixed
+    # multi-rank: a layer's INT4 experts, quantized (int8 q, bf16 scale per group), held by every rank
+    # from the exchange to the end of the h update; taken from the room before the chunk is sized
+    # (an expert's GPTQ bytes do not depend on its chunk, so the output stays the single-process one)
+    E4 = round(quantized * x.experts)  # a layer's experts that are quantized: what ranks split and exchange
+    shared_work = nproc > 1 and calibrate and method != "rtn" and E4 > 0
+    received = E4 * 3 * x.expert_width * D * (1 + 2 / group_size) if shared_work else 0
+    room = budget - dev_fixed - received
     notes: list[str] = []
 
     def phase_attention(B: int) -> int:
@@ -416,11 +422,6 @@ def plan_convert(
     store = StorePlan(dtype=dt, backing=backing, location=location, micro_batch=min(B, max(N, 1)))
     work = max(phase_attention(B), phase_experts(B, C))
 
-    # multi-rank: a layer's INT4 experts, quantized (int8 q, bf16 scale per group), held by every rank
-    # from the exchange to the end of the h update; the chunk size stays the single-process one
-    E4 = round(quantized * x.experts)  # a layer's experts that are quantized: what ranks split and exchange
-    shared_work = nproc > 1 and calibrate and method != "rtn" and E4 > 0
-    received = E4 * 3 * x.expert_width * D * (1 + 2 / group_size) if shared_work else 0
     memory = {"base": BASE_BYTES, "writer": writer, "store": store_b, "routing": routing,
               "dense_layer": w_dense, "moe_layer": w_moe, "load_transient": transient,
               "attention": _attention_bytes(x, B, T) if calibrate else 0,
