@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from quantkit.activations import ActivationStore
 from quantkit.experts import is_heldout, run_gptq, starved
 from quantkit.gptq import QuantizedWeight
+from quantkit.kvcache import KVAbsmax
 from quantkit.reference import mla_attention, rms_norm, route, swiglu
 
 
@@ -55,14 +56,24 @@ class LayerRouting:
         return self.idx[a:b], self.weight[a:b]
 
 
-def attention_pass(store: ActivationStore, w: dict, ctx, layer: int, topks: list, moe: bool) -> LayerRouting | None:
-    """The attention half (and a dense layer's MLP, or a MoE layer's shared expert), per micro-batch."""
+def attention_pass(store: ActivationStore, w: dict, ctx, layer: int, topks: list, moe: bool,
+                   group=None) -> LayerRouting | None:
+    """The attention half (and a dense layer's MLP, or a MoE layer's shared expert), per micro-batch.
+
+    With several ranks (`group`), each computes only its own micro-batches (Group.owns_batch), then
+    x, the routing and the DSA selections are given to every rank (the experts' Hessians need all
+    tokens), and the KV-cache maxima combined. h stays split until the end of the layer (the
+    routed-expert outputs are added by the same owners; conversion shares h then). Every token's
+    arithmetic is a single process's, so the bytes are too."""
     a = ctx.arch
     eps = a.rms_norm_eps
     x_arr = store.open_x() if moe else None
-    idx, wt, sizes = [], [], []
+    n_batches = sum(1 for _ in store.slices())
+    idx, wt = [None] * n_batches, [None] * n_batches
     small = torch.int16 if a.n_routed_experts < 2**15 else torch.int32
     for i, sl in enumerate(store.slices()):
+        if group is not None and not group.owns_batch(i):
+            continue
         hb = store.h.read(sl)  # (B, T, D) float32
         ctx.topk = topks[i]
         hb += mla_attention(rms_norm(hb, w["input_layernorm.weight"], eps), w, ctx, layer)
@@ -71,9 +82,7 @@ def attention_pass(store: ActivationStore, w: dict, ctx, layer: int, topks: list
         if moe:
             x_arr.write(sl, xb)
             ti, tw = route(xb.reshape(-1, xb.shape[-1]), w, a)  # (B*T, k)
-            idx.append(ti.to(small))
-            wt.append(tw.float())
-            sizes.append(ti.shape[0])
+            idx[i], wt[i] = ti.to(small), tw.float()
             if a.n_shared_experts:
                 p = "mlp.shared_experts."
                 hb += swiglu(xb, w[p + "gate_proj.weight"], w[p + "up_proj.weight"], w[p + "down_proj.weight"])
@@ -81,7 +90,27 @@ def attention_pass(store: ActivationStore, w: dict, ctx, layer: int, topks: list
             hb += swiglu(xb, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
         store.h.write(sl, hb)
         del hb, xb
-    return LayerRouting(idx, wt, sizes, a.n_routed_experts) if moe else None
+    if group is not None and group.distributed:
+        _share_attention(group, store, ctx, layer, topks, idx, wt, moe)
+    return LayerRouting(idx, wt, [len(t) for t in idx], a.n_routed_experts) if moe else None
+
+
+def _share_attention(group, store: ActivationStore, ctx, layer: int, topks: list, idx: list, wt: list,
+                     moe: bool) -> None:
+    """After a split attention pass: every rank gets every micro-batch's x, routing and DSA
+    selection (in place in `topks`, `idx`, `wt`), and the layer's KV-cache maxima over all tokens.
+    The selections are only needed by their owner's next layers, but the resume state (rank 0)
+    keeps them all, and a resumed run may have another number of ranks."""
+    from quantkit import distributed
+
+    dev = store.compute
+    topks[:] = distributed.share_list(group, topks, dev, f"layer {layer}: DSA selections")
+    if moe:
+        distributed.share_rows(group, store, [store.x], f"layer {layer}: MoE inputs")
+        idx[:] = distributed.share_list(group, idx, dev, f"layer {layer}: routed experts")
+        wt[:] = distributed.share_list(group, wt, dev, f"layer {layer}: routing weights")
+    if isinstance(ctx.kv, KVAbsmax):
+        distributed.max_kv(group, ctx.kv, layer)
 
 
 def _tokens(idx_b: torch.Tensor, e: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,10 +118,13 @@ def _tokens(idx_b: torch.Tensor, e: int) -> tuple[torch.Tensor, torch.Tensor]:
     return (idx_b == e).nonzero(as_tuple=True)
 
 
-def _passes(store: ActivationStore, routing: LayerRouting):
-    """(micro-batch index, slice, x as float32 (B*T, D), top-k ids, top-k weights) in order."""
+def _passes(store: ActivationStore, routing: LayerRouting, group=None):
+    """(micro-batch index, slice, x as float32 (B*T, D), top-k ids, top-k weights) in order; with
+    `group`, only the micro-batches that rank owns."""
     D = store.shape[-1]
     for i, sl in enumerate(store.slices()):
+        if group is not None and not group.owns_batch(i):
+            continue
         idx_b, wt_b = routing.batch(i)
         yield i, sl, store.x.read(sl).reshape(-1, D), idx_b, wt_b
 
@@ -221,10 +253,12 @@ def gptq_experts(store: ActivationStore, routing: LayerRouting, ew: dict[str, to
     return quantized, [records[e] for e in sorted(records)]
 
 
-def add_expert_outputs(store: ActivationStore, routing: LayerRouting, weights: dict[int, tuple]) -> None:
-    """h += router weight * expert(x) for the given experts (weights: e -> (gate, up, down)), per micro-batch."""
+def add_expert_outputs(store: ActivationStore, routing: LayerRouting, weights: dict[int, tuple], group=None) -> None:
+    """h += router weight * expert(x) for the given experts (weights: e -> (gate, up, down)), per
+    micro-batch; with several ranks (`group`) only this rank's micro-batches (their h is shared at
+    the end of the layer)."""
     D = store.shape[-1]
-    for i, sl, xb, idx_b, wt_b in _passes(store, routing):
+    for i, sl, xb, idx_b, wt_b in _passes(store, routing, group):
         hb = store.h.read(sl)
         flat = hb.view(-1, D)
         for e, we in weights.items():
@@ -289,7 +323,7 @@ def convert_experts(ckpt, pair, decisions, layer: int, store: ActivationStore | 
             weights = {e: tuple(quantized[e][p].dequantize(dtype).to(dev) for p in PROJS) if e in quantized
                        else expert_weights(ew, e) for e in part}
             del ew, quantized
-            add_expert_outputs(store, routing, weights)
+            add_expert_outputs(store, routing, weights, group if group is not None and group.distributed else None)
             del weights
         else:
             del ew, quantized

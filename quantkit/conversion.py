@@ -493,6 +493,10 @@ def convert(
                         output_bytes=_predicted_bytes(ckpt, decisions, G), max_shard_bytes=max_shard_bytes,
                         validate=rec.validate if validate else None, activation_dtype=activation_dtype,
                         quantized=quantized_fraction(ckpt, decisions), nproc=group.world)
+    if mb := os.environ.get("QUANTKIT_MICRO_BATCH"):
+        # debug knob: fewer samples per micro-batch than the budget allows, so that a small test run has
+        # several micro-batches (the ranks' token split, docs/distributed.md); changes the float sums' order
+        cost.store.micro_batch = max(1, int(mb))
     if progress:
         from rich.console import Console
 
@@ -538,6 +542,8 @@ def convert(
         work.mkdir(exist_ok=True)
         store = ActivationStore(*ids.shape, arch.hidden_size, cost.store, dev, work)
         topks = [None] * len(list(store.slices()))
+    # several ranks: each runs the per-token work (attention, expert outputs) on its own micro-batches
+    split = group if group.distributed and store is not None else None
 
     with bar:
         # 1. tensors outside the decoder layers: embeddings, final norm, head, vision
@@ -581,7 +587,7 @@ def convert(
             routing = None
             kv_stats = None
             if calibrate:  # h += attention (+ dense MLP, or shared expert), x and routing kept for the experts
-                routing = attention_pass(store, w, ctx, layer, topks, arch.is_moe(layer))
+                routing = attention_pass(store, w, ctx, layer, topks, arch.is_moe(layer), split)
                 kv_stats = write_kv_scales(pair, pre, ctx.kv, layer)
             t_attention = time.time() - t0
             records: list[ExpertRecord] = []
@@ -597,6 +603,8 @@ def convert(
                     for r in records:
                         if r.method != "reused":
                             r.fallback = "mtp: no calibration path (RTN)"
+            if calibrate and split is not None:  # each rank updated its own micro-batches' h: all of it to all
+                distributed.share_rows(group, store, [store.h], f"layer {layer}: hidden states")
             pair.flush()
             faults.point("layer:written")
 

@@ -37,10 +37,12 @@ On a GPU, layer/store/routing/attention/experts are device memory, base/writer a
 pages host memory (plus the store when it lives in pinned host memory).
 
 Several ranks (`nproc`, quantkit.distributed: torchrun, one rank per GPU): every figure is per
-rank. Each rank runs the whole single-process layer loop except the routed experts' Hessians and
-GPTQ, which are split (balanced by routed tokens, so divided by nproc); memory adds `received`,
-every INT4 expert of a layer quantized (int8 q + bf16 scales), which each rank holds between the
-exchange and the h update; time adds `exchange`, broadcasting them.
+rank. The routed experts' Hessians and GPTQ are split by experts (balanced by routed tokens, so
+divided by nproc); attention and the routed-expert outputs by micro-batches (the busiest rank's
+share of them, `token_share`); the rest is done by every rank. Memory adds `received`, every INT4
+expert of a layer quantized (int8 q + bf16 scales), which each rank holds between the exchange and
+the h update (every rank still holds the whole store); time adds `exchange`, broadcasting them,
+and `gather`, giving every rank the micro-batches' h, x and routing the others computed.
 
 Time is FLOPs over a sustained rate per device (CPU_FLOPS_PER_THREAD measured on the 2-core test
 machine, GPTQ's column loop at CPU_GPTQ_EFFICIENCY of it; GPU rates from the data sheet at the
@@ -297,6 +299,27 @@ def expert_fixed_tokens(arch) -> float:
     return per_expert / per_token
 
 
+def token_share(N: int, B: int, nproc: int) -> float:
+    """The busiest rank's fraction of the calibration tokens under the token split: micro-batch i
+    (B samples) is rank i % nproc's (quantkit.distributed.Group.batch_owner), so with fewer
+    micro-batches than ranks some ranks idle and the split is by micro-batches, not by nproc."""
+    n_batches = max(math.ceil(N / max(B, 1)), 1)
+    return math.ceil(n_batches / nproc) / n_batches
+
+
+def gather_bytes(x: LayerShapes, N: int, T: int, dtype: torch.dtype, nproc: int) -> float:
+    """Bytes each rank receives over the whole run to hold the full store again after the token
+    split: per calibrated layer h (every layer) and, for a MoE layer, x and the routing (6 B per
+    top-k slot), plus the DSA selections (int64 per kept index) when seq_len > index_topk; each
+    rank already has 1/nproc of it."""
+    tokens, w = N * T, (4 if dtype == torch.float32 else 2)
+    L, Lm = x.calibrated_layers, x.calibrated_moe_layers
+    per_run = tokens * x.hidden * w * L + tokens * (x.hidden * w + 6 * x.topk) * Lm
+    if x.has_dsa and T > x.index_topk:
+        per_run += tokens * x.index_topk * 8 * L
+    return per_run * (nproc - 1) / nproc
+
+
 def plan_convert(
     arch,
     *,
@@ -479,16 +502,27 @@ def plan_convert(
     }
     # A local source's next layer is read ahead while this one computes (conversion._Prefetcher),
     # so reading costs only what compute does not cover: the first layer's share, and any excess.
+    link = NVLINK_BYTES if on_gpu else GLOO_BYTES
+    if nproc > 1 and calibrate:  # the token split: each rank runs the per-token work of its own micro-batches
+        share_tokens = token_share(N, store.micro_batch, nproc)
+        seconds["attention"] *= share_tokens
+        seconds["experts_out"] *= share_tokens
+        seconds["gather"] = gather_bytes(x, N, T, store.dtype, nproc) / link
     compute = sum(v for k, v in seconds.items() if k not in ("read", "write"))
     seconds["read"] = seconds["read"] / max(x.layers, 1) + max(0.0, seconds["read"] - compute)
     if shared_work:  # each rank receives the others' share of every layer's quantized experts
-        seconds["exchange"] = received * (nproc - 1) / nproc * Lm / (NVLINK_BYTES if on_gpu else GLOO_BYTES)
-        notes.append(f"{nproc} ranks: hessians and gptq are split (balanced by routed tokens); read, attention, "
-                     "experts_out are run by every rank for all tokens; write is spread over the ranks, at one "
-                     "disk's bandwidth (docs/distributed.md)")
+        seconds["exchange"] = received * (nproc - 1) / nproc * Lm / link
+        notes.append(f"{nproc} ranks: attention and experts_out are split by micro-batches (then h, x and the "
+                     "routing are gathered), hessians and gptq by experts (balanced by routed tokens); read is "
+                     "done by every rank; write is spread over the ranks, at one disk's bandwidth "
+                     "(docs/distributed.md)")
+    elif nproc > 1 and calibrate:
+        notes.append(f"{nproc} ranks: no expert is quantized here (reused source INT4), so only attention and "
+                     "experts_out are split (by micro-batches); read and the rest are done by every rank "
+                     "(docs/distributed.md)")
     elif nproc > 1:
-        notes.append(f"{nproc} ranks: no expert is quantized here (reused source INT4, or no calibration), so "
-                     "there is nothing to split: every rank repeats the whole run; use one (docs/distributed.md)")
+        notes.append(f"{nproc} ranks: no calibration, so there is nothing to split: every rank repeats the whole "
+                     "run; use one (docs/distributed.md)")
     if method == "awq" and calibrate:
         seconds["gptq"] *= 1.3  # AWQ's scale search on top (measured ~1.3x GPTQ on the tiny models)
         notes.append("awq: the search gathers the layer's MoE inputs and each expert's routed rows (budgeted); "

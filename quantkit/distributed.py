@@ -2,21 +2,27 @@
 exchange that gives every rank every expert's result.
 
 Where a convert's time goes: in a calibrated MoE layer, each routed expert's Hessians (one pass
-over the tokens routed to it) and its GPTQ depend on no other expert. So that part is split across
-ranks; everything else is done by every rank, redundantly (design A, docs/distributed.md):
+over the tokens routed to it) and its GPTQ depend on no other expert, so they are split by experts;
+the attention half and the routed-expert outputs are per-token work, one micro-batch of samples at
+a time, so they are split by micro-batches (micro-batch i: rank i % world, for the whole run); the
+rest is done by every rank (design A plus the token split, docs/distributed.md):
 
-    every rank       load the layer, FP8 the shared tensors, attention + shared expert + routing for
-                     *all* calibration tokens (so h, x and the routing are the same on every rank)
+    every rank       load the layer, FP8 the shared tensors
+    rank i % world   attention + shared expert + routing of micro-batch i
+    gather           x, routing and DSA selections of every micro-batch from its owner, KV-cache
+                     maxima combined: every rank holds the whole store again (`share_rows`, ...)
     rank r           Hessians, GPTQ and the held-out guard for the experts `partition` gives r
     exchange         each expert's quantized tensors (q, scale) broadcast from its owner, records
                      all-gathered: every rank then holds every expert's result
-    every rank       h += routed outputs under the decode weights, all experts in ascending order
+    rank i % world   h += routed outputs under the decode weights, all experts in ascending order,
+                     for micro-batch i; then every micro-batch's h gathered
     every rank       computes every stored tensor, so all cut the same shards; saves the ones it owns
                      (part i of prefill: rank i % world; of decode: rank (i + 1) % world)
     rank 0           the resume state after each layer (after a barrier) and the finish journal
 
 Why the result is byte-identical to a single-process run: every rank runs the single-process code
-on the same inputs in the same order, except that an expert's GPTQ batch holds other experts
+on the same inputs in the same order (a micro-batch's per-token work on one rank, its results
+moved as bytes; the KV-cache maximum is a max, exact in any order), except that an expert's GPTQ batch holds other experts
 (its rank's chunk instead of the single-process chunk). GPTQ's batched ops (Cholesky, bmm,
 per-row reductions) treat batch members independently, so an expert's bytes do not depend on
 its chunk; tests/test_distributed.py checks this (chunks of 16, 3 and 1 give one output) and
@@ -78,6 +84,15 @@ class Group:
     def comm_device(self, dev: torch.device) -> torch.device:
         """Where tensors must be for a collective: NCCL's on this rank's GPU, gloo's on the host."""
         return dev if self.backend == "nccl" else torch.device("cpu")
+
+    def batch_owner(self, i: int) -> int:
+        """The rank that computes calibration micro-batch i (attention, expert outputs): i % world,
+        fixed for the whole run, so a DSA micro-batch's selection (kept from one layer to the next)
+        is always on the rank that uses it."""
+        return i % self.world
+
+    def owns_batch(self, i: int) -> bool:
+        return self.batch_owner(i) == self.rank
 
 
 SINGLE = Group()
@@ -179,6 +194,74 @@ def check_same(g: Group, value: torch.Tensor, what: str) -> None:
         bad = [r for r, s in enumerate(seen) if s != seen[0]]
         raise OutputError(f"{what}: ranks {bad} computed different values from rank 0 (non-deterministic kernels?); "
                           "run single-process, or report this with the device and torch version")
+
+
+# ---- the token split: each micro-batch computed by one rank, then given to all -----------------
+def _broadcast(g: Group, t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, src: int,
+               dev: torch.device, what: str) -> torch.Tensor:
+    """`t` (on rank `src`; None elsewhere) on every rank, bit for bit: sent as its raw bytes, so any
+    dtype travels over any backend (gloo has no bfloat16 reductions, bytes need none)."""
+    import torch.distributed as dist
+
+    cdev = g.comm_device(dev)
+    n = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    if g.rank == src:
+        buf = t.detach().to(cdev, dtype).contiguous().reshape(-1).view(torch.uint8)
+    else:
+        buf = torch.empty(n, dtype=torch.uint8, device=cdev)
+    with peers(g, what):
+        dist.broadcast(buf, src=src)
+    return t if g.rank == src else buf.view(dtype).reshape(shape).to(dev)
+
+
+def share_rows(g: Group, store, arrays: list, what: str) -> None:
+    """Every micro-batch's rows of the store's `arrays` (TokenArray: h, x) from the rank that
+    computed them (Group.batch_owner) to all ranks, in the stored dtype (float32 read back from
+    the store and cast to its dtype is exact), so every rank again holds the whole store."""
+    if not g.distributed:
+        return
+    for i, sl in enumerate(store.slices()):
+        src = g.batch_owner(i)
+        for arr in arrays:
+            shape = (sl.stop - sl.start, *arr.shape[1:])  # (B, T, D)
+            mine = arr.read(sl) if g.rank == src else None
+            got = _broadcast(g, mine, shape, arr.dtype, src, store.compute, f"{what}: micro-batch {i} from rank {src}")
+            if g.rank != src:
+                arr.write(sl, got)
+            del mine, got
+
+
+def share_list(g: Group, items: list, dev: torch.device, what: str) -> list:
+    """items[i] (a tensor or None: a micro-batch's routing ids, weights or DSA selection), known
+    only on rank batch_owner(i), on every rank. Shapes and dtypes travel first (a few bytes each)."""
+    if not g.distributed:
+        return items
+    local = {i: (tuple(t.shape), t.dtype) if t is not None else None for i, t in enumerate(items) if g.owns_batch(i)}
+    metas: dict = {}
+    for part in g.all_gather_object(local, f"{what}: shapes"):
+        metas.update(part)
+    out = []
+    for i, t in enumerate(items):
+        if metas[i] is None:
+            out.append(None)
+            continue
+        shape, dtype = metas[i]
+        out.append(_broadcast(g, t, shape, dtype, g.batch_owner(i), dev, f"{what}: micro-batch {i}"))
+    return out
+
+
+def max_kv(g: Group, kv, layer: int) -> None:
+    """Combine one layer's KV-cache absolute maxima (quantkit.kvcache.KVAbsmax: each rank measured
+    its own micro-batches) into the maximum over all tokens, on every rank. max is exact and
+    order-free, so the scale equals a single process's. A rank that had no micro-batch has none."""
+    if not g.distributed:
+        return
+    fields = ("latent", "k_rot", "query")
+    seen = g.all_gather_object([getattr(kv, f).get(layer) for f in fields], f"layer {layer}: KV-cache maxima")
+    for j, f in enumerate(fields):
+        vals = [s[j] for s in seen if s[j] is not None]
+        if vals:
+            getattr(kv, f)[layer] = max(vals)
 
 
 # ---- the exchange ------------------------------------------------------------------------------

@@ -178,6 +178,55 @@ def test_two_ranks_equal_one_kimi_via_torchrun(single, tmp_path):
     assert _files(out) == _files(single["kimi"])
 
 
+# ---- the token split: each micro-batch's attention and expert outputs on one rank ---------------
+@pytest.fixture(scope="module")
+def single_mb(tmp_path_factory) -> dict[tuple[str, int], Path]:
+    """Single-process converts with 2 and 3 samples per micro-batch (QUANTKIT_MICRO_BATCH), so
+    that 8 samples are 4 or 3 micro-batches: the bytes a token-split run must equal."""
+    outs = {}
+    for key, mb, method in (("glm", 2, "gptq"), ("glm", 3, "awq"), ("kimi", 3, "gptq")):
+        out = tmp_path_factory.mktemp("single_mb") / f"{key}{mb}"
+        done = _single(MODELS[key], out, "--method", method, QUANTKIT_MICRO_BATCH=str(mb))
+        assert done.returncode == 0, done.stderr[-3000:]
+        outs[key, mb] = out
+    return outs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key, mb, method, nproc", [
+    ("glm", 2, "gptq", 2),  # 4 micro-batches, 2 each; GLM's DSA selections (seq_len 64 > index_topk 16) travel
+    ("glm", 2, "gptq", 3),  # 2, 1, 1 micro-batches
+    ("glm", 3, "awq", 2),  # 3, 3, 2 samples: uneven micro-batches; AWQ reads the gathered x whole
+    ("kimi", 3, "gptq", 4),  # rank 3 owns no micro-batch (nothing of the attention pass to do)
+])
+def test_token_split_equals_one_process(single_mb, tmp_path, key, mb, method, nproc):
+    """Every rank computes attention and the routed-expert outputs of its own micro-batches only
+    (i % world); x, routing, DSA selections and h are then shared and the KV-cache maxima combined:
+    the bytes, the experts' records and the KV-cache report equal a single process's."""
+    out = tmp_path / f"{key}{nproc}"
+    done = _torchrun(MODELS[key], out, "--method", method, nproc=nproc, QUANTKIT_MICRO_BATCH=str(mb))
+    assert done.returncode == 0, done.stderr[-3000:]
+    ref = single_mb[key, mb]
+    assert _files(out) == _files(ref)
+    got, want = (json.loads((o / "convert-report.json").read_text()) for o in (out, ref))
+    assert got["kv_cache"] == want["kv_cache"]
+    assert [{k: v for k, v in e.items() if k != "rank"} for e in got["experts"]] == want["experts"]
+
+
+@pytest.mark.slow
+def test_token_split_killed_rank_resumes_on_another_world(single_mb, tmp_path):
+    """A rank killed after its third layer with 4 micro-batches split 2 ways: the resume state
+    holds every micro-batch's h and DSA selection (not only rank 0's), so resuming on 3 ranks
+    (another split) gives the single-process bytes."""
+    out = tmp_path / "kill"
+    done = _torchrun(MODELS["glm"], out, QUANTKIT_FAULT="layer:written#3:kill", QUANTKIT_FAULT_RANK="1",
+                     QUANTKIT_DIST_TIMEOUT="10", QUANTKIT_MICRO_BATCH="2")
+    assert done.returncode != 0 and (out / ".quantkit-convert" / "state.json").is_file()
+    resumed = _torchrun(MODELS["glm"], out, "--resume", nproc=3, QUANTKIT_MICRO_BATCH="2")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _files(out) == _files(single_mb["glm", 2])
+
+
 # ---- failure: bounded exit, then --resume --------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("point, how, rank, again", [
@@ -210,12 +259,24 @@ def test_plan_divides_the_split_phases_and_keeps_the_redundant_ones():
     assert eight.seconds["hessians"] < one.seconds["hessians"] / 6
     # GPTQ on a GPU is partly launch-bound per call: a rank's 32 experts are one call, as 64 would be
     assert one.seconds["gptq"] / 8 < eight.seconds["gptq"] < one.seconds["gptq"] / 4
-    for phase in ("read", "attention", "experts_out", "write"):
+    for phase in ("attention", "experts_out"):  # the token split: 128 micro-batches of 4, 16 per rank
+        assert eight.seconds[phase] == pytest.approx(one.seconds[phase] / 8, abs=0.1)
+    for phase in ("read", "write"):
         assert eight.seconds[phase] == one.seconds[phase]
+    assert 0 < eight.seconds["gather"] < eight.seconds["attention"] and "gather" not in one.seconds
     assert eight.nproc == 8 and eight.memory["received"] > 0 and eight.peak_device > one.peak_device
     assert "per rank (8 ranks)" in eight.summary() and any("split" in n for n in eight.notes)
     kimi = plan_convert_for("kimi-k2.6", gpu="h200", nproc=8)  # reused QAT experts: nothing to split
     assert kimi.seconds["hessians"] == kimi.seconds["gptq"] == 0 and kimi.memory["received"] == 0
+    assert kimi.seconds["attention"] < plan_convert_for("kimi-k2.6", gpu="h200").seconds["attention"] / 6
+
+
+def test_token_share_is_by_micro_batches():
+    from quantkit.cost import token_share
+
+    assert token_share(512, 4, 8) == 1 / 8
+    assert token_share(8, 3, 2) == 2 / 3  # 3 micro-batches: rank 0 has two
+    assert token_share(8, 8, 4) == 1.0  # one micro-batch: no split
 
 
 def test_fixed_cost_is_gptq_over_hessian_work_per_token(tiny_glm):
