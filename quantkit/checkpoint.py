@@ -43,6 +43,12 @@ _DTYPES = {
 }
 
 
+def _data_start(path: Path) -> int:
+    """Where a safetensors file's tensor data begin: after the 8-byte length and the JSON header."""
+    with open(path, "rb") as fh:
+        return 8 + struct.unpack("<Q", fh.read(8))[0]
+
+
 class _Shard:
     """One open safetensors file, read with positioned reads (os.preadv) into memory that belongs to
     the tensor and is freed with it. Not a memory map: a map keeps every page a layer touched
@@ -54,7 +60,7 @@ class _Shard:
     def __init__(self, path: Path):
         self.path = path
         self.fd = os.open(path, os.O_RDONLY)
-        self.start = 8 + struct.unpack("<Q", os.pread(self.fd, 8, 0))[0]  # the length, then the JSON header
+        self.start = _data_start(path)
 
     def read(self, name: str, entry: dict) -> torch.Tensor:
         """The tensor a header entry {dtype, shape, data_offsets} describes (checked by _read_header)."""
@@ -322,24 +328,32 @@ class Checkpoint:
                 self.remote.release(f)
         return done
 
+    def spans(self, layer: int) -> list[tuple[str, int, int]]:
+        """(file, byte offset in the file, length) of every stored tensor of a layer."""
+        out, starts = [], {}
+        for n in self.names(layer):
+            for s in self.tensors[n].parts.values():
+                f = self.weight_map[s]
+                if f not in starts:
+                    starts[f] = _data_start(self.folder / f)
+                b, e = self.headers[f][s]["data_offsets"]
+                out.append((f, starts[f] + b, e - b))
+        return out
+
     def readahead(self, layer: int) -> int:
         """Ask the kernel to read a local layer's stored bytes into the page cache now
         (posix_fadvise WILLNEED: asynchronous, nothing mapped, so no RSS), so that reading the next
         layer overlaps computing this one. Returns the bytes requested (0 where unsupported)."""
         if self.remote is not None or not hasattr(os, "posix_fadvise"):
             return 0
-        spans: dict[str, list[tuple[int, int]]] = {}
-        for n in self.names(layer):
-            for s in self.tensors[n].parts.values():
-                f = self.weight_map[s]
-                spans.setdefault(f, []).append(tuple(self.headers[f][s]["data_offsets"]))
         total = 0
-        for f, ranges in spans.items():
-            with open(self.folder / f, "rb") as fh:
-                start = 8 + struct.unpack("<Q", fh.read(8))[0]  # data follow the length and the JSON header
-                for b, e in ranges:
-                    os.posix_fadvise(fh.fileno(), start + b, e - b, os.POSIX_FADV_WILLNEED)
-                    total += e - b
+        for f, start, length in self.spans(layer):
+            fd = os.open(self.folder / f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, start, length, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
+            total += length
         return total
 
     def prefetch(self, layer: int) -> list[str]:

@@ -75,7 +75,7 @@ CHUNK_MAX = 16  # experts per chunk at most (one GPTQ batch) on the CPU
 CHUNK_MAX_GPU = 64
 
 # Sustained rates. CPU: float32 matmul per torch thread, in CPU time, on the 2-core AMD EPYC test
-# machine (2048x6144 @ 6144x2048 and x^T x at D 6144: 97-106 GFLOP/s; scripts/bench_realshape.py
+# machine (2048x6144 @ 6144x2048 and 6144x4096 @ 4096x6144: 104-105 GFLOP/s as scripts/bench_realshape.py
 # prints it); times torch's threads. Wall time on a shared machine is longer by the load.
 CPU_FLOPS_PER_THREAD = 95e9
 # GPTQ's column loop on the CPU (rank-1 updates within each block, per-column quantization) runs

@@ -51,6 +51,7 @@ stand-ins, where an inert value would take another code path:
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -389,31 +390,25 @@ def _create_on(target, layer, kind: str, c: dict) -> None:
                               weight_loader=_Value())
 
 
+_CONFIG_CLASSES = {  # (engine, quant_method) -> (module, class) of the engine's quantization config
+    ("sglang", "compressed-tensors"): ("sglang.srt.layers.quantization.compressed_tensors.compressed_tensors",
+                                       "CompressedTensorsConfig"),
+    ("sglang", "fp8"): ("sglang.srt.layers.quantization.fp8", "Fp8Config"),
+    ("vllm", "compressed-tensors"): ("vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors",
+                                     "CompressedTensorsConfig"),
+    ("vllm", "fp8"): ("vllm.model_executor.layers.quantization.fp8", "Fp8Config"),
+}
+
+
 def _quant_config(engine: str, qc: dict, packed: dict):
     method = qc.get("quant_method")
-    qc = dict(qc, packed_modules_mapping=packed)
-    if engine == "sglang":
-        if method == "compressed-tensors":
-            from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import (
-                CompressedTensorsConfig as C,
-            )
-        elif method == "fp8":
-            from sglang.srt.layers.quantization.fp8 import Fp8Config as C
-        else:
-            raise ValueError(f"quant_method {method!r}")
-        cfg = C.from_config(qc)
-        cfg.packed_modules_mapping = dict(packed)  # the model class's update_packed_modules_mapping
-        return cfg
-    if method == "compressed-tensors":
-        from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
-            CompressedTensorsConfig as C,
-        )
-    elif method == "fp8":
-        from vllm.model_executor.layers.quantization.fp8 import Fp8Config as C
-    else:
+    if (engine, method) not in _CONFIG_CLASSES:
         raise ValueError(f"quant_method {method!r}")
-    cfg = C.from_config(qc)
-    cfg.packed_modules_mapping = dict(packed)  # vLLM's configure_quant_config
+    module, name = _CONFIG_CLASSES[engine, method]
+    cfg = getattr(importlib.import_module(module), name).from_config(dict(qc, packed_modules_mapping=packed))
+    # what the engine's model class does after constructing it (SGLang: update_packed_modules_mapping;
+    # vLLM: configure_quant_config)
+    cfg.packed_modules_mapping = dict(packed)
     return cfg
 
 

@@ -92,7 +92,23 @@ def full_scale() -> list[str]:
     for model in ("glm-5.2", "kimi-k2.6"):
         c = plan_convert_for(model, gpu="h200", max_host_memory="1TB")
         lines.append(f"{model} (shipped recipe, one H200, host budget 1 TB):\n" + c.summary())
+    lines.append("glm-5.2 sensitivity to the H200's sustained rate: " + ", ".join(
+        f"{label} {_with_h200_rate(rate)}" for label, rate in
+        (("40% of FP32 peak", 0.4 * 67e12), ("70%", 0.7 * 67e12), ("TF32 matmuls at 50% (494 TFLOP/s dense)", 0.5 * 494e12))))
     return lines
+
+
+def _with_h200_rate(flops: float) -> str:
+    """The GLM 5.2 prediction with quantkit.cost's H200 matmul rate set to `flops` (what-if only)."""
+    from quantkit import cost
+
+    spec = cost.GPU_SPECS["h200"]
+    saved, spec["flops"] = spec["flops"], flops
+    try:
+        c = cost.plan_convert_for("glm-5.2", gpu="h200", max_host_memory="1TB")
+    finally:
+        spec["flops"] = saved
+    return cost._hms(sum(c.seconds.values()))
 
 
 def main() -> None:

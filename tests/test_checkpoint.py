@@ -620,7 +620,15 @@ def test_written_checkpoint_reads_back(tmp_path, ds_weights):
 
 def test_readahead_requests_exactly_a_layers_stored_bytes(tiny_glm):
     """convert reads the next layer ahead (conversion._Prefetcher); quantkit.cost counts the read as
-    overlapped on the strength of it, so it must cover the layer's bytes, no more."""
+    overlapped on the strength of it, so it must cover the layer's bytes, where they are, no more."""
     ckpt = Checkpoint(tiny_glm)
     for layer in (0, 1):
-        assert ckpt.readahead(layer) == sum(ckpt.storage_bytes(n) for n in ckpt.names(layer)) > 0
+        spans = ckpt.spans(layer)
+        stored = [s for n in ckpt.names(layer) for s in ckpt.tensors[n].parts.values()]
+        assert len(spans) == len(stored)
+        for (f, start, length), s in zip(spans, stored):  # the bytes at each span are the tensor's
+            with open(tiny_glm / f, "rb") as fh:
+                fh.seek(start)
+                assert fh.read(length) == ckpt.raw(s).contiguous().view(torch.uint8).numpy().tobytes(), s
+        assert ckpt.readahead(layer) == sum(length for _, _, length in spans) == sum(
+            ckpt.storage_bytes(n) for n in ckpt.names(layer)) > 0
