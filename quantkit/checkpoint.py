@@ -1,8 +1,8 @@
 """Checkpoint I/O: lazy reading of sharded safetensors, one layer at a time, and atomic writing.
 
 Reading never holds the model: shard headers are parsed up front (so a bad index or a truncated
-shard fails before any work), tensors are memory-mapped and materialised only when asked for,
-and a layer's tensors come out dequantized from whatever the source stores:
+shard fails before any work), tensors are read (positioned reads, no memory map) only when asked
+for, and a layer's tensors come out dequantized from whatever the source stores:
 
     dense   BF16 / FP16 / FP32 `weight`
     fp8     DeepSeek-native `weight` (float8_e4m3fn) + `weight_scale_inv` (128x128 multipliers)
@@ -189,6 +189,9 @@ class Checkpoint:
         self.check_finite = check_finite
         self.release_consumed = release_consumed
         self._handles: dict[str, object] = {}
+        self.bytes_read = 0  # stored bytes read from the files so far (validate reports it)
+        self._keep: dict[str, torch.device] = {}  # storage name -> where it is kept once read (`keep`)
+        self._kept: dict[str, torch.Tensor] = {}
         self.weight_map = self._weight_map()  # storage name -> file name
         self.headers = {f: _read_header(self.folder / f, remote) for f in sorted(set(self.weight_map.values()))}
         self._unread: dict[str, set[str]] = defaultdict(set)  # file -> storage names not read yet
@@ -307,6 +310,9 @@ class Checkpoint:
         return self.folder / self.weight_map[storage]
 
     def _raw(self, storage: str) -> torch.Tensor:
+        kept = self._kept.get(storage)
+        if kept is not None:
+            return kept
         f = self.weight_map[storage]
         h = self._handles.get(f)
         if h is None:
@@ -314,7 +320,22 @@ class Checkpoint:
                 self.remote.fetch(f)
             h = self._handles[f] = _Shard(self.folder / f)
         self._unread[f].discard(storage)
-        return h.read(storage, self.headers[f][storage])
+        t = h.read(storage, self.headers[f][storage])
+        self.bytes_read += t.nbytes
+        if storage in self._keep:
+            t = self._kept[storage] = t.to(self._keep[storage])
+        return t
+
+    def keep(self, names, device: torch.device | str = "cpu") -> int:
+        """Keep these logical tensors in memory on `device` from their first read on, as stored
+        (FP8 + block scales, packed INT4 + group scales, BF16: what an engine holds), so that later
+        `get`s dequantize from memory instead of reading the file again. Validate keeps a rank's
+        share of the checkpoints this way when it fits (greedy decoding runs every layer once per
+        token). Returns the bytes that will be kept."""
+        names = list(names)
+        for n in names:
+            self._keep.update(dict.fromkeys(self.tensors[n].parts.values(), torch.device(device)))
+        return sum(self.storage_bytes(n) for n in names)
 
     def release_finished(self) -> list[str]:
         """Close every shard all of whose tensors have been read, and with a streamed source and
@@ -398,6 +419,8 @@ class Checkpoint:
         else:
             (storage,) = p.values()
             w = self._raw(storage)
+            if storage in self._kept:  # the caller owns what it gets: never the kept tensor itself
+                w = w.clone()
         self._check(st, w)
         return w.to(dtype)
 
@@ -418,6 +441,7 @@ class Checkpoint:
         for h in self._handles.values():
             h.close()
         self._handles.clear()
+        self._kept.clear()
 
     def other_files(self) -> list[Path]:
         """Files to carry over verbatim: tokenizer, chat template, generation config, code, ..."""

@@ -186,7 +186,7 @@ def convert(
         flags = {"--resume": resume, "--no-validate": no_validate, "--trust-remote-code": trust_remote_code,
                  "--delete-source-after": delete_source_after, "--allow-unverified": allow_unverified, "--json": json_out}
         argv = [model] + [str(a) for k, v in args.items() if v is not None for a in (k, v)] + [k for k, v in flags.items() if v]
-        raise typer.Exit(_torchrun(nproc, ["convert", *argv]))
+        raise typer.Exit(_torchrun(nproc, ["convert", *argv], out))
     try:
         result = run_convert(model, out, recipe=recipe or preset, method=method, calib=calib, num_samples=num_samples,
                              seq_len=seq_len, group_size=group_size, decode_rest=decode_rest, device=device, resume=resume,
@@ -223,14 +223,26 @@ def validate(
     kv_cache_dtype: Annotated[str, typer.Option(help="KV cache to simulate: bf16, fp8_e4m3 (static per-layer scales) or fp8_ds_mla (vLLM's DSA layout).")] = "bf16",
     max_host_memory: Annotated[Optional[str], typer.Option(help="Host RAM budget, e.g. 8GB (default: available memory).")] = None,
     max_gpu_memory: Annotated[Optional[str], typer.Option(help="GPU memory budget (default: the device's).")] = None,
+    weights: Annotated[str, typer.Option(help="auto: keep as much of the checkpoints (each rank its share) in memory, as stored, as the budget allows, so greedy tokens stop re-reading them; resident: all of it or an error; stream: re-read every layer for every greedy token.")] = "auto",
+    nproc: Annotated[Optional[int], typer.Option(help="Ranks on this machine (one per GPU): launches torchrun; each rank runs its share of the routed experts (docs/distributed.md).")] = None,
     json_out: Json = False,
 ):
     """Measure the pair against its source layer by layer; write validation.json/.md/.png and model cards. Exit 3 if a gate fails."""
     from quantkit.validation import validate as run_validate
 
+    if nproc is not None and nproc > 1 and "WORLD_SIZE" not in os.environ:
+        args = {"--reference": reference, "--eval-data": eval_data, "--num-samples": num_samples, "--seq-len": seq_len,
+                "--gen-tokens": gen_tokens, "--device": device, "--gate": gate, "--kv-cache-dtype": kv_cache_dtype,
+                "--max-host-memory": max_host_memory, "--max-gpu-memory": max_gpu_memory, "--weights": weights}
+        argv = [str(folder)] + [str(a) for k, v in args.items() if v is not None for a in (k, v)] + (["--json"] if json_out else [])
+        raise typer.Exit(_torchrun(nproc, ["validate", *argv], folder, resume_hint=False))
     result = run_validate(folder, reference=reference, eval_data=eval_data, num_samples=num_samples, seq_len=seq_len,
                           gen_tokens=gen_tokens, device=device, gates=gate, progress=not json_out, kv_cache_dtype=kv_cache_dtype,
-                          max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory)
+                          max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory, weights=weights)
+    from quantkit.distributed import from_env
+
+    if not from_env().leader:  # rank 0 prints and decides the exit status
+        return
     if json_out:
         emit_json(result.to_json())
     else:
@@ -283,20 +295,28 @@ def verify(
     result.raise_for_problems()
 
 
-def _torchrun(nproc: int, argv: list[str]) -> int:
+def _torchrun(nproc: int, argv: list[str], out: Path, resume_hint: bool = True) -> int:
     """`quantkit ... --nproc N`: run `python -m torch.distributed.run --standalone --nproc-per-node N
     -m quantkit ARGV` (one machine, a free rendezvous port) and return its exit status. torchrun
-    stops every rank when one fails (quantkit.distributed)."""
+    stops every rank when one fails (quantkit.distributed) and exits 1 whatever the rank's status,
+    so a gate failure (rank 0 exits 3) is recovered from the out/validation.json this run wrote."""
     import subprocess
+    import time
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "quantkit", *argv]
     console.print(f"launching {nproc} ranks: {' '.join(cmd[2:])}", highlight=False, soft_wrap=True)
+    t0 = time.time()
     rc = subprocess.run(cmd).returncode
+    verdict = out / "validation.json"
+    if rc and verdict.is_file() and verdict.stat().st_mtime >= t0 and not json.loads(verdict.read_text()).get("passed", True):
+        from quantkit.validation import GATES_FAILED_EXIT
+
+        return GATES_FAILED_EXIT  # rank 0 printed which gate failed
     if rc:
         console.print(f"[red]error:[/red] a rank failed (exit {rc}; torchrun's summary above names it, and the first "
-                      "failure is the cause); the completed layers are saved: rerun the same command with --resume",
-                      highlight=False, soft_wrap=True)
+                      "failure is the cause)" + ("; the completed layers are saved: rerun the same command with --resume"
+                                                 if resume_hint else ""), highlight=False, soft_wrap=True)
     return rc
 
 

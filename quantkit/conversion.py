@@ -41,6 +41,7 @@ from safetensors.torch import load_file, save_file
 from quantkit import __version__
 from quantkit.calibrate import attention_pass, convert_experts
 from quantkit.checkpoint import Checkpoint, CheckpointWriter, file_sha256
+from quantkit.cost import peak_rss
 from quantkit import distributed, faults
 from quantkit.errors import ConfigError, OutputError
 from quantkit.formats import fp8, int4
@@ -99,12 +100,6 @@ class ConvertResult:
 
 def _gb(n: int) -> str:
     return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
-
-
-def _peak_rss() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 # ---- per-layer pieces --------------------------------------------------------------------------
@@ -294,6 +289,29 @@ def _save_state(folder: Path, state: State, store, topks: list) -> None:
     faults.point("state:saved")
 
 
+class _StateClock:
+    """When rank 0 saves the resume state after a layer. The state holds the hidden states of every
+    calibration token (26 GB for GLM 5.2's shipped recipe), so saving it after every layer would
+    write 2 TB over a run; it is saved once the time since the last save is at least that save's
+    duration / STATE_OVERHEAD (quantkit.cost), and after the last layer. A crash then redoes the
+    layers since the last save: their parts are dropped on resume, as an unfinished layer's are,
+    and the bytes are the same. Small models save after every layer (a save takes milliseconds)."""
+
+    def __init__(self):
+        from quantkit.cost import STATE_OVERHEAD
+
+        self.overhead = float(os.environ.get("QUANTKIT_STATE_OVERHEAD", STATE_OVERHEAD))
+        self.last_end, self.took = time.time(), 0.0
+
+    def due(self, last: bool) -> bool:
+        return last or time.time() - self.last_end >= self.took / self.overhead
+
+    def save(self, *args) -> None:
+        t0 = time.time()
+        _save_state(*args)
+        self.last_end, self.took = time.time(), time.time() - t0
+
+
 def _load_hidden(folder: Path, n_topks: int, store, dev) -> list:
     meta = json.loads((folder / "state.json").read_text())["hidden"]
     if meta["dtype"] != str(store.plan.dtype) or meta["shape"] != list(store.shape):
@@ -435,7 +453,6 @@ def convert(
         raise ConfigError("--delete-source-after: ranks share the source's files; with several ranks pull the model "
                           "first (quantkit pull) and convert the local folder")
     progress = progress and group.leader
-    validate = validate and group.leader
 
     # decisions for every tensor, up front (a dry run of the whole conversion)
     source_group = _source_int4_group(arch)
@@ -545,6 +562,7 @@ def convert(
     # several ranks: each runs the per-token work (attention, expert outputs) on its own micro-batches
     split = group if group.distributed and store is not None else None
 
+    clock = _StateClock()
     with bar:
         # 1. tensors outside the decoder layers: embeddings, final norm, head, vision
         if state.next_layer == -1:
@@ -561,7 +579,7 @@ def convert(
             state.prefill_parts, state.decode_parts = wp.num_parts, wd.num_parts
             group.barrier("after the embeddings")
             if group.leader:
-                _save_state(state_dir, state, store, topks)
+                clock.save(state_dir, state, store, topks)
         elif tokens is not None:
             topks = _load_hidden(state_dir, len(topks), store, dev)
         bar.update(state.next_layer)
@@ -618,8 +636,8 @@ def convert(
             state.prefill_parts, state.decode_parts = wp.num_parts, wd.num_parts
             state.differ = pair.differ
             group.barrier(f"end of layer {layer}")  # ranks stay in step; a dead one stops the others here at the latest
-            if group.leader:
-                _save_state(state_dir, state, store, topks)
+            if group.leader and clock.due(last=layer == n_layers - 1):
+                clock.save(state_dir, state, store, topks)
             del w
             ckpt.release_finished()
             bar.update(layer + 1)
@@ -644,19 +662,27 @@ def convert(
         pair.flush()  # (empty after the last layer) every rank, so that all agree on the parts
         parts = {"prefill": wp.parts, "decode": wd.parts}
     # every rank has written its parts and is done with the state folder (rank 0 finishes alone)
-    used = group.all_gather_object({"peak_rss": _peak_rss(), "parts": wp.written + wd.written if wp else 0},
+    used = group.all_gather_object({"peak_rss": peak_rss(), "parts": wp.written + wd.written if wp else 0},
                                    "before the finish")
-    distributed.close(group)
+    budgets = {"max_host_memory": max_host_memory, "max_gpu_memory": max_gpu_memory}
     if not group.leader:
-        return ConvertResult(out, out / "prefill", out / "decode", {}, rank=group.rank)
+        result = ConvertResult(out, out / "prefill", out / "decode", {}, rank=group.rank)
+        if validate:  # every rank validates, with its share of the experts, once rank 0 has finished the output
+            group.barrier("waiting for rank 0 to finish the output")
+            result = _done(result, validate, device, False, budgets)
+        distributed.close(group)
+        return result
     report = finish_pair(
         out, state_dir, parts, digits, {"prefill": prefill_cfg, "decode": decode_cfg}, carried, set(state.differ),
         lambda manifests: _report(model, src_path, source_files, rec, tokens, state, ckpt, decisions, out, t_start, G,
                                   block, manifests) | {"kv_cache": kv_cache_report(state.layers), "cost": cost.to_json(),
                                                        "distributed": _distributed_report(group, state, used)},
     )
-    return _done(ConvertResult(out, out / "prefill", out / "decode", report), validate, device, progress,
-                 {"max_host_memory": max_host_memory, "max_gpu_memory": max_gpu_memory})
+    if validate:
+        group.barrier("waiting for the other ranks to validate")
+    result = _done(ConvertResult(out, out / "prefill", out / "decode", report), validate, device, progress, budgets)
+    distributed.close(group)
+    return result
 
 
 def _record(r: ExpertRecord) -> dict:
@@ -828,5 +854,5 @@ def _report(model, src_path, source_files, rec, tokens, state: State, ckpt, deci
         "decisions": {n: {"prefill": d.prefill, "decode": d.decode, **({"why": d.why} if d.why else {})}
                       for n, d in decisions.items() if d.prefill != PASS or d.decode != PASS or d.why},
         "seconds": round(time.time() - t_start, 3),
-        "peak_rss_bytes": _peak_rss(),
+        "peak_rss_bytes": peak_rss(),
     }

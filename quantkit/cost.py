@@ -69,6 +69,10 @@ F32 = 4
 
 BASE_BYTES = int(0.40 * GB)  # RSS of `quantkit convert` before the first tensor (measured: 0.33-0.40 GB)
 MIN_SHARD = 256 * 2**20
+# convert's resume state holds h for every calibration token (26 GB for GLM 5.2's shipped recipe in
+# float32: 13 s at 2 GB/s); it is saved no more often than keeps its writing under this fraction
+# of the run (QUANTKIT_STATE_OVERHEAD overrides; conversion._StateClock)
+STATE_OVERHEAD = 0.05
 CHUNK_MAX = 16  # experts per chunk at most (one GPTQ batch) on the CPU
 # On a GPU, GPTQ's column loop is launch-bound (LAUNCHES_PER_COLUMN small kernels per column,
 # whatever the batch), so a larger batch of experts per call costs launches once for all of them.
@@ -120,6 +124,13 @@ def available_host_memory() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def peak_rss() -> int:
+    """This process's peak resident set so far, bytes (what the reports and benchmarks compare with the plan)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def device_memory(device: str, gpu: str | None) -> int | None:
@@ -210,6 +221,8 @@ class ConvertCost:
     disk: dict[str, int]
     seconds: dict[str, float]  # phase -> seconds
     validate_seconds: float | None
+    validate_share: int | None = None  # bytes of the three checkpoints one rank reads (its experts only), as stored
+    validate_kept: int | None = None  # of which validate keeps in memory (device, then host); the rest is re-read per pass
     notes: list[str] = field(default_factory=list)
     fits: bool = True
     reason: str = ""
@@ -238,7 +251,8 @@ class ConvertCost:
             f"resume state {self.disk['resume_state'] / GB:.2f})",
         ]
         if self.validate_seconds is not None:
-            lines.append(f"  validate: about {_hms(self.validate_seconds)}")
+            lines.append(f"  validate: about {_hms(self.validate_seconds)}; the checkpoints' share{' per rank' if ranks else ''} "
+                         f"{self.validate_share / GB:.1f} GB as stored, {self.validate_kept / GB:.1f} GB of it kept in memory")
         lines += [f"  note: {n}" for n in self.notes]
         if not self.fits:
             lines.append(f"  does not fit: {self.reason}")
@@ -299,6 +313,14 @@ def expert_fixed_tokens(arch) -> float:
     return per_expert / per_token
 
 
+def state_saves(save_s: float, layer_s: float, layers: int) -> int:
+    """How many times convert saves its resume state (conversion._StateClock): after the embeddings,
+    then after a layer once the time since the last save is at least save_s / STATE_OVERHEAD, and
+    after the last layer."""
+    every = max(1, math.ceil(save_s / STATE_OVERHEAD / max(layer_s, 1e-9)))  # layers between saves
+    return 1 + math.ceil(layers / every)
+
+
 def token_share(N: int, B: int, nproc: int) -> float:
     """The busiest rank's fraction of the calibration tokens under the token split: micro-batch i
     (B samples) is rank i % nproc's (quantkit.distributed.Group.batch_owner), so with fewer
@@ -339,6 +361,7 @@ def plan_convert(
     activation_dtype: str | None = None,
     quantized: float = 1.0,
     nproc: int = 1,
+    expert_bytes: int | None = None,
 ) -> ConvertCost:
     """Settings and predicted cost of converting `arch` (see the module docstring for the terms).
 
@@ -348,6 +371,8 @@ def plan_convert(
     output_bytes: (prefill, decode) sizes; validate: the recipe's validate section, or None;
     activation_dtype: "float32" or "bfloat16" to force the store's dtype (default: the budget's choice).
     nproc: ranks of a multi-rank convert (quantkit.distributed): memory and time per rank.
+    expert_bytes: the routed experts' bytes in the source and both outputs (validate splits them
+    across ranks); default 95% of the three.
     """
     x = layer_shapes(arch)
     host = parse_bytes(max_host_memory, "--max-host-memory") or available_host_memory()
@@ -528,20 +553,43 @@ def plan_convert(
         notes.append("awq: the search gathers the layer's MoE inputs and each expert's routed rows (budgeted); "
                      "time as GPTQ x 1.3")
 
-    validate_s = None
+    if state_bytes:  # rank 0 saves h for --resume between layers, as often as STATE_OVERHEAD allows
+        save_s = state_bytes / disk_bw
+        compute = sum(v for k, v in seconds.items() if k not in ("read", "write"))
+        seconds["resume_state"] = state_saves(save_s, compute / max(x.layers, 1), x.layers) * save_s
+
+    validate_s = validate_share = validate_kept = None
     if validate is not None:
+        # quantkit.validation: every rank runs attention for all eval tokens and its share of the routed
+        # experts (their output rows exchanged); it keeps its share of the three checkpoints resident,
+        # as stored, when that fits beside the layer loop, else every pass re-reads the layers
         vt = validate.num_samples * validate.seq_len
         passes = max(validate.gen_tokens, 1)  # the prompt pass yields the first token; each further one is a pass
         three = source_bytes + output_bytes[0] + output_bytes[1]
-        vflops = vt * 2 * (x.attn_params + 3 * x.topk * I * D) * x.layers * 3
-        validate_s = passes * three / disk_bw + vflops / flops
-        if validate.gen_tokens:
-            notes.append(f"validate streams the layers from disk: each greedy token is one more full pass over all "
-                         f"three checkpoints ({validate.gen_tokens} tokens: {passes} x {three / GB:.0f} GB read)")
+        experts_b = three * 0.95 if expert_bytes is None else expert_bytes
+        share = int(three - experts_b + experts_b / nproc)
+        streams = 3  # the prompt pass: reference, prefill, decode
+        exchange = streams * vt * x.topk * D * F32 if nproc > 1 else 0
+        room = validate_room(arch, device, gpu_mem if on_gpu else host, exchange)
+        if on_gpu:  # then the rank's host memory
+            room = max(room, 0) + validate_room(arch, "cpu", host)
+        validate_kept = int(min(share, max(room, 0)))
+        # the first pass reads the three checkpoints; each further one what the ranks could not keep
+        # (the routed experts: the shared tensors are kept first), from one disk
+        again = min(three, nproc * (share - validate_kept))
+        vflops = vt * 2 * (x.attn_params + 3 * x.topk * I * D / nproc) * x.layers * streams
+        validate_s = (three + (passes - 1) * again) / disk_bw + vflops / flops
+        validate_s += x.calibrated_moe_layers * exchange * (nproc - 1) / nproc / link
+        validate_share = share
+        if validate.gen_tokens and again:
+            notes.append(f"validate: {validate_kept / GB:.0f} of a rank's {share / GB:.0f} GB share kept in memory, so each "
+                         f"greedy token re-reads {again / GB:.0f} GB from disk ({validate.gen_tokens} tokens); more "
+                         f"ranks or a larger budget keep it all (docs/distributed.md)")
     return ConvertCost(device=device, gpu=gpu if on_gpu else None, host_budget=host, gpu_budget=gpu_mem, tokens=tokens,
                        store=store, expert_chunk=C, shard_bytes=shard, memory=memory, peak_host=int(peak_host),
                        peak_device=int(peak_device) if peak_device is not None else None, disk=disk,
                        seconds={k: round(v, 1) for k, v in seconds.items()}, validate_seconds=validate_s,
+                       validate_share=validate_share, validate_kept=validate_kept,
                        notes=notes, fits=fits, reason=reason, nproc=nproc)
 
 
@@ -566,6 +614,7 @@ def plan_convert_for(
 
     from quantkit.arch import arch_from_config, load_preset, preset_names
     from quantkit.recipe import default_recipe, load_recipe, recipe_overrides
+    from quantkit.tensors import TensorClass
 
     if gpu != "cpu" and gpu not in GPU_SPECS:
         raise ConfigError(f"--gpu {gpu!r}: choose one of {', '.join([*GPU_SPECS, 'cpu'])}")
@@ -591,6 +640,8 @@ def plan_convert_for(
         sizes = size_plan(model, group_size=G).checkpoints
         source_bytes = sizes["source"].total_bytes
         out = (sizes["prefill"].total_bytes, sizes["decode"].total_bytes)
+        expert_bytes = sum(sizes[k].bytes_by_class.get(TensorClass.ROUTED_EXPERT.value, 0)
+                           for k in ("source", "prefill", "decode"))
         # the preset's experts are in the source's own format: reused when it is the target INT4 scheme
         quantized = 0.0 if (sg == G and rec.decode.reuse_source_int4) else 1.0
     else:
@@ -599,6 +650,8 @@ def plan_convert_for(
         decisions = {n: decide(st, rec, G, sg) for n, st in ckpt.tensors.items()}
         source_bytes = sum(ckpt.storage_bytes(n) for n in ckpt.tensors)
         out = _predicted_bytes(ckpt, decisions, G)
+        routed = {n: d for n, d in decisions.items() if ckpt.tensors[n].info.klass == TensorClass.ROUTED_EXPERT}
+        expert_bytes = sum(ckpt.storage_bytes(n) for n in routed) + sum(_predicted_bytes(ckpt, routed, G))
         quantized = quantized_fraction(ckpt, decisions)
     # as convert: any calibrated method runs the calibration pass, even when every expert is reused,
     # because the FP8 KV-cache scales are measured on it (quantkit.kvcache)
@@ -608,7 +661,8 @@ def plan_convert_for(
                         seq_len=rec.calibration.seq_len, calibrate=calibrate, device=device,
                         gpu=None if gpu == "cpu" else gpu, max_host_memory=max_host_memory,
                         max_gpu_memory=max_gpu_memory, source_bytes=source_bytes, output_bytes=out,
-                        validate=rec.validate if validate else None, quantized=quantized, nproc=nproc)
+                        validate=rec.validate if validate else None, quantized=quantized, nproc=nproc,
+                        expert_bytes=expert_bytes)
 
 
 def quantized_fraction(ckpt, decisions) -> float:
@@ -621,13 +675,36 @@ def quantized_fraction(ckpt, decisions) -> float:
     return sum(decisions[n].decode == INT4 for n in downs) / max(len(downs), 1)
 
 
-def validate_expert_chunk(arch, device: str, max_host_memory=None, max_gpu_memory=None) -> int:
-    """Routed experts validate loads at once: what the budget leaves after the process, the
-    largest layer's other weights and their load transient, at two float32 copies per expert
-    (the dequantized weights and the dequantization's transient), 1 to CHUNK_MAX."""
+def validate_budget(device: str, max_host_memory=None, max_gpu_memory=None, ranks_here: int = 1) -> int:
+    """The memory one validate process computes in: the GPU's (or --max-gpu-memory), else the
+    host's (--max-host-memory, per rank; by default the available memory shared by the ranks on
+    this machine)."""
+    if device == "cuda":
+        return parse_bytes(max_gpu_memory, "--max-gpu-memory") or device_memory(device, None)
+    return parse_bytes(max_host_memory, "--max-host-memory") or available_host_memory() // max(ranks_here, 1)
+
+
+def _validate_working_set(arch, device: str) -> tuple[int, int]:
+    """(fixed, per routed expert) bytes of validate's layer loop: the process, the largest layer's
+    other weights and their load transient; two float32 copies per expert (the dequantized
+    weights and the dequantization's transient)."""
     x = layer_shapes(arch)
-    host = parse_bytes(max_host_memory, "--max-host-memory") or available_host_memory()
-    budget = (parse_bytes(max_gpu_memory, "--max-gpu-memory") or device_memory(device, None)) if device == "cuda" else host
     fixed = (0 if device == "cuda" else BASE_BYTES) + x.layer_params * F32 + 3 * x.largest_tensor * F32
-    per = 2 * 3 * x.expert_width * x.hidden * F32
-    return int(min(max((budget - fixed) // per, 1), CHUNK_MAX))
+    return fixed, 2 * 3 * x.expert_width * x.hidden * F32
+
+
+def validate_room(arch, device: str, budget: int, exchange: int = 0) -> int:
+    """Bytes left for resident weights (quantkit.validation): the budget less the layer loop's
+    working set at one expert per chunk and, with several ranks, the routed rows exchanged."""
+    fixed, per = _validate_working_set(arch, device)
+    return budget - fixed - per - exchange
+
+
+def validate_expert_chunk(arch, device: str, max_host_memory=None, max_gpu_memory=None, *, kept: int = 0,
+                          ranks_here: int = 1, exchange: int = 0) -> int:
+    """Routed experts validate loads at once: what the budget leaves after the process, the
+    largest layer's other weights and their load transient, the weights kept resident (`kept`)
+    and the exchanged rows, at two float32 copies per expert, 1 to CHUNK_MAX."""
+    budget = validate_budget(device, max_host_memory, max_gpu_memory, ranks_here)
+    fixed, per = _validate_working_set(arch, device)
+    return int(min(max((budget - fixed - kept - exchange) // per, 1), CHUNK_MAX))

@@ -46,6 +46,9 @@ from quantkit.errors import ConfigError, OutputError
 TIMEOUT_S = 1800  # a collective waits this long for a peer (QUANTKIT_DIST_TIMEOUT overrides), then fails
 
 
+RESUME = "the completed layers are saved: see the failing rank's log, then rerun the same command with --resume"
+
+
 @dataclass(frozen=True)
 class Group:
     """This process's place in the job. world 1: a plain single-process convert."""
@@ -54,6 +57,7 @@ class Group:
     world: int = 1
     local_rank: int = 0
     backend: str | None = None  # gloo | nccl, None when single
+    after_failure: str = RESUME  # what a user does when a peer is lost (validate: rerun; it is not resumable)
 
     @property
     def distributed(self) -> bool:
@@ -113,8 +117,7 @@ def peers(g: Group, what: str):
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         first = re.sub(r"^\[[^\]]*\]\s*", "", first)[:200]  # gloo prefixes its source file and line
         raise PeerLost(f"rank {g.rank} of {g.world}: {what}: another rank died or did not answer within "
-                       f"{timeout_s():.0f}s (QUANTKIT_DIST_TIMEOUT; {first}); the completed layers are saved: "
-                       "see the failing rank's log, then rerun the same command with --resume") from None
+                       f"{timeout_s():.0f}s (QUANTKIT_DIST_TIMEOUT; {first}); {g.after_failure}") from None
 
 
 def from_env() -> Group:
@@ -133,6 +136,13 @@ def from_env() -> Group:
 
 def timeout_s() -> float:
     return float(os.environ.get("QUANTKIT_DIST_TIMEOUT", TIMEOUT_S))
+
+
+def joined() -> bool:
+    """Whether this process is already in a process group (validate after a multi-rank convert)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 def init(device: torch.device) -> tuple[Group, torch.device]:
@@ -262,6 +272,27 @@ def max_kv(g: Group, kv, layer: int) -> None:
         vals = [s[j] for s in seen if s[j] is not None]
         if vals:
             getattr(kv, f)[layer] = max(vals)
+
+
+def share_expert_rows(g: Group, mine: dict[int, torch.Tensor], owner: dict[int, int], counts: list[int], width: int,
+                      dtype: torch.dtype, dev: torch.device, what: str) -> dict[int, torch.Tensor]:
+    """Every routed expert's weighted output rows (counts[e], width) on every rank, from the rank
+    that computed them (`owner`, validate's expert split; `mine`: this rank's). One broadcast per
+    rank: its experts' rows concatenated in ascending expert order, as raw bytes; receivers size
+    them from the routing counts, which every rank computed from the same hidden states."""
+    out: dict[int, torch.Tensor] = {}
+    for r in range(g.world):
+        es = [e for e in sorted(owner) if owner[e] == r and counts[e] > 0]
+        if not es:
+            continue
+        n = sum(counts[e] for e in es)
+        t = torch.cat([mine[e] for e in es]) if r == g.rank else None  # (n, width)
+        got = _broadcast(g, t, (n, width), dtype, r, dev, f"{what} from rank {r}")
+        at = 0
+        for e in es:
+            out[e] = got[at:at + counts[e]]
+            at += counts[e]
+    return out
 
 
 # ---- the exchange ------------------------------------------------------------------------------

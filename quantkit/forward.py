@@ -45,10 +45,11 @@ def new_caches(ckpt: Checkpoint) -> list[LayerCache]:
 
 
 def embed(ckpt: Checkpoint, input_ids: torch.Tensor, device, dtype) -> torch.Tensor:
-    """Hidden states (B, T, D) on `device`. The lookup runs on the CPU, where the checkpoint puts the
-    table (vocab x D, gigabytes at full scale), so only the B x T x D result crosses to the device."""
+    """Hidden states (B, T, D) on `device`. The lookup runs where the checkpoint puts the table (vocab x
+    D, gigabytes at full scale: the host, unless validate keeps it resident on the device), so only
+    the B x T x D result crosses."""
     table = ckpt.get(f"{ckpt.arch.prefix}embed_tokens.weight", dtype)
-    return torch.nn.functional.embedding(input_ids.cpu(), table).to(device)  # (B, T, D)
+    return torch.nn.functional.embedding(input_ids.to(table.device), table).to(device)  # (B, T, D)
 
 
 def heads(ckpt: Checkpoint, hs: list[torch.Tensor], dtype) -> list[torch.Tensor]:
@@ -69,27 +70,29 @@ def layer_weights(ckpt: Checkpoint, layer: int, device, dtype) -> dict[str, torc
 
 
 def step(ckpts: dict[str, Checkpoint], streams: list[Stream], device, dtype, on_layer=None, advance=None,
-         chunk: int = 16) -> None:
+         chunk: int = 16, group=None, owners: dict[int, dict[int, int]] | None = None) -> None:
     """One forward of every stream over its `ids`, in lockstep: layer i of every checkpoint runs
     before layer i+1 of any; each checkpoint's layer is loaded once for all its streams, then freed.
     Leaves each stream's final hidden state in `h`; `on_layer(layer, {name: h})` sees every layer.
-    Routed experts are loaded `chunk` at a time (quantkit.layerstream), as convert does."""
+    Routed experts are loaded `chunk` at a time (quantkit.layerstream), as convert does; with a
+    multi-rank `group`, only this rank's (`owners[layer]`: expert -> rank), the others' outputs received."""
     from quantkit.layerstream import streamed_layer
 
-    groups = {m: [s for s in streams if s.model == m] for m in ckpts}
-    groups = {m: g for m, g in groups.items() if g}
-    for m, group in groups.items():
+    by_model = {m: [s for s in streams if s.model == m] for m in ckpts}
+    by_model = {m: g for m, g in by_model.items() if g}
+    for m, members in by_model.items():
         table = ckpts[m].get(f"{ckpts[m].arch.prefix}embed_tokens.weight", dtype)
-        for s in group:
+        for s in members:
             start = s.caches[0].length if s.caches else 0
             s.ctx = Context.build(ckpts[m].arch, s.ids.shape[1], device, dtype, start=start, caches=s.caches, kv=s.kv,
                                   **s.options)
-            s.h = torch.nn.functional.embedding(s.ids.cpu(), table).to(device)  # (B, T, D)
+            s.h = torch.nn.functional.embedding(s.ids.to(table.device), table).to(device)  # (B, T, D)
         del table
     for layer in range(next(iter(ckpts.values())).arch.num_hidden_layers):
-        for m, group in groups.items():
-            for s, h in zip(group, streamed_layer(ckpts[m], layer, [s.h for s in group], [s.ctx for s in group],
-                                                  device, dtype, chunk)):
+        for m, members in by_model.items():
+            hs = streamed_layer(ckpts[m], layer, [s.h for s in members], [s.ctx for s in members], device, dtype, chunk,
+                                group, (owners or {}).get(layer))
+            for s, h in zip(members, hs):
                 s.h = h
             if advance:
                 advance()

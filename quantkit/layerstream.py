@@ -6,6 +6,11 @@ attention half and the router run, and the routed experts are loaded `chunk` at 
 to the tokens routed to them, and dropped. The arithmetic is reference.moe's, in the same order
 (experts ascending, index_add_ per expert, shared expert added last), so the result is the same.
 Several token streams share one load of each weight (validate's lockstep rows).
+
+With several ranks (validate under torchrun, quantkit.distributed) each rank runs the attention
+half for every token but only the routed experts `owner` gives it; every expert's weighted output
+rows then go from its owner to all ranks as bytes (`share_expert_rows`), and every rank adds them
+in ascending expert order, as one process does: the hidden states are one process's, bit for bit.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ from quantkit.tensors import TensorClass
 
 
 def streamed_layer(ckpt: Checkpoint, layer: int, hs: list[torch.Tensor], ctxs: list, device, dtype,
-                   chunk: int = 16) -> list[torch.Tensor]:
-    """New hidden states (B, T, D) of each stream after decoder layer `layer` of `ckpt`."""
+                   chunk: int = 16, group=None, owner: dict[int, int] | None = None) -> list[torch.Tensor]:
+    """New hidden states (B, T, D) of each stream after decoder layer `layer` of `ckpt`. `group`
+    and `owner` (expert -> rank): this rank computes its own experts only (module docstring)."""
     a = ckpt.arch
     pre = a.layer_prefix(layer)
     by_expert: dict[int, list[str]] = {}
@@ -38,19 +44,37 @@ def streamed_layer(ckpt: Checkpoint, layer: int, hs: list[torch.Tensor], ctxs: l
     routes = [route(x, w, a) for x in xs]
     outs = [torch.zeros_like(x) for x in xs]
     present = [set(torch.unique(idx).tolist()) for idx, _ in routes]
-    experts = sorted(by_expert)
+    split = group is not None and group.distributed and owner is not None
+    experts = sorted(e for e in by_expert if not split or owner[e] == group.rank)
+    rows: list[dict[int, torch.Tensor]] = [{} for _ in xs]  # split: per stream, expert -> its weighted rows
     for start in range(0, len(experts), chunk):
         part = [e for e in experts[start:start + chunk] if any(e in p for p in present)]
         if not part:
             continue
         ew = {n[len(pre):]: ckpt.get(n, dtype).to(device) for e in part for n in by_expert[e]}
-        for x, (idx, weight), out, p in zip(xs, routes, outs, present):
+        for x, (idx, weight), out, p, mine in zip(xs, routes, outs, present, rows):
             for e in part:
                 if e not in p:
                     continue
                 tok, slot = (idx == e).nonzero(as_tuple=True)
-                out.index_add_(0, tok, (expert(x[tok], ew, e) * weight[tok, slot][:, None]).to(x.dtype))
+                y = (expert(x[tok], ew, e) * weight[tok, slot][:, None]).to(x.dtype)  # (n_e, D)
+                if split:
+                    mine[e] = y
+                else:
+                    out.index_add_(0, tok, y)
         del ew
+    if split:
+        from quantkit.distributed import check_same, share_expert_rows
+
+        counts = [torch.bincount(idx.reshape(-1), minlength=a.n_routed_experts).tolist() for idx, _ in routes]
+        check_same(group, torch.tensor(counts), f"layer {layer}: routing")  # receivers size buffers from it
+        for i, ((idx, _), out, x) in enumerate(zip(routes, outs, xs)):
+            every = share_expert_rows(group, rows[i], owner, counts[i], x.shape[-1], x.dtype, device,
+                                      f"layer {layer}: expert outputs of stream {i}")
+            for e in sorted(every):  # ascending, as one process adds them
+                tok, _ = (idx == e).nonzero(as_tuple=True)
+                out.index_add_(0, tok, every[e])
+            rows[i] = every = None
     result = []
     for h, x, out in zip(hs, xs, outs):
         if a.n_shared_experts:

@@ -40,7 +40,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -339,10 +339,12 @@ def _agreement(tokens: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 
 
 def _measure(ckpts: dict[str, Checkpoint], ids: torch.Tensor, K: int, pair: bool, device, dtype, bar,
-             kv: dict[str, Any] | None = None, kv_calibrated: bool = False, chunk: int = 16) -> dict:
+             kv: dict[str, Any] | None = None, kv_calibrated: bool = False, chunk: int = 16, group=None,
+             owners: dict[int, dict[int, int]] | None = None) -> dict:
     """Run every stream in lockstep and return the rows, per-layer curves and continuations.
     `kv`: variant -> quantkit.kvcache.KVCache; each adds the FP8-KV rows' streams (pairs only).
-    Routed experts are loaded `chunk` at a time (quantkit.layerstream)."""
+    Routed experts are loaded `chunk` at a time (quantkit.layerstream); with several ranks, each
+    computes those `owners` gives it (layer -> expert -> rank)."""
     L = ckpts["reference"].arch.num_hidden_layers
     models = [m for m in ckpts if m != "reference"]
     new = lambda: [LayerCache() for _ in range(L)]  # noqa: E731
@@ -360,7 +362,7 @@ def _measure(ckpts: dict[str, Checkpoint], ids: torch.Tensor, K: int, pair: bool
         for m in models:
             errs[m].add(layer, hs[m], hs["reference"])
 
-    step(ckpts, list(prompt.values()), device, dtype, on_prompt_layer, bar.advance, chunk)
+    step(ckpts, list(prompt.values()), device, dtype, on_prompt_layer, bar.advance, chunk, group, owners)
     (ref_logits,) = heads(ckpts["reference"], [prompt["reference"].h], dtype)
     ref_nll = _nll(ref_logits, ids)
     last = {"reference": ref_logits[:, -1]}
@@ -424,11 +426,11 @@ def _measure(ckpts: dict[str, Checkpoint], ids: torch.Tensor, K: int, pair: bool
         for s in forced.values():
             s.ids = free["reference"].tokens[-1][:, None]
         streams = list(free.values()) + list(forced.values())
-        step(ckpts, streams, device, dtype, on_step_layer, bar.advance, chunk)
+        step(ckpts, streams, device, dtype, on_step_layer, bar.advance, chunk, group, owners)
         logits = {}
         for m, ck in ckpts.items():
-            group = [s for s in streams if s.model == m]
-            for s, lg in zip(group, heads(ck, [s.h for s in group], dtype)):
+            members = [s for s in streams if s.model == m]
+            for s, lg in zip(members, heads(ck, [s.h for s in members], dtype)):
                 logits[s.name] = lg[:, -1]  # (B, V)
         for s in free.values():
             s.tokens.append(logits[s.name].argmax(-1).cpu())
@@ -669,11 +671,14 @@ def _owned_and_verified(fn):
         from quantkit.integrity import MANIFEST, REPORT, verify
         from quantkit.outlock import acquire
 
+        from quantkit.distributed import from_env
+
         out = Path(dir)
-        lock = acquire(out, "validate") if write and out.is_dir() else None
+        leader = from_env().leader  # several ranks: rank 0 owns the folder and checks it; the others wait for it
+        lock = acquire(out, "validate") if write and leader and out.is_dir() else None
         try:
             ours = [out / REPORT, out / ".quantkit-convert", out / MANIFEST, out / "prefill" / MANIFEST, out / "decode" / MANIFEST]
-            if any(p.exists() for p in ours):  # a quantkit output (a hand-assembled pair has none of these)
+            if leader and any(p.exists() for p in ours):  # a quantkit output (a hand-assembled pair has none of these)
                 verify(out).raise_for_problems()
             return fn(dir, *args, write=write, **kwargs)
         finally:
@@ -700,6 +705,7 @@ def validate(
     kv_cache_dtype: str = "bf16",
     max_host_memory: int | str | None = None,
     max_gpu_memory: int | str | None = None,
+    weights: str = "auto",
 ) -> ValidationResult:
     """Measure a converted pair (or one checkpoint) against its reference, layer by layer.
 
@@ -714,8 +720,17 @@ def validate(
         kv_cache_dtype: `bf16` (the cache holds what attention computed), `fp8_e4m3` (the engines'
             static per-layer scale, run with the checkpoint's scales and with 1.0) or `fp8_ds_mla`
             (vLLM's DSA layout); FP8 adds the KV rows (quantkit.kvcache).
-        max_host_memory, max_gpu_memory: budgets ("8GB"); routed experts are streamed in chunks
-            sized to them (quantkit.cost.validate_expert_chunk).
+        max_host_memory, max_gpu_memory: budgets ("8GB", per rank); routed experts are streamed in
+            chunks sized to them (quantkit.cost.validate_expert_chunk).
+        weights: `auto` keeps as much of the checkpoints as fits the budget in memory, as stored,
+            after its first read (this rank's share under torchrun), so greedy tokens re-read only
+            the rest; `resident` insists on all of it; `stream` re-reads every layer for every pass
+            (`_weights_plan`).
+
+    Under torchrun (`quantkit validate --nproc N`) each rank runs the attention half of every
+    layer and the routed experts that convert's partition gives it, and receives the others'
+    expert outputs; the numbers are the single process's, bit for bit on the same device type
+    (docs/distributed.md). Rank 0 writes the files.
     Returns:
         ValidationResult; `passed` is False when any gate fails (nothing is raised for that).
 
@@ -723,28 +738,42 @@ def validate(
         >>> res = quantkit.validate("out/glm")
         >>> res.data["rows"]["decode"]["metrics"]["kl"], res.passed
     """
+    from quantkit import distributed
     from quantkit.calib import load_tokens
+    from quantkit.cost import peak_rss
     from quantkit.models import open_checkpoint
 
     t0 = time.time()
+    if weights not in WEIGHTS:
+        raise ConfigError(f"--weights {weights}: one of {', '.join(WEIGHTS)}")
     t = _target(dir, reference)
     ckpts = {"reference": open_checkpoint(t.reference_source)} | {row: Checkpoint(p) for row, p in t.models.items()}
     _check_compatible(ckpts)
     arch = ckpts["reference"].arch
     s = _settings(t, arch, eval_data, num_samples, seq_len, gen_tokens, gates)
     tokens = load_tokens(s.dataset, tokenizer=t.reference_path, num_samples=s.num_samples, seq_len=s.seq_len)
-    dev = resolve_device(device)
+    joined = distributed.joined()  # convert's ranks validate in the group they converted in
+    group, dev = distributed.init(resolve_device(device))
+    group = replace(group, after_failure="see the failing rank's log, then rerun the same command")
     notes = _notes(t, tokens)
 
+    owners = _owners(arch, t.report, group)
+    streams = len(ckpts) + 2 * 2  # the prompt pass's streams at most (two FP8-KV variants of two checkpoints)
+    plan = _weights_plan(ckpts, owners, group, dev, weights, max_host_memory, max_gpu_memory,
+                         streams * tokens.ids.numel() * arch.num_experts_per_tok * arch.hidden_size * 4)
     kv, kv_info = _kv_variants(kv_cache_dtype, ckpts, t.pair, s.gen_tokens)
     L = arch.num_hidden_layers
     loads = len(ckpts) * L * (1 + max(s.gen_tokens - 1, 0))  # a pass loads each checkpoint's layers once
-    with LayerProgress(progress, loads, "validate: layers") as bar, torch.no_grad():
-        from quantkit.cost import validate_expert_chunk
-
-        chunk = validate_expert_chunk(arch, dev.type, max_host_memory, max_gpu_memory)
+    with LayerProgress(progress and group.leader, loads, "validate: layers") as bar, torch.no_grad():
         m = _measure(ckpts, tokens.ids.to(dev), s.gen_tokens, t.pair, dev, dtype, bar, kv, kv_info.get("calibrated", False),
-                     chunk)
+                     plan["chunk"], group, owners)
+    plan["read_bytes"] = sum(ck.bytes_read for ck in ckpts.values())
+    plan["peak_rss_bytes"] = peak_rss()
+    ranks = group.all_gather_object(plan, "after validating")
+    if not joined:
+        distributed.close(group)
+    for ck in ckpts.values():
+        ck.close()
 
     gate_results = check_gates(s.gates, m["rows"])
     data = {
@@ -759,7 +788,9 @@ def validate(
         "gen_tokens": s.gen_tokens,
         "device": str(dev) + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else ""),
         "dtype": str(dtype).removeprefix("torch."),
-        "order": "lockstep: layer i of every checkpoint before layer i+1; one layer's weights in memory at a time",
+        "order": "lockstep: layer i of every checkpoint before layer i+1; one layer's weights in memory at a time "
+                 "beyond those kept as stored (`weights`)",
+        "weights": _weights_report(ranks, group),
         "num_layers": L,
         "reference_metrics": m["reference"],
         "rows": m["rows"],
@@ -773,9 +804,100 @@ def validate(
         "seconds": round(time.time() - t0, 3),
     }
     result = ValidationResult(t.out, data, {})
-    if write:
+    if write and group.leader:
         result.files = _write(t, data)
     return result
+
+
+WEIGHTS = ("auto", "resident", "stream")
+
+
+def _owners(arch, report: dict | None, group) -> dict[int, dict[int, int]] | None:
+    """layer -> expert -> rank for every MoE layer, as convert partitions them (quantkit.distributed.
+    partition over the routed calibration tokens the report records, plus GPTQ's fixed cost);
+    experts with no record count 0 tokens. None for a single process."""
+    if not group.distributed:
+        return None
+    from quantkit.cost import expert_fixed_tokens
+    from quantkit.distributed import partition
+
+    tokens = {(e["layer"], e["expert"]): e.get("tokens", 0) for e in (report or {}).get("experts") or []}
+    fixed = expert_fixed_tokens(arch)
+    return {layer: partition({e: tokens.get((layer, e), 0) for e in range(arch.n_routed_experts)}, group.world, fixed)
+            for layer in range(arch.num_hidden_layers) if arch.is_moe(layer)}
+
+
+def _weights_plan(ckpts: dict[str, Checkpoint], owners, group, dev: torch.device, weights: str, max_host_memory,
+                  max_gpu_memory, exchange: int) -> dict:
+    """What this rank reads and what it keeps. Its share: the decoder layers' tensors but the routed
+    experts of other ranks, and the embedding, norm and head. `auto` keeps as much of the share as
+    fits (the shared tensors first, then the experts layer by layer) on `dev` beside the layer
+    loop's working set (quantkit.cost.validate_room), and on a GPU then in this rank's part of host
+    memory; `resident` insists on all of it; `stream` keeps nothing. Kept tensors stay as stored
+    from their first read (Checkpoint.keep), so a greedy token re-reads only what was not kept. The
+    expert chunk is sized from what is left on `dev`."""
+    from quantkit.cost import validate_budget, validate_expert_chunk, validate_room
+    from quantkit.tensors import TensorClass
+
+    arch = ckpts["reference"].arch
+    L = arch.num_hidden_layers
+    exchange = exchange if group.distributed else 0
+
+    def mine(info) -> bool:
+        if info.layer is None:
+            return True
+        if info.layer >= L:  # MTP: validate does not run it
+            return False
+        return info.klass != TensorClass.ROUTED_EXPERT or owners is None or owners[info.layer][info.expert] == group.rank
+
+    def order(item) -> tuple:
+        (m, n), info = item, ckpts[item[0]].tensors[item[1]].info
+        return (info.klass == TensorClass.ROUTED_EXPERT, -1 if info.layer is None else info.layer, info.expert or 0, m, n)
+
+    share = sorted(((m, n) for m, ck in ckpts.items() for n in ck.names() if mine(ck.tensors[n].info)),
+                   key=lambda item: order(item))
+    sizes = {(m, n): ckpts[m].storage_bytes(n) for m, n in share}
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", group.world)) if group.distributed else 1
+    budget = validate_budget(dev.type, max_host_memory, max_gpu_memory, ranks_here)
+    tiers = [[dev, validate_room(arch, dev.type, budget, exchange), 0]] if weights != "stream" else []
+    if dev.type == "cuda" and weights != "stream":  # then this rank's part of host memory
+        tiers.append([torch.device("cpu"), validate_room(arch, "cpu", validate_budget("cpu", max_host_memory, None, ranks_here)), 0])
+    for item in share:
+        tier = next((t for t in tiers if t[2] + sizes[item] <= t[1]), None)
+        if tier is None:
+            break  # keep a prefix: whole layers' shared tensors before any expert
+        tier[2] += sizes[item]
+        ckpts[item[0]].keep([item[1]], tier[0])
+    kept = sum(t[2] for t in tiers)
+    total = sum(sizes.values())
+    if weights == "resident" and kept < total:
+        raise ConfigError(f"--weights resident: this rank's share of the three checkpoints is {total / 1e9:.2f} GB as "
+                          f"stored, but its budget keeps {kept / 1e9:.2f} GB beside the layer loop; use more ranks "
+                          "(quantkit validate --nproc N), a larger --max-host-memory/--max-gpu-memory, or --weights auto")
+    on_dev = tiers[0][2] if tiers else 0
+    chunk = validate_expert_chunk(arch, dev.type, max_host_memory, max_gpu_memory, kept=on_dev, ranks_here=ranks_here,
+                                  exchange=exchange)
+    experts = sum(1 for m, n in share if ckpts[m].tensors[n].info.klass == TensorClass.ROUTED_EXPERT
+                  and ckpts[m].tensors[n].info.proj == "down_proj")
+    return {"share_bytes": total, "kept_bytes": kept, "kept_on_device_bytes": on_dev if dev.type == "cuda" else 0,
+            "budget_bytes": budget, "chunk": chunk, "experts": experts}
+
+
+def _weights_report(ranks: list[dict], group) -> dict:
+    """validation.json's `weights`: how the weights were held and read, per rank."""
+    mode = ("resident" if all(r["kept_bytes"] == r["share_bytes"] for r in ranks) else
+            "stream" if not any(r["kept_bytes"] for r in ranks) else "partly resident")
+    return {"mode": mode, "world": group.world,
+            **({"backend": group.backend} if group.distributed else {}),
+            "share_bytes_per_rank": [r["share_bytes"] for r in ranks],
+            "kept_bytes_per_rank": [r["kept_bytes"] for r in ranks],
+            "kept_on_device_bytes_per_rank": [r["kept_on_device_bytes"] for r in ranks],
+            "read_bytes_per_rank": [r["read_bytes"] for r in ranks],
+            "experts_per_rank": [r["experts"] for r in ranks],
+            "expert_chunk_per_rank": [r["chunk"] for r in ranks],
+            "peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in ranks],
+            "note": "share: what a rank reads (its own routed experts only); kept: what it keeps in memory as stored "
+                    "after the first read; every pass (the prompt pass, then each greedy token) re-reads the rest"}
 
 
 def _write(t: Target, data: dict) -> dict[str, Path]:

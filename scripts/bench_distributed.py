@@ -55,6 +55,8 @@ def run(model: str, nproc: int, args) -> dict:
         cmd = ["-m", "quantkit", "convert", f"realshape:{model}", "--out", str(out), "--calib", "synthetic:train",
                "--num-samples", str(args.samples), "--seq-len", str(args.seq_len), "--method", "gptq",
                "--max-host-memory", args.budget, "--no-validate", "--json"]
+        if args.group_size:
+            cmd += ["--group-size", str(args.group_size)]
         if nproc > 1:
             cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *cmd]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
@@ -79,7 +81,7 @@ def predicted(model: str, nproc: int, args) -> float:
     from quantkit.cost import plan_convert_for
 
     c = plan_convert_for(model, gpu="cpu", method="gptq", num_samples=args.samples, seq_len=args.seq_len,
-                         max_host_memory=args.budget, validate=False, nproc=nproc)
+                         group_size=args.group_size, max_host_memory=args.budget, validate=False, nproc=nproc)
     return sum(c.seconds.values())
 
 
@@ -89,6 +91,8 @@ def main() -> None:
     p.add_argument("--nproc", type=int, nargs="+", default=[1, 2], help="rank counts; the first is the baseline")
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--group-size", type=int, default=None,
+                   help="INT4 group size (Kimi: 128, so that its g32 experts are quantized rather than reused)")
     p.add_argument("--budget", default="8GB", help="--max-host-memory, per rank")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every rank")
     p.add_argument("--root", type=Path, default=Path("/tmp/quantkit-bench-distributed"))
@@ -101,7 +105,8 @@ def main() -> None:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the predictions' thread count
         rows = [run(args.model, n, args) for n in args.nproc]
         base = rows[0]
-        print(f"realshape:{args.model}, {args.samples} x {args.seq_len} tokens, gptq, {args.budget} per rank, "
+        print(f"realshape:{args.model}, {args.samples} x {args.seq_len} tokens, gptq"
+              f"{f' g{args.group_size}' if args.group_size else ''}, {args.budget} per rank, "
               f"{args.threads} thread(s) per rank")
         print("| ranks | wall s | speed-up | predicted s | peak RSS per rank GB | experts per rank | "
               "quantize s per rank | attention s | MoE expert s | bytes = first |")

@@ -227,6 +227,85 @@ def test_token_split_killed_rank_resumes_on_another_world(single_mb, tmp_path):
     assert _files(out) == _files(single_mb["glm", 2])
 
 
+# ---- validate on several ranks -------------------------------------------------------------------
+SAME = ("rows", "continuations", "reference_metrics", "kv_cache")  # what a multi-rank validate must equal
+
+
+def _validate(out: Path, *args: str, nproc: int = 1) -> tuple[subprocess.CompletedProcess, dict | None]:
+    """`quantkit validate OUT --json` as a plain process or `--nproc N` (torchrun); (run, validation.json)."""
+    cmd = [sys.executable, "-m", "quantkit", "validate", str(out), "--json", *args]
+    done = subprocess.run(cmd + (["--nproc", str(nproc)] if nproc > 1 else []), capture_output=True, text=True,
+                          env=_env(), timeout=600)
+    path = out / "validation.json"
+    return done, json.loads(path.read_text()) if path.is_file() else None
+
+
+@pytest.fixture(scope="module")
+def single_validated(single, tmp_path_factory) -> dict[str, dict]:
+    """validation.json of one process on a copy of each single-process output (validate writes
+    model cards into prefill/ and decode/, which the convert comparisons must not see)."""
+    import shutil
+
+    got = {}
+    for key, kv in (("glm", "fp8_e4m3"), ("kimi", "bf16")):
+        out = tmp_path_factory.mktemp("validated") / key
+        shutil.copytree(single[key], out)
+        done, got[key] = _validate(out, "--kv-cache-dtype", kv)
+        assert done.returncode == 0, done.stderr[-3000:]
+    return got
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key, nproc, weights", [
+    ("glm", 2, "auto"),  # resident (the tiny checkpoints fit), FP8 KV rows: 7 prompt streams, 10 decode streams
+    ("kimi", 3, "stream"),  # 3 ranks, every layer re-read for every greedy token
+])
+def test_validate_on_several_ranks_equals_one_process(single, single_validated, tmp_path, key, nproc, weights):
+    """Each rank runs attention for every token and its own routed experts (convert's partition);
+    the experts' output rows travel as bytes and every rank adds them in ascending expert order:
+    every number, curve and greedy continuation is the single process's, bit for bit (tolerance 0
+    on one device type). A failing gate makes `--nproc` exit 3 (torchrun itself exits 1)."""
+    import shutil
+
+    out = tmp_path / key
+    shutil.copytree(single[key], out)
+    want = single_validated[key]
+    args = ["--kv-cache-dtype", want["kv_cache"]["dtype"], "--weights", weights]
+    if key == "kimi":
+        (tmp_path / "strict.yaml").write_text("kl_max: 0.0\n")
+        args += ["--gate", str(tmp_path / "strict.yaml")]
+    done, got = _validate(out, *args, nproc=nproc)
+    assert done.returncode == (3 if key == "kimi" else 0), done.stderr[-3000:]
+    assert {k: got[k] for k in SAME} == {k: want[k] for k in SAME}
+    w = got["weights"]
+    assert w["world"] == nproc and w["backend"] == "gloo" and w["mode"] == ("resident" if weights == "auto" else "stream")
+    one = want["weights"]
+    assert sum(w["experts_per_rank"]) == one["experts_per_rank"][0] and all(n > 0 for n in w["experts_per_rank"])
+    assert all(share < one["share_bytes_per_rank"][0] for share in w["share_bytes_per_rank"])  # experts split
+    for read, share in zip(w["read_bytes_per_rank"], w["share_bytes_per_rank"]):
+        if weights == "stream":  # the prompt pass and each further greedy token re-read this rank's share
+            assert share < read <= got["gen_tokens"] * share
+        else:  # read once, kept
+            assert read <= share
+    if key == "kimi":
+        assert "kl_max" in done.stderr and not got["passed"]
+
+
+@pytest.mark.slow
+def test_convert_on_two_ranks_validates_on_two_ranks(single_validated, tmp_path):
+    """`convert --nproc 2` (validation on, as shipped): every rank validates with its share of the
+    experts once rank 0 has finished the output; the numbers are a single process's."""
+    out = tmp_path / "kimi"
+    done = subprocess.run([sys.executable, "-m", "quantkit", "convert", MODELS["kimi"], "--out", str(out),
+                           *[a for a in CALIB if a != "--no-validate"], "--nproc", "2", "--json"],
+                          capture_output=True, text=True, env=_env(), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads((out / "validation.json").read_text())
+    assert got["weights"]["world"] == 2
+    assert got["rows"] == single_validated["kimi"]["rows"]
+    assert got["continuations"] == single_validated["kimi"]["continuations"]
+
+
 # ---- failure: bounded exit, then --resume --------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("point, how, rank, again", [
@@ -296,7 +375,7 @@ def test_convert_nproc_launches_torchrun_with_the_same_options(monkeypatch, tmp_
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     seen = []
-    monkeypatch.setattr(cli, "_torchrun", lambda n, argv: seen.append((n, argv)) or 7)
+    monkeypatch.setattr(cli, "_torchrun", lambda n, argv, out: seen.append((n, argv)) or 7)
     out = tmp_path / "o"
     r = CliRunner().invoke(cli.app, ["convert", "tiny:glm-5.2", "--out", str(out), "--num-samples", "8", "--resume",
                                      "--no-validate", "--max-host-memory", "8GB", "--nproc", "4"])
@@ -304,6 +383,21 @@ def test_convert_nproc_launches_torchrun_with_the_same_options(monkeypatch, tmp_
     assert seen == [(4, ["convert", "tiny:glm-5.2", "--out", str(out), "--num-samples", "8", "--device", "auto",
                          "--max-host-memory", "8GB", "--resume", "--no-validate"])]
     assert not out.exists()  # nothing ran here
+
+
+def test_validate_nproc_launches_torchrun_with_the_same_options(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from quantkit import cli
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    seen = []
+    monkeypatch.setattr(cli, "_torchrun", lambda n, argv, out, resume_hint: seen.append((n, argv, out, resume_hint)) or 3)
+    r = CliRunner().invoke(cli.app, ["validate", str(tmp_path), "--gen-tokens", "4", "--weights", "stream",
+                                     "--nproc", "2", "--json"])
+    assert r.exit_code == 3  # what _torchrun decided (a failed gate)
+    assert seen == [(2, ["validate", str(tmp_path), "--gen-tokens", "4", "--device", "auto", "--kv-cache-dtype", "bf16",
+                         "--weights", "stream", "--json"], tmp_path, False)]
 
 
 def test_plan_convert_nproc_on_the_command_line():

@@ -16,6 +16,7 @@ from quantkit.calib import load_tokens
 from quantkit.checkpoint import Checkpoint
 from quantkit.cli import app
 from quantkit.conversion import convert
+from quantkit.errors import ConfigError
 from quantkit.forward import embed, head, layer_weights, run
 from quantkit.reference import Context, decoder_layer
 from quantkit.validation import GATES_FAILED_EXIT, cross_phase_logits, validate
@@ -266,3 +267,29 @@ def test_cards_keep_the_source_license(tmp_path, pairs, cli_runs):
         card = path.read_text()
         assert card.startswith('---\nlicense: "other"\nlicense_name: "modified-mit"\n') and "# Kimi K2.6\n" not in card
         assert f"# tiny:kimi-k2.6: {'FP8 prefill' if which == 'prefill' else 'INT4 decode'} checkpoint" in card
+
+
+def test_kept_weights_are_read_once_and_change_no_number(pairs):
+    """`auto` keeps the checkpoints in memory as stored (they fit): every stored byte is read at most
+    once, where `stream` re-reads the layers for every greedy token; a budget that holds half the
+    share keeps a prefix (the shared tensors first) and streams the rest. The numbers are the same
+    to the bit in all three: the kept bytes are dequantized as the read ones are."""
+    from quantkit.cost import _validate_working_set
+
+    kw = dict(num_samples=2, seq_len=16, gen_tokens=3, device="cpu", progress=False, write=False)
+    auto = validate(pairs["glm"], **kw)
+    stream = validate(pairs["glm"], weights="stream", **kw)
+    w = auto.data["weights"]
+    share = w["share_bytes_per_rank"][0]
+    assert w["mode"] == "resident" and w["kept_bytes_per_rank"] == [share] and w["read_bytes_per_rank"][0] <= share
+    s = stream.data["weights"]
+    assert s["mode"] == "stream" and s["kept_bytes_per_rank"] == [0] and s["read_bytes_per_rank"][0] > 2 * share
+    fixed, per = _validate_working_set(Checkpoint(pairs["glm"] / "prefill").arch, "cpu")
+    half = validate(pairs["glm"], max_host_memory=fixed + per + share // 2, **kw)
+    h = half.data["weights"]
+    assert h["mode"] == "partly resident" and 0 < h["kept_bytes_per_rank"][0] <= share // 2
+    assert w["read_bytes_per_rank"][0] < h["read_bytes_per_rank"][0] < s["read_bytes_per_rank"][0]
+    for other in (stream, half):
+        assert other.data["rows"] == auto.data["rows"] and other.data["continuations"] == auto.data["continuations"]
+    with pytest.raises(ConfigError, match="--weights resident: .* use more ranks"):
+        validate(pairs["glm"], weights="resident", max_host_memory=fixed + per + share // 2, **kw)
