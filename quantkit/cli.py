@@ -88,6 +88,7 @@ def plan(
     max_host_memory: Annotated[Optional[str], typer.Option(help="--convert: host RAM budget, e.g. 8GB (default: available memory).")] = None,
     max_gpu_memory: Annotated[Optional[str], typer.Option(help="--convert: GPU memory budget (default: the --gpu's).")] = None,
     nproc: Annotated[int, typer.Option(help="--convert: ranks of an expert-parallel convert (one per GPU; `quantkit convert --nproc`): memory and time per rank.")] = 1,
+    disk_gbps: Annotated[Optional[float], typer.Option(help="--convert: the disk's sustained GB/s, reads and writes together (default 2 for a GPU machine, 1 for --gpu cpu).")] = None,
     validation: Annotated[Optional[Path], typer.Option(help="A validation.json (validate --kv-cache-dtype fp8_e4m3): show the measured FP8 KV delta beside its capacity.")] = None,
     json_out: Json = False,
 ):
@@ -98,7 +99,7 @@ def plan(
 
         cost = plan_convert_for(model, recipe=recipe, gpu=gpu, method=method, num_samples=num_samples, seq_len=seq_len,
                                 group_size=group_size, max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory,
-                                nproc=nproc)
+                                nproc=nproc, rates={"disk": disk_gbps * 1e9} if disk_gbps else None)
         if json_out:
             emit_json(cost.to_json())
         else:

@@ -239,6 +239,11 @@ class PairWriter:
         self.prefill.flush()
         self.decode.flush()
 
+    def drain(self) -> None:
+        """Both outputs' cut parts are on disk (quantkit.checkpoint.CheckpointWriter saves in the background)."""
+        self.prefill.drain()
+        self.decode.drain()
+
 
 def compute_weight(parts: dict[str, torch.Tensor], st, dtype) -> torch.Tensor:
     """The value a loader computes with for the stored parts of one tensor."""
@@ -574,6 +579,7 @@ def convert(
             for name in ckpt.names(layer=None):
                 pair.write_shared(name, decisions[name])
             pair.flush()
+            pair.drain()
             ckpt.release_finished()
             state.next_layer = 0
             state.prefill_parts, state.decode_parts = wp.num_parts, wd.num_parts
@@ -635,9 +641,15 @@ def convert(
             state.next_layer = layer + 1
             state.prefill_parts, state.decode_parts = wp.num_parts, wd.num_parts
             state.differ = pair.differ
-            group.barrier(f"end of layer {layer}")  # ranks stay in step; a dead one stops the others here at the latest
-            if group.leader and clock.due(last=layer == n_layers - 1):
-                clock.save(state_dir, state, store, topks)
+            # ranks stay in step here (a dead one stops the others at the latest), and learn from rank 0
+            # whether the resume state is saved now: it names every part so far, so all must be on disk
+            due = group.all_gather_object(clock.due(last=layer == n_layers - 1) if group.leader else None,
+                                          f"end of layer {layer}")[0]
+            if due:
+                pair.drain()
+                group.barrier(f"layer {layer}: saving the parts")
+                if group.leader:
+                    clock.save(state_dir, state, store, topks)
             del w
             ckpt.release_finished()
             bar.update(layer + 1)
@@ -660,6 +672,7 @@ def convert(
         store.close()
     if wp is not None:
         pair.flush()  # (empty after the last layer) every rank, so that all agree on the parts
+        pair.drain()
         parts = {"prefill": wp.parts, "decode": wd.parts}
     # every rank has written its parts and is done with the state folder (rank 0 finishes alone)
     used = group.all_gather_object({"peak_rss": peak_rss(), "parts": wp.written + wd.written if wp else 0},

@@ -10,8 +10,9 @@ Memory, in bytes (D hidden, I expert width, N x T calibration tokens, k experts 
 C experts per chunk, B samples per micro-batch, w = 4 bytes per float32; compute is float32):
 
     base          the Python process with torch and quantkit imported (measured, BASE_BYTES)
-    writer        the two output writers' buffers: one layer's tensors, up to a shard each
-                  (safetensors 0.8 writes from the tensors' memory, no serialized copy)
+    writer        the two output writers' buffers: one layer's tensors, up to a shard each, and
+                  as much again for the part being saved in the background (safetensors 0.8
+                  writes from the tensors' memory, no serialized copy)
     dense_layer,  a dense layer's weights, and a MoE layer's weights other than its routed
     moe_layer     experts, float32
     load_transient dequantizing the largest tensor: 3 float32 copies (values, scales, product);
@@ -46,8 +47,14 @@ and `gather`, giving every rank the micro-batches' h, x and routing the others c
 
 Time is FLOPs over a sustained rate per device (CPU_FLOPS_PER_THREAD measured on the 2-core test
 machine, GPTQ's column loop at CPU_GPTQ_EFFICIENCY of it; GPU rates from the data sheet at the
-efficiency stated in GPU_SPECS), bytes over disk bandwidth (reading overlapped with compute: the
-next layer is read ahead), and a per-column kernel-launch cost for GPTQ's column loop on a GPU. It is an estimate; docs/benchmarks.md compares it with measurements.
+efficiency stated in GPU_SPECS), bytes over disk bandwidth, and a per-column kernel-launch cost for
+GPTQ's column loop on a GPU. The disk works while the layers compute (the next layer is read ahead,
+cut parts are saved in the background): the run pays the first layer's read, the last layer's
+write, `disk_wait` when reads and writes together need longer than the compute, and
+`resume_state`, rank 0 saving h for --resume no more often than STATE_OVERHEAD allows. Validate:
+each rank's share of the three checkpoints as stored, what of it fits in memory (kept), the reads
+(all once, then per greedy token what was not kept) and the compute. `rates` sets what-ifs
+(`--disk-gbps`). It is an estimate; docs/benchmarks.md compares it with measurements.
 """
 
 from __future__ import annotations
@@ -362,6 +369,7 @@ def plan_convert(
     quantized: float = 1.0,
     nproc: int = 1,
     expert_bytes: int | None = None,
+    rates: dict[str, float] | None = None,
 ) -> ConvertCost:
     """Settings and predicted cost of converting `arch` (see the module docstring for the terms).
 
@@ -373,7 +381,10 @@ def plan_convert(
     nproc: ranks of a multi-rank convert (quantkit.distributed): memory and time per rank.
     expert_bytes: the routed experts' bytes in the source and both outputs (validate splits them
     across ranks); default 95% of the three.
+    rates: what-ifs over the device's sustained rates, {"flops": matmul FLOP/s, "disk": bytes/s}
+    (`quantkit plan --convert --disk-gbps`; scripts/bench_*.py print the sensitivity).
     """
+    rates = rates or {}
     x = layer_shapes(arch)
     host = parse_bytes(max_host_memory, "--max-host-memory") or available_host_memory()
     gpu_mem = parse_bytes(max_gpu_memory, "--max-gpu-memory") if device == "cuda" else None
@@ -390,7 +401,8 @@ def plan_convert(
     transient = 3 * x.largest_tensor * F32  # dequantizing one FP8 tensor: values, expanded scales, product
     shard = min(max_shard_bytes, max(MIN_SHARD, host // 16))
     n_layers = max(x.layers, 1)
-    writer = sum(min(int(b / n_layers * 1.5), shard) for b in output_bytes)  # an expert-heavy layer's share
+    # the part being filled and the one being saved in the background (CheckpointWriter.MAX_PENDING), per output
+    writer = 2 * sum(min(int(b / n_layers * 1.5), shard) for b in output_bytes)  # an expert-heavy layer's share
     routing = tokens * x.topk * 6
     host_fixed = BASE_BYTES + writer
     dev_fixed = (0 if on_gpu else host_fixed) + routing
@@ -501,6 +513,7 @@ def plan_convert(
         flops, disk_bw, launch = spec["flops"], spec["disk"], spec["launch"]
     else:
         flops, disk_bw, launch = CPU_FLOPS_PER_THREAD * torch.get_num_threads(), CPU_DISK, 0.0
+    flops, disk_bw = rates.get("flops", flops), rates.get("disk", disk_bw)
     gptq_rate = flops * (1.0 if on_gpu else CPU_GPTQ_EFFICIENCY)
     I = x.expert_width
     L, Lm = x.calibrated_layers, x.calibrated_moe_layers  # the calibration pass skips MTP layers
@@ -525,16 +538,16 @@ def plan_convert(
         "experts_out": out_flops / flops,
         "write": (output_bytes[0] + output_bytes[1]) / disk_bw,
     }
-    # A local source's next layer is read ahead while this one computes (conversion._Prefetcher),
-    # so reading costs only what compute does not cover: the first layer's share, and any excess.
     link = NVLINK_BYTES if on_gpu else GLOO_BYTES
     if nproc > 1 and calibrate:  # the token split: each rank runs the per-token work of its own micro-batches
         share_tokens = token_share(N, store.micro_batch, nproc)
         seconds["attention"] *= share_tokens
         seconds["experts_out"] *= share_tokens
         seconds["gather"] = gather_bytes(x, N, T, store.dtype, nproc) / link
-    compute = sum(v for k, v in seconds.items() if k not in ("read", "write"))
-    seconds["read"] = seconds["read"] / max(x.layers, 1) + max(0.0, seconds["read"] - compute)
+    if method == "awq" and calibrate:
+        seconds["gptq"] *= 1.3  # AWQ's scale search on top (measured ~1.3x GPTQ on the tiny models)
+        notes.append("awq: the search gathers the layer's MoE inputs and each expert's routed rows (budgeted); "
+                     "time as GPTQ x 1.3")
     if shared_work:  # each rank receives the others' share of every layer's quantized experts
         seconds["exchange"] = received * (nproc - 1) / nproc * Lm / link
         notes.append(f"{nproc} ranks: attention and experts_out are split by micro-batches (then h, x and the "
@@ -548,14 +561,20 @@ def plan_convert(
     elif nproc > 1:
         notes.append(f"{nproc} ranks: no calibration, so there is nothing to split: every rank repeats the whole "
                      "run; use one (docs/distributed.md)")
-    if method == "awq" and calibrate:
-        seconds["gptq"] *= 1.3  # AWQ's scale search on top (measured ~1.3x GPTQ on the tiny models)
-        notes.append("awq: the search gathers the layer's MoE inputs and each expert's routed rows (budgeted); "
-                     "time as GPTQ x 1.3")
 
+    compute = sum(v for k, v in seconds.items() if k not in ("read", "write"))
+    # The disk works while the layers compute: the next layer is read ahead (conversion._Prefetcher)
+    # and the cut parts are saved in the background (CheckpointWriter). Reading the first layer and
+    # saving the last one's parts add to the run, and so does the time the disk (reads and writes
+    # share it) needs beyond the compute's.
+    io = seconds["read"] + seconds["write"]
+    seconds["read"] /= max(x.layers, 1)
+    seconds["write"] /= max(x.layers, 1)
+    if io > compute:
+        seconds["disk_wait"] = io - compute
     if state_bytes:  # rank 0 saves h for --resume between layers, as often as STATE_OVERHEAD allows
         save_s = state_bytes / disk_bw
-        compute = sum(v for k, v in seconds.items() if k not in ("read", "write"))
+        compute = sum(v for k, v in seconds.items() if k not in ("read", "write", "disk_wait"))
         seconds["resume_state"] = state_saves(save_s, compute / max(x.layers, 1), x.layers) * save_s
 
     validate_s = validate_share = validate_kept = None
@@ -606,6 +625,7 @@ def plan_convert_for(
     max_gpu_memory: int | str | None = None,
     validate: bool = True,
     nproc: int = 1,
+    rates: dict[str, float] | None = None,
 ) -> ConvertCost:
     """`quantkit plan MODEL --convert`: the cost `convert` would predict for MODEL (a preset, a
     folder, a tiny:/realshape: id or hf://org/repo@rev, headers only) with the recipe and overrides,
@@ -662,7 +682,7 @@ def plan_convert_for(
                         gpu=None if gpu == "cpu" else gpu, max_host_memory=max_host_memory,
                         max_gpu_memory=max_gpu_memory, source_bytes=source_bytes, output_bytes=out,
                         validate=rec.validate if validate else None, quantized=quantized, nproc=nproc,
-                        expert_bytes=expert_bytes)
+                        expert_bytes=expert_bytes, rates=rates)
 
 
 def quantized_fraction(ckpt, decisions) -> float:

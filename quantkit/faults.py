@@ -20,8 +20,10 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import threading
 
 _seen: dict[str, int] = {}
+_lock = threading.Lock()  # parts are saved by background threads (quantkit.checkpoint.CheckpointWriter)
 _MODES = ("kill", "raise", "enospc", "interrupt", "hang")
 
 
@@ -34,10 +36,11 @@ def point(name: str) -> None:
     log = os.environ.get("QUANTKIT_FAULT_LOG")
     if not spec and not log:
         return
-    _seen[name] = n = _seen.get(name, 0) + 1
-    if log:
-        with open(log, "a") as f:
-            f.write(f"{name}#{n}\n")
+    with _lock:
+        _seen[name] = n = _seen.get(name, 0) + 1
+        if log:
+            with open(log, "a") as f:
+                f.write(f"{name}#{n}\n")
     if not spec or os.environ.get("QUANTKIT_FAULT_RANK", os.environ.get("RANK", "0")) != os.environ.get("RANK", "0"):
         return
     where, _, how = spec.rpartition(":")  # point names contain ':' themselves

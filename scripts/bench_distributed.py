@@ -123,11 +123,17 @@ def main() -> None:
     from quantkit.cost import plan_convert_for
 
     for model in ("glm-5.2", "kimi-k2.6"):
-        for n in (1, 8):
-            c = plan_convert_for(model, gpu="h200", nproc=n, max_host_memory="1000GB")
-            print(f"{model} (shipped recipe, {n} x H200, host budget 1 TB per rank):")
+        for n in (1, 8):  # an 8 x H200 node has about 2 TB of host memory, shared by its ranks
+            c = plan_convert_for(model, gpu="h200", nproc=n, max_host_memory=f"{2000 // n}GB")
+            print(f"{model} (shipped recipe, {n} x H200, host budget {2000 // n} GB per rank):")
             print(c.summary())
             print()
+    peak = 67e12  # the H200's FP32 peak; the plan assumes 50% of it, and 2 GB/s of disk
+    for label, rates in (("40% of FP32 peak", {"flops": 0.4 * peak}), ("70%", {"flops": 0.7 * peak}),
+                         ("disk 1 GB/s", {"disk": 1e9}), ("disk 8 GB/s", {"disk": 8e9}),
+                         ("40% and disk 8 GB/s", {"flops": 0.4 * peak, "disk": 8e9})):
+        c = plan_convert_for("glm-5.2", gpu="h200", nproc=8, max_host_memory="250GB", rates=rates)
+        print(f"glm-5.2, 8 x H200, {label}: {sum(c.seconds.values()) / 60:.1f} min")
 
 
 if __name__ == "__main__":

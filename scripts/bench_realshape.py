@@ -99,15 +99,10 @@ def full_scale() -> list[str]:
 
 
 def _with_h200_rate(flops: float) -> str:
-    """The GLM 5.2 prediction with quantkit.cost's H200 matmul rate set to `flops` (what-if only)."""
+    """The GLM 5.2 prediction with the H200's matmul rate set to `flops` (a what-if)."""
     from quantkit import cost
 
-    spec = cost.GPU_SPECS["h200"]
-    saved, spec["flops"] = spec["flops"], flops
-    try:
-        c = cost.plan_convert_for("glm-5.2", gpu="h200", max_host_memory="1TB")
-    finally:
-        spec["flops"] = saved
+    c = cost.plan_convert_for("glm-5.2", gpu="h200", max_host_memory="1TB", rates={"flops": flops})
     return cost._hms(sum(c.seconds.values()))
 
 

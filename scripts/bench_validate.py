@@ -4,8 +4,8 @@
 For each (ranks, weights) it validates a hard-linked copy of OUT (validate writes validation.* and
 model cards; the shards are shared, never modified) in a child process,
 
-    [torchrun --standalone --nproc-per-node N -m] quantkit validate COPY --device cpu --json \
-        --eval-data synthetic:heldout --num-samples S --seq-len T --gen-tokens K --weights W
+    quantkit validate COPY --device cpu --json --eval-data synthetic:heldout --num-samples S \
+        --seq-len T --gen-tokens K --weights W [--nproc N]
 
 with OMP_NUM_THREADS=--threads in every rank, and prints wall time, each rank's share of the three
 checkpoints, what it kept and read, its peak RSS, and whether every number, curve and greedy
@@ -47,7 +47,7 @@ def run(out: Path, nproc: int, weights: str, args) -> dict:
         if args.budget:
             cmd += ["--max-host-memory", args.budget]
         if nproc > 1:
-            cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *cmd]
+            cmd += ["--nproc", str(nproc)]  # launches torchrun, and exits 3 when a gate fails, as one process does
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
         t0 = time.time()
         done = subprocess.run([sys.executable, *cmd], stdout=subprocess.DEVNULL, env=env)

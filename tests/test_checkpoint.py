@@ -632,3 +632,25 @@ def test_readahead_requests_exactly_a_layers_stored_bytes(tiny_glm):
                 assert fh.read(length) == ckpt.raw(s).contiguous().view(torch.uint8).numpy().tobytes(), s
         assert ckpt.readahead(layer) == sum(length for _, _, length in spans) == sum(
             ckpt.storage_bytes(n) for n in ckpt.names(layer)) > 0
+
+
+def test_kept_tensors_are_read_once_as_stored_and_handed_out_as_copies(tiny_glm):
+    """Checkpoint.keep (validate's resident weights): a kept layer is read from the file once, into
+    one block, and every get after that dequantizes the kept bytes: the same values as reading the
+    file; a caller that writes into what it got does not change what the next get returns."""
+    from quantkit.checkpoint import _DTYPES
+
+    plain, kept = Checkpoint(tiny_glm), Checkpoint(tiny_glm)
+    names = kept.names(1)
+    assert kept.keep(names) == sum(kept.storage_bytes(n) for n in names)
+    for _ in range(3):
+        for n in names:
+            assert torch.equal(kept.get(n), plain.get(n)), n
+    assert kept.bytes_read == sum(kept.storage_bytes(n) for n in names)  # once, not three times
+    dense = next(n for n in names if kept.tensors[n].format == "dense")
+    kept.get(dense, _DTYPES[kept.tensors[dense].dtype]).fill_(7)  # its stored dtype: no conversion copies it
+    assert torch.equal(kept.get(dense), plain.get(dense))
+    kept.close()  # stops keeping: the file is read again
+    before = kept.bytes_read
+    kept.get(names[0])
+    assert kept.bytes_read > before

@@ -119,3 +119,17 @@ def test_convert_refuses_before_writing(tiny_glm, tmp_path):
         convert(tiny_glm, tmp_path / "out", recipe="tiny-glm-5.2", validate=False, progress=False,
                 max_host_memory="1MB", device="cpu")
     assert not (tmp_path / "out" / "prefill").exists()
+
+
+def test_disk_overlaps_compute_and_decides_the_multi_gpu_time():
+    """Reads (ahead) and writes (in the background) overlap compute: the plan charges the first
+    layer's read, the last layer's write and the disk's excess over compute (`disk_wait`), so a
+    faster disk helps only while the disk is the bottleneck (`--disk-gbps`)."""
+    one = plan_convert_for("glm-5.2", gpu="h200", max_host_memory="2000GB")
+    assert "disk_wait" not in one.seconds and one.seconds["write"] < 10  # 1.2 TB hidden behind 1h40m of compute
+    slow, fast = (plan_convert_for("glm-5.2", gpu="h200", nproc=8, max_host_memory="250GB", rates={"disk": b})
+                  for b in (1e9, 8e9))
+    assert slow.seconds["disk_wait"] > 10 * 60 and "disk_wait" not in fast.seconds
+    r = runner.invoke(app, ["plan", "glm-5.2", "--convert", "--nproc", "8", "--disk-gbps", "8", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["seconds_total"] == pytest.approx(sum(fast.seconds.values()), abs=1)
