@@ -627,7 +627,7 @@ class CheckpointWriter:
         nbytes = tensor.numel() * tensor.element_size()
         if self._buf and self._buf_bytes + nbytes > self.max_shard_bytes:
             self.flush()
-        self._buf[name] = tensor.contiguous()
+        self._buf[name] = tensor.detach().to("cpu").contiguous()  # host memory (the plan's `writer`), not the GPU's
         self._buf_bytes += nbytes
 
     def flush(self) -> None:

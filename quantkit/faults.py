@@ -1,6 +1,7 @@
 """Named crash points for the reliability suite (tests/test_reliability.py).
 
-convert calls `point("...")` at every step that writes to disk. With QUANTKIT_FAULT unset (always,
+convert calls `point("...")` at every step that writes to disk; validate after each layer of its
+prompt pass (`validate:layer`). With QUANTKIT_FAULT unset (always,
 outside the tests) a point costs one dict lookup. QUANTKIT_FAULT=`<point>[#<n>][:<how>]` makes the
 n-th time (default the first) that point is reached fail, as
 

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from quantkit import __version__
+from quantkit import __version__, faults
 from quantkit.checkpoint import Checkpoint, file_sha256
 from quantkit.errors import ConfigError
 from quantkit.progress import LayerProgress, rich_html
@@ -359,6 +359,7 @@ def _measure(ckpts: dict[str, Checkpoint], ids: torch.Tensor, K: int, pair: bool
     errs = {m: _LayerErr(L) for m in models}
 
     def on_prompt_layer(layer, hs):
+        faults.point("validate:layer")  # the multi-rank tests kill a rank here
         for m in models:
             errs[m].add(layer, hs[m], hs["reference"])
 

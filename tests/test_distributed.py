@@ -292,6 +292,22 @@ def test_validate_on_several_ranks_equals_one_process(single, single_validated, 
 
 
 @pytest.mark.slow
+def test_validate_stops_when_a_rank_dies(single, tmp_path):
+    """A rank killed after its second layer: torchrun stops the other, the job exits non-zero
+    within a bounded time and writes no validation.json (nothing half-measured is published)."""
+    import shutil
+
+    out = tmp_path / "glm"
+    shutil.copytree(single["glm"], out)
+    t0 = time.time()
+    done = subprocess.run([sys.executable, "-m", "quantkit", "validate", str(out), "--nproc", "2"], capture_output=True,
+                          text=True, env=_env(QUANTKIT_FAULT="validate:layer#2:kill", QUANTKIT_FAULT_RANK="1",
+                                              QUANTKIT_DIST_TIMEOUT="10"), timeout=600)
+    assert done.returncode not in (0, 3) and time.time() - t0 < 120, done.stderr[-2000:]
+    assert not (out / "validation.json").exists() and "a rank failed" in done.stderr and "--resume" not in done.stderr
+
+
+@pytest.mark.slow
 def test_convert_on_two_ranks_validates_on_two_ranks(single_validated, tmp_path):
     """`convert --nproc 2` (validation on, as shipped): every rank validates with its share of the
     experts once rank 0 has finished the output; the numbers are a single process's."""
