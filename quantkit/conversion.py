@@ -457,6 +457,7 @@ def convert(
     if group.distributed and delete_source_after:
         raise ConfigError("--delete-source-after: ranks share the source's files; with several ranks pull the model "
                           "first (quantkit pull) and convert the local folder")
+    distributed.check_shared_folder(group, out)  # several nodes: --out must be one folder for all
     progress = progress and group.leader
 
     # decisions for every tensor, up front (a dry run of the whole conversion)

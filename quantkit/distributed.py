@@ -28,6 +28,10 @@ per-row reductions) treat batch members independently, so an expert's bytes do n
 its chunk; tests/test_distributed.py checks this (chunks of 16, 3 and 1 give one output) and
 that 2 ranks equal 1.
 
+Validate on N ranks (quantkit.validation) uses the same group and `partition`: every rank runs the
+attention half for every token, each its own routed experts, whose output rows it broadcasts
+(`share_expert_rows`); every rank then adds all experts' rows in ascending order, as one process.
+
 A single process (no torchrun, or WORLD_SIZE=1) is `SINGLE`: no torch.distributed at all.
 """
 
@@ -175,6 +179,31 @@ def close(g: Group) -> None:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def check_shared_folder(g: Group, folder) -> None:
+    """Every rank must see the output folder rank 0 sees: each saves its parts there, and rank 0
+    renames them all in the finish. On several nodes with node-local disks the parts would be
+    scattered and the finish would fail after the whole conversion; this fails at the start,
+    naming the ranks that do not see rank 0's marker file."""
+    if not g.distributed:
+        return
+    import secrets
+    from pathlib import Path
+
+    marker = Path(folder) / f".quantkit-ranks-{g.all_gather_object(secrets.token_hex(8), 'the output folder')[0]}"
+    if g.leader:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text("every rank of a multi-rank convert must see this file\n")
+    g.barrier("the output folder")
+    seen = g.all_gather_object(marker.is_file(), "the output folder")
+    g.barrier("the output folder")
+    if g.leader:
+        marker.unlink()
+    blind = [r for r, ok in enumerate(seen) if not ok]
+    if blind:
+        raise ConfigError(f"{folder}: rank(s) {blind} do not see what rank 0 writes there; with several nodes, --out "
+                          "(and the source) must be on a filesystem every node mounts (NFS, Lustre, ...)")
 
 
 # ---- who quantizes what ------------------------------------------------------------------------

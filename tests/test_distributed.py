@@ -348,6 +348,30 @@ def test_a_failed_rank_stops_the_job_and_resume_completes(single, tmp_path, poin
     assert _files(out) == _files(single["glm"])
 
 
+def test_ranks_that_do_not_share_the_output_folder_are_refused(tmp_path):
+    """Several nodes with node-local disks: each rank would save its parts where rank 0 never
+    looks. Rank 1 is given another folder under the same name (what a node-local disk is): the
+    check fails at the start and names rank 1."""
+    script = tmp_path / "check.py"
+    script.write_text(
+        "import os, sys, torch\n"
+        "from quantkit import distributed\n"
+        "g, _ = distributed.init(torch.device('cpu'))\n"
+        "folder = sys.argv[1] if g.rank == 0 else sys.argv[2]\n"
+        "try:\n"
+        "    distributed.check_shared_folder(g, folder)\n"
+        "finally:\n"
+        "    distributed.close(g)\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    shared = subprocess.run(cmd + [str(tmp_path / "out"), str(tmp_path / "out")], capture_output=True, text=True,
+                            env=_env(), timeout=300)
+    assert shared.returncode == 0, shared.stderr[-2000:]
+    assert list((tmp_path / "out").iterdir()) == []  # the marker is gone
+    local = subprocess.run(cmd + [str(tmp_path / "a"), str(tmp_path / "b")], capture_output=True, text=True,
+                           env=_env(), timeout=300)
+    assert local.returncode != 0 and "rank(s) [1] do not see what rank 0 writes" in local.stderr
+
+
 # ---- the planner ---------------------------------------------------------------------------------
 def test_plan_divides_the_split_phases_and_keeps_the_redundant_ones():
     one, eight = (plan_convert_for("glm-5.2", gpu="h200", nproc=n) for n in (1, 8))
