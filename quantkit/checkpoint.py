@@ -676,12 +676,14 @@ class CheckpointWriter:
         self._parts = [f"part-{i:06d}.safetensors" for i in range(n)]
 
     def truncate_parts(self, n: int) -> None:
-        """Resume: drop parts written after the last completed layer (a crash mid-layer)."""
-        for name in self._parts[n:]:
-            (self.tmp / name).unlink()
+        """Resume: drop the parts written after the last saved state, and anything else a crash
+        left in the folder: a part's `.tmp`, and the temporary file safetensors writes a part
+        through (`.tmpXXXXXX`) when the crash came mid-save."""
+        keep = set(self._parts[:n])
+        for stale in self.tmp.iterdir():
+            if stale.name not in keep:
+                stale.unlink()
         self._parts = self._parts[:n]
-        for stale in self.tmp.glob("*.tmp"):
-            stale.unlink()
 
     def finish(self, config: dict, *, files: list[Path] = (), extra: dict[str, str] | None = None) -> Path:
         """Write config, index and carried files, name the shards, and rename into place."""

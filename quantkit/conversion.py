@@ -294,29 +294,6 @@ def _save_state(folder: Path, state: State, store, topks: list) -> None:
     faults.point("state:saved")
 
 
-class _StateClock:
-    """When rank 0 saves the resume state after a layer. The state holds the hidden states of every
-    calibration token (26 GB for GLM 5.2's shipped recipe), so saving it after every layer would
-    write 2 TB over a run; it is saved once the time since the last save is at least that save's
-    duration / STATE_OVERHEAD (quantkit.cost), and after the last layer. A crash then redoes the
-    layers since the last save: their parts are dropped on resume, as an unfinished layer's are,
-    and the bytes are the same. Small models save after every layer (a save takes milliseconds)."""
-
-    def __init__(self):
-        from quantkit.cost import STATE_OVERHEAD
-
-        self.overhead = float(os.environ.get("QUANTKIT_STATE_OVERHEAD", STATE_OVERHEAD))
-        self.last_end, self.took = time.time(), 0.0
-
-    def due(self, last: bool) -> bool:
-        return last or time.time() - self.last_end >= self.took / self.overhead
-
-    def save(self, *args) -> None:
-        t0 = time.time()
-        _save_state(*args)
-        self.last_end, self.took = time.time(), time.time() - t0
-
-
 def _load_hidden(folder: Path, n_topks: int, store, dev) -> list:
     meta = json.loads((folder / "state.json").read_text())["hidden"]
     if meta["dtype"] != str(store.plan.dtype) or meta["shape"] != list(store.shape):
@@ -478,7 +455,9 @@ def convert(
         shutil.rmtree(out / (STATE_DIR + ".done"), ignore_errors=True)  # a finished run's state, left by a crash
     if resume and (out / "convert-report.json").is_file() and not state_dir.exists():
         report = json.loads((out / "convert-report.json").read_text())  # the interrupted run had finished
-        return _done(ConvertResult(out, out / "prefill", out / "decode", report), validate, device, progress)
+        result = _done(ConvertResult(out, out / "prefill", out / "decode", report), validate, device, progress)
+        distributed.close(group)
+        return result
     finishing = resume and journal(state_dir) is not None  # the layers are done; only the finish is left
     for final in (out / "prefill", out / "decode"):
         if final.exists() and not finishing:
@@ -568,7 +547,7 @@ def convert(
     # several ranks: each runs the per-token work (attention, expert outputs) on its own micro-batches
     split = group if group.distributed and store is not None else None
 
-    clock = _StateClock()
+    state_every = int(os.environ.get("QUANTKIT_STATE_EVERY", cost.state_every))  # debug knob: the resume tests
     with bar:
         # 1. tensors outside the decoder layers: embeddings, final norm, head, vision
         if state.next_layer == -1:
@@ -586,7 +565,7 @@ def convert(
             state.prefill_parts, state.decode_parts = wp.num_parts, wd.num_parts
             group.barrier("after the embeddings")
             if group.leader:
-                clock.save(state_dir, state, store, topks)
+                _save_state(state_dir, state, store, topks)
         elif tokens is not None:
             topks = _load_hidden(state_dir, len(topks), store, dev)
         bar.update(state.next_layer)
@@ -642,15 +621,17 @@ def convert(
             state.next_layer = layer + 1
             state.prefill_parts, state.decode_parts = wp.num_parts, wd.num_parts
             state.differ = pair.differ
-            # ranks stay in step here (a dead one stops the others at the latest), and learn from rank 0
-            # whether the resume state is saved now: it names every part so far, so all must be on disk
-            due = group.all_gather_object(clock.due(last=layer == n_layers - 1) if group.leader else None,
-                                          f"end of layer {layer}")[0]
-            if due:
+            # The resume state holds every calibration token's h (26 GB at GLM 5.2's shipped recipe),
+            # so it is saved every `state_every` layers (the plan's: at most STATE_OVERHEAD of the run)
+            # and after the last; a crash redoes the layers since, whose parts resume drops. It names
+            # every part so far, so each rank's must be on disk first.
+            if (layer + 1) % state_every == 0 or layer == n_layers - 1:
                 pair.drain()
-                group.barrier(f"layer {layer}: saving the parts")
+                group.barrier(f"end of layer {layer}")  # a dead rank stops the others here at the latest
                 if group.leader:
-                    clock.save(state_dir, state, store, topks)
+                    _save_state(state_dir, state, store, topks)
+            else:
+                group.barrier(f"end of layer {layer}")
             del w
             ckpt.release_finished()
             bar.update(layer + 1)

@@ -51,7 +51,7 @@ efficiency stated in GPU_SPECS), bytes over disk bandwidth, and a per-column ker
 GPTQ's column loop on a GPU. The disk works while the layers compute (the next layer is read ahead,
 cut parts are saved in the background): the run pays the first layer's read, the last layer's
 write, `disk_wait` when reads and writes together need longer than the compute, and
-`resume_state`, rank 0 saving h for --resume no more often than STATE_OVERHEAD allows. Validate:
+`resume_state`, rank 0 saving h for --resume every `state_every` layers (STATE_OVERHEAD). Validate:
 each rank's share of the three checkpoints as stored, what of it fits in memory (kept), the reads
 (all once, then per greedy token what was not kept) and the compute. `rates` sets what-ifs
 (`--disk-gbps`). It is an estimate; docs/benchmarks.md compares it with measurements.
@@ -77,8 +77,8 @@ F32 = 4
 BASE_BYTES = int(0.40 * GB)  # RSS of `quantkit convert` before the first tensor (measured: 0.33-0.40 GB)
 MIN_SHARD = 256 * 2**20
 # convert's resume state holds h for every calibration token (26 GB for GLM 5.2's shipped recipe in
-# float32: 13 s at 2 GB/s); it is saved no more often than keeps its writing under this fraction
-# of the run (QUANTKIT_STATE_OVERHEAD overrides; conversion._StateClock)
+# float32: 13 s at 2 GB/s); it is saved every `state_every` layers, as many as keep its writing
+# under this fraction of the run (ConvertCost.state_every)
 STATE_OVERHEAD = 0.05
 CHUNK_MAX = 16  # experts per chunk at most (one GPTQ batch) on the CPU
 # On a GPU, GPTQ's column loop is launch-bound (LAUNCHES_PER_COLUMN small kernels per column,
@@ -230,6 +230,7 @@ class ConvertCost:
     validate_seconds: float | None
     validate_share: int | None = None  # bytes of the three checkpoints one rank reads (its experts only), as stored
     validate_kept: int | None = None  # of which validate keeps in memory (device, then host); the rest is re-read per pass
+    state_every: int = 1  # convert saves its resume state after every this many layers (STATE_OVERHEAD)
     notes: list[str] = field(default_factory=list)
     fits: bool = True
     reason: str = ""
@@ -320,12 +321,14 @@ def expert_fixed_tokens(arch) -> float:
     return per_expert / per_token
 
 
-def state_saves(save_s: float, layer_s: float, layers: int) -> int:
-    """How many times convert saves its resume state (conversion._StateClock): after the embeddings,
-    then after a layer once the time since the last save is at least save_s / STATE_OVERHEAD, and
-    after the last layer."""
-    every = max(1, math.ceil(save_s / STATE_OVERHEAD / max(layer_s, 1e-9)))  # layers between saves
-    return 1 + math.ceil(layers / every)
+def state_every(save_s: float, layer_s: float) -> int:
+    """Layers between two saves of convert's resume state: 1 when a save takes under a second
+    (nothing worth saving there, and a crash then loses the least), else the fewest that keep a
+    save (save_s) under STATE_OVERHEAD of the compute in between (layer_s per layer). Convert saves
+    after the embeddings, after every `state_every`-th layer and after the last one."""
+    if save_s < 1.0:
+        return 1
+    return max(1, math.ceil(save_s / STATE_OVERHEAD / max(layer_s, 1e-9)))
 
 
 def token_share(N: int, B: int, nproc: int) -> float:
@@ -572,10 +575,12 @@ def plan_convert(
     seconds["write"] /= max(x.layers, 1)
     if io > compute:
         seconds["disk_wait"] = io - compute
-    if state_bytes:  # rank 0 saves h for --resume between layers, as often as STATE_OVERHEAD allows
+    every = 1
+    if state_bytes:  # rank 0 saves h for --resume every `every` layers (conversion.convert)
         save_s = state_bytes / disk_bw
         compute = sum(v for k, v in seconds.items() if k not in ("read", "write", "disk_wait"))
-        seconds["resume_state"] = state_saves(save_s, compute / max(x.layers, 1), x.layers) * save_s
+        every = state_every(save_s, compute / max(x.layers, 1))
+        seconds["resume_state"] = (1 + math.ceil(x.layers / every)) * save_s
 
     validate_s = validate_share = validate_kept = None
     if validate is not None:
@@ -608,7 +613,7 @@ def plan_convert(
                        store=store, expert_chunk=C, shard_bytes=shard, memory=memory, peak_host=int(peak_host),
                        peak_device=int(peak_device) if peak_device is not None else None, disk=disk,
                        seconds={k: round(v, 1) for k, v in seconds.items()}, validate_seconds=validate_s,
-                       validate_share=validate_share, validate_kept=validate_kept,
+                       validate_share=validate_share, validate_kept=validate_kept, state_every=every,
                        notes=notes, fits=fits, reason=reason, nproc=nproc)
 
 

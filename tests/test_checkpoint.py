@@ -654,3 +654,20 @@ def test_kept_tensors_are_read_once_as_stored_and_handed_out_as_copies(tiny_glm)
     before = kept.bytes_read
     kept.get(names[0])
     assert kept.bytes_read > before
+
+
+def test_resume_clears_what_a_crash_left_in_the_partial_folder(tmp_path):
+    """A crash mid-save (parts are saved in the background) leaves safetensors' own temporary file
+    (`.tmpXXXXXX`) or a part's `.tmp`, and parts after the last saved state: resume keeps exactly
+    the first n parts, or the stray file would end up in the finished checkpoint and its manifest."""
+    w = CheckpointWriter(tmp_path / "m", max_shard_bytes=1)
+    for i in range(3):
+        w.add(f"t{i}", torch.full((4,), float(i)))
+    w.flush()
+    w.drain()
+    for stray in (".tmpsarFdM", "part-000003.safetensors.tmp"):
+        (w.tmp / stray).write_bytes(b"half")
+    again = CheckpointWriter(tmp_path / "m", resume=True)
+    again.truncate_parts(2)
+    assert sorted(p.name for p in again.tmp.iterdir()) == ["part-000000.safetensors", "part-000001.safetensors"]
+    assert again.parts == ["part-000000.safetensors", "part-000001.safetensors"]
