@@ -342,10 +342,11 @@ class Checkpoint:
         dequantized copies one by one, they fragmented the heap to twice their size in RSS.
         Returns the bytes that will be kept."""
         names = list(names)
-        device = torch.device(device)
         for n in names:
-            group = (self.tensors[n].info.layer, device)
-            for s in self.tensors[n].parts.values():
+            for suffix, s in self.tensors[n].parts.items():
+                # `get` reads a packed tensor's weight_shape as Python ints: on the host, that is no
+                # device sync per use
+                group = (self.tensors[n].info.layer, torch.device("cpu" if suffix == "weight_shape" else device))
                 self._keep[s] = group
                 self._keep_groups.setdefault(group, []).append(s)
         return sum(self.storage_bytes(n) for n in names)

@@ -99,7 +99,7 @@ def plan(
 
         cost = plan_convert_for(model, recipe=recipe, gpu=gpu, method=method, num_samples=num_samples, seq_len=seq_len,
                                 group_size=group_size, max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory,
-                                nproc=nproc, rates={"disk": disk_gbps * 1e9} if disk_gbps else None)
+                                nproc=nproc, rates={"disk": disk_gbps * 1e9} if disk_gbps is not None else None)
         if json_out:
             emit_json(cost.to_json())
         else:

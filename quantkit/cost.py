@@ -517,6 +517,8 @@ def plan_convert(
     else:
         flops, disk_bw, launch = CPU_FLOPS_PER_THREAD * torch.get_num_threads(), CPU_DISK, 0.0
     flops, disk_bw = rates.get("flops", flops), rates.get("disk", disk_bw)
+    if flops <= 0 or disk_bw <= 0:
+        raise ConfigError(f"--disk-gbps {disk_bw / 1e9:g}, matmul {flops / 1e12:g} TFLOP/s: both must be positive")
     gptq_rate = flops * (1.0 if on_gpu else CPU_GPTQ_EFFICIENCY)
     I = x.expert_width
     L, Lm = x.calibrated_layers, x.calibrated_moe_layers  # the calibration pass skips MTP layers
@@ -593,7 +595,7 @@ def plan_convert(
         experts_b = three * 0.95 if expert_bytes is None else expert_bytes
         share = int(three - experts_b + experts_b / nproc)
         streams = 3  # the prompt pass: reference, prefill, decode
-        exchange = streams * vt * x.topk * D * F32 if nproc > 1 else 0
+        exchange = validate_exchange(arch, vt, nproc)
         room = validate_room(arch, device, gpu_mem if on_gpu else host, exchange)
         if on_gpu:  # then the rank's host memory
             room = max(room, 0) + validate_room(arch, "cpu", host)
@@ -716,6 +718,13 @@ def _validate_working_set(arch, device: str) -> tuple[int, int]:
     x = layer_shapes(arch)
     fixed = (0 if device == "cuda" else BASE_BYTES) + x.layer_params * F32 + 3 * x.largest_tensor * F32
     return fixed, 2 * 3 * x.expert_width * x.hidden * F32
+
+
+def validate_exchange(arch, tokens: int, nproc: int) -> int:
+    """Bytes of routed-expert output rows a validate rank holds in the prompt pass with several
+    ranks (quantkit.layerstream: every expert's weighted rows, float32, top-k per token), for the
+    most streams a pass runs: reference, prefill and decode, and two FP8-KV variants of the last two."""
+    return (3 + 2 * 2) * tokens * arch.num_experts_per_tok * arch.hidden_size * F32 if nproc > 1 else 0
 
 
 def validate_room(arch, device: str, budget: int, exchange: int = 0) -> int:

@@ -50,8 +50,8 @@ from quantkit import __version__, faults
 from quantkit.checkpoint import Checkpoint, file_sha256
 from quantkit.errors import ConfigError
 from quantkit.progress import LayerProgress, rich_html
-from quantkit.forward import Stream, fork, heads, step
-from quantkit.reference import LayerCache, resolve_device
+from quantkit.forward import Stream, fork, heads, new_caches, step
+from quantkit.reference import resolve_device
 
 __all__ = ["validate", "ValidationResult", "METRICS", "load_gates", "check_gates", "cross_phase_logits", "render_markdown"]
 
@@ -277,7 +277,7 @@ def cross_phase_logits(prefill: Checkpoint, decode: Checkpoint, prompt: torch.Te
     device = resolve_device(device)
     ckpts = {"prefill": prefill, "decode": decode}
     with torch.no_grad():
-        pre = Stream("prefill", "prefill", [LayerCache() for _ in range(prefill.arch.num_hidden_layers)], ids=prompt)
+        pre = Stream("prefill", "prefill", new_caches(prefill), ids=prompt)
         step(ckpts, [pre], device, dtype)
         cross = Stream("cross_phase", "decode", fork(pre.caches))
         out = []
@@ -347,15 +347,14 @@ def _measure(ckpts: dict[str, Checkpoint], ids: torch.Tensor, K: int, pair: bool
     computes those `owners` gives it (layer -> expert -> rank)."""
     L = ckpts["reference"].arch.num_hidden_layers
     models = [m for m in ckpts if m != "reference"]
-    new = lambda: [LayerCache() for _ in range(L)]  # noqa: E731
     kv = kv if pair and K > 1 else {}
 
     # 1. prompt pass: every eval window through every checkpoint; with an FP8 KV cache, the decode and
     # prefill checkpoints once more per scale variant, storing their caches as the engines do
-    prompt = {m: Stream(m, m, new(), ids=ids) for m in ckpts}
+    prompt = {m: Stream(m, m, new_caches(ckpts[m]), ids=ids) for m in ckpts}
     for v, spec in kv.items():
         for m in ("decode", "prefill"):
-            prompt[f"{m}+kv{v}"] = Stream(f"{m}+kv{v}", m, new(), ids=ids, kv=spec)
+            prompt[f"{m}+kv{v}"] = Stream(f"{m}+kv{v}", m, new_caches(ckpts[m]), ids=ids, kv=spec)
     errs = {m: _LayerErr(L) for m in models}
 
     def on_prompt_layer(layer, hs):
@@ -741,7 +740,7 @@ def validate(
     """
     from quantkit import distributed
     from quantkit.calib import load_tokens
-    from quantkit.cost import peak_rss
+    from quantkit.cost import peak_rss, validate_exchange
     from quantkit.models import open_checkpoint
 
     t0 = time.time()
@@ -759,9 +758,8 @@ def validate(
     notes = _notes(t, tokens)
 
     owners = _owners(arch, t.report, group)
-    streams = len(ckpts) + 2 * 2  # the prompt pass's streams at most (two FP8-KV variants of two checkpoints)
     plan = _weights_plan(ckpts, owners, group, dev, weights, max_host_memory, max_gpu_memory,
-                         streams * tokens.ids.numel() * arch.num_experts_per_tok * arch.hidden_size * 4)
+                         validate_exchange(arch, tokens.ids.numel(), group.world))
     kv, kv_info = _kv_variants(kv_cache_dtype, ckpts, t.pair, s.gen_tokens)
     L = arch.num_hidden_layers
     loads = len(ckpts) * L * (1 + max(s.gen_tokens - 1, 0))  # a pass loads each checkpoint's layers once
@@ -842,7 +840,6 @@ def _weights_plan(ckpts: dict[str, Checkpoint], owners, group, dev: torch.device
 
     arch = ckpts["reference"].arch
     L = arch.num_hidden_layers
-    exchange = exchange if group.distributed else 0
 
     def mine(info) -> bool:
         if info.layer is None:

@@ -671,3 +671,15 @@ def test_resume_clears_what_a_crash_left_in_the_partial_folder(tmp_path):
     again.truncate_parts(2)
     assert sorted(p.name for p in again.tmp.iterdir()) == ["part-000000.safetensors", "part-000001.safetensors"]
     assert again.parts == ["part-000000.safetensors", "part-000001.safetensors"]
+
+
+def test_a_kept_int4_shape_stays_on_the_host(tiny_kimi):
+    """Kept on an accelerator, a packed INT4 tensor's weight_shape stays on the host: `get` reads it
+    as Python ints, which from device memory would be one device sync per tensor per pass. (The
+    meta device stands in for CUDA here: placement only, no values.)"""
+    ck = Checkpoint(tiny_kimi)
+    name = next(n for n in ck.names() if ck.tensors[n].format == "int4")
+    ck.keep([name], "meta")
+    parts = ck.tensors[name].parts
+    assert ck._raw(parts["weight_packed"]).device.type == "meta"
+    assert ck._raw(parts["weight_shape"]).device.type == "cpu"

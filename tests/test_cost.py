@@ -136,3 +136,8 @@ def test_disk_overlaps_compute_and_decides_the_multi_gpu_time():
     r = runner.invoke(app, ["plan", "glm-5.2", "--convert", "--nproc", "8", "--disk-gbps", "8", "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["seconds_total"] == pytest.approx(sum(fast.seconds.values()), abs=1)
+
+
+def test_a_disk_bandwidth_must_be_positive():
+    r = runner.invoke(app, ["plan", "glm-5.2", "--convert", "--disk-gbps", "0"])
+    assert r.exit_code == 1 and "--disk-gbps 0" in r.output and "must be positive" in r.output
