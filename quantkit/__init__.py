@@ -20,15 +20,15 @@ import importlib
 __version__ = "0.1.0"
 
 _API = {
-    "inspect": ("quantkit.inspection", "inspect"),
-    "plan": ("quantkit.planner", "plan"),
-    "logits": ("quantkit.forward", "logits"),
-    "convert": ("quantkit.conversion", "convert"),
-    "validate": ("quantkit.validation", "validate"),
-    "verify": ("quantkit.integrity", "verify"),
-    "pull": ("quantkit.hub", "pull"),
-    "check_serving": ("quantkit.serving", "check_serving"),
-    "Checkpoint": ("quantkit.checkpoint", "Checkpoint"),
+    "inspect": ("quantkit.planner.inspection", "inspect"),
+    "plan": ("quantkit.planner.capacity", "plan"),
+    "logits": ("quantkit.validation.forward", "logits"),
+    "convert": ("quantkit.conversion.pipeline", "convert"),
+    "validate": ("quantkit.validation.pipeline", "validate"),
+    "verify": ("quantkit.checkpoint.manifest", "verify"),
+    "pull": ("quantkit.hub.download", "pull"),
+    "check_serving": ("quantkit.serving.checks", "check_serving"),
+    "Checkpoint": ("quantkit.checkpoint.shards", "Checkpoint"),
     "QuantkitError": ("quantkit.errors", "QuantkitError"),
 }
 

@@ -60,7 +60,7 @@ def emit_json(data) -> None:
 @user_errors
 def inspect(model: Model, json_out: Json = False, allow_unverified: Unverified = False):
     """Family, layers, parameters and bytes by tensor class, storage format per class, shard count."""
-    from quantkit.inspection import inspect as run_inspect
+    from quantkit.planner.inspection import inspect as run_inspect
 
     result = run_inspect(model, allow_unverified=allow_unverified)
     if json_out:
@@ -95,7 +95,7 @@ def plan(
     """Checkpoint sizes, weight memory per GPU, KV cache per token and capacity, beside the article's figures.
     With --convert: what `quantkit convert` would cost (--gpu cpu for a CPU-only run)."""
     if convert:
-        from quantkit.cost import plan_convert_for
+        from quantkit.conversion.cost import plan_convert_for
 
         cost = plan_convert_for(model, recipe=recipe, gpu=gpu, method=method, num_samples=num_samples, seq_len=seq_len,
                                 group_size=group_size, max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory,
@@ -105,8 +105,9 @@ def plan(
         else:
             Console().print(cost.summary(), highlight=False)
         return
-    from quantkit.models import is_tiny, resolve
-    from quantkit.planner import plan as run_plan, render_plan
+    from quantkit.inputs.modelspec import is_tiny, resolve
+    from quantkit.planner.capacity import plan as run_plan
+    from quantkit.planner.capacity import render_plan
 
     group_size = group_size or 128
 
@@ -117,7 +118,7 @@ def plan(
         import json
 
         from quantkit.errors import ConfigError
-        from quantkit.kvcache import capacity_beside_delta
+        from quantkit.planner.capacity import capacity_beside_delta
 
         try:
             measured = json.loads(validation.read_text())
@@ -141,7 +142,7 @@ def pull(
     json_out: Json = False,
 ):
     """Download a Hub repo at one pinned commit: parallel, resumable, every file checksum-verified."""
-    from quantkit.hub import pull as run_pull
+    from quantkit.hub.download import pull as run_pull
 
     result = run_pull(repo, out, include=include, max_workers=workers, progress=not json_out, allow_unverified=allow_unverified)
     if json_out:
@@ -175,7 +176,7 @@ def convert(
     json_out: Json = False,
 ):
     """Emit the FP8 prefill and INT4 decode checkpoints from one streaming pass, with calibrated per-expert GPTQ or AWQ."""
-    from quantkit.conversion import convert as run_convert
+    from quantkit.conversion.pipeline import convert as run_convert
 
     if recipe and preset:
         raise typer.BadParameter("give --recipe or --preset, not both")
@@ -229,7 +230,7 @@ def validate(
     json_out: Json = False,
 ):
     """Measure the pair against its source layer by layer; write validation.json/.md/.png and model cards. Exit 3 if a gate fails."""
-    from quantkit.validation import validate as run_validate
+    from quantkit.validation.pipeline import validate as run_validate
 
     if nproc is not None and nproc > 1 and "WORLD_SIZE" not in os.environ:
         args = {"--reference": reference, "--eval-data": eval_data, "--num-samples": num_samples, "--seq-len": seq_len,
@@ -240,7 +241,7 @@ def validate(
     result = run_validate(folder, reference=reference, eval_data=eval_data, num_samples=num_samples, seq_len=seq_len,
                           gen_tokens=gen_tokens, device=device, gates=gate, progress=not json_out, kv_cache_dtype=kv_cache_dtype,
                           max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory, weights=weights)
-    from quantkit.distributed import from_env
+    from quantkit.runtime.distributed import from_env
 
     if not from_env().leader:  # rank 0 prints and decides the exit status
         return
@@ -260,7 +261,7 @@ def check_serving(
     json_out: Json = False,
 ):
     """Ask vLLM's and SGLang's own code (pinned releases) which scheme each module gets; exit 2 if one would refuse."""
-    from quantkit.serving import ENGINES, check_serving_many, render, serving_folders
+    from quantkit.serving.checks import ENGINES, check_serving_many, render, serving_folders
 
     engines = ENGINES if engine == "all" else (engine,)
     reports = check_serving_many(serving_folders(path), engines)
@@ -284,7 +285,7 @@ def verify(
     json_out: Json = False,
 ):
     """Re-hash an output against its manifest.json and check the pair's shared tensors are identical. Exit 1 on any difference."""
-    from quantkit.integrity import verify as run_verify
+    from quantkit.checkpoint.manifest import verify as run_verify
 
     result = run_verify(folder)
     if json_out:
@@ -299,7 +300,7 @@ def verify(
 def _torchrun(nproc: int, argv: list[str], out: Path, resume_hint: bool = True) -> int:
     """`quantkit ... --nproc N`: run `python -m torch.distributed.run --standalone --nproc-per-node N
     -m quantkit ARGV` (one machine, a free rendezvous port) and return its exit status. torchrun
-    stops every rank when one fails (quantkit.distributed) and exits 1 whatever the rank's status,
+    stops every rank when one fails (quantkit.runtime.distributed) and exits 1 whatever the rank's status,
     so a gate failure (rank 0 exits 3) is recovered from the out/validation.json this run wrote."""
     import subprocess
     import time
@@ -311,7 +312,7 @@ def _torchrun(nproc: int, argv: list[str], out: Path, resume_hint: bool = True) 
     rc = subprocess.run(cmd).returncode
     verdict = out / "validation.json"
     if rc and verdict.is_file() and verdict.stat().st_mtime >= t0 and not json.loads(verdict.read_text()).get("passed", True):
-        from quantkit.validation import GATES_FAILED_EXIT
+        from quantkit.validation.pipeline import GATES_FAILED_EXIT
 
         return GATES_FAILED_EXIT  # rank 0 printed which gate failed
     if rc:
@@ -323,7 +324,7 @@ def _torchrun(nproc: int, argv: list[str], out: Path, resume_hint: bool = True) 
 
 def _gates_failed(result) -> None:
     """A failed gate: say which, exit 3 (so a CI job refuses to publish the artifact)."""
-    from quantkit.validation import GATES_FAILED_EXIT
+    from quantkit.validation.pipeline import GATES_FAILED_EXIT
 
     failed = ", ".join(f"{g['gate']} on {g['row']} ({g['value']:.4g})" for g in result.failed_gates)
     console.print(f"[red]validation failed:[/red] {failed}", highlight=False, soft_wrap=True)

@@ -7,7 +7,7 @@ field path and the fix:
     recipes/x.yaml: gptq.dampening: must be > 0 (got 0)
     recipes/x.yaml: gptq.dampning: unknown field; did you mean 'dampening'?
 
-Shipped recipes live in the repo's `recipes/` folder (kimi-k2.6, glm-5.2, deepseek-v3 and the
+Shipped recipes live in `quantkit/recipes/` (kimi-k2.6, glm-5.2, deepseek-v3 and the
 tiny-* ones for the embedded tiny models); `load_recipe("kimi-k2.6")` finds them by name. docs/recipes.md is the
 field reference.
 """
@@ -48,7 +48,7 @@ class _Section(BaseModel):
 
 
 class Calibration(_Section):
-    dataset: str | None = None  # a quantkit.calib spec; required unless method is rtn
+    dataset: str | None = None  # a quantkit.inputs.tokens spec; required unless method is rtn
     num_samples: int = Field(128, ge=1)
     seq_len: int = Field(512, ge=1)
     seed: int = Field(0, ge=0)
@@ -62,7 +62,7 @@ class GPTQSettings(_Section):
     fallback: Literal["all_tokens", "rtn"] = "all_tokens"
 
 
-class AWQSettings(_Section):  # method: awq (quantkit.awq)
+class AWQSettings(_Section):  # method: awq (quantkit.quant.awq)
     grid: int = Field(20, ge=1)
     duo_scaling: bool = True
 
@@ -94,7 +94,7 @@ class DecodeSettings(_Section):
 
 
 class ValidateSettings(_Section):
-    dataset: str | None = None  # a quantkit.calib spec the calibration never saw; None skips data checks
+    dataset: str | None = None  # a quantkit.inputs.tokens spec the calibration never saw; None skips data checks
     num_samples: int = Field(8, ge=1)
     seq_len: int = Field(128, ge=2)
     gen_tokens: int = Field(8, ge=0)
@@ -158,9 +158,9 @@ def _same_data(spec: str | None) -> str | None:
 
 # ---- loading -------------------------------------------------------------------------------------
 def recipe_dirs() -> list[Path]:
-    """Where recipe names are looked up: the repo checkout's recipes/, then a packaged copy."""
+    """Where recipe names are looked up: the package's recipes/ (the same folder in a checkout and in the wheel)."""
     here = Path(__file__).resolve().parent
-    return [d for d in (here.parent / "recipes", here / "recipes") if d.is_dir()]
+    return [d for d in (here / "recipes",) if d.is_dir()]
 
 
 def available_recipes() -> list[str]:

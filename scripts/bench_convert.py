@@ -18,8 +18,8 @@ alone, via os.wait4 in a small launcher), with the same thread count (--threads,
                      depths (default 4 and 16 layers), same calibration (--depth-llmc: also
                      llm-compressor)
 
-Quality: KL(source || output) and top-1 agreement on held-out corpus tokens (quantkit.tiny
-seeds >= 2000), with quantkit's reference forward (`quantkit.forward.logits`) on every output
+Quality: KL(source || output) and top-1 agreement on held-out corpus tokens (quantkit.synthetic.tiny
+seeds >= 2000), with quantkit's reference forward (`quantkit.validation.forward.logits`) on every output
 folder. The "experts-only" columns compare against the dequantized copy llm-compressor started
 from, with quantkit's INT4 experts spliced into that copy, so both tools differ from their
 reference only in the routed experts (docs/benchmarks.md explains the choices).
@@ -46,7 +46,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"wall": 0.5, "rss": 0.5, "kl": 1.05, "depth_rss": 1.15}
-EVAL_SEED = 2000  # quantkit.tiny corpus seeds >= 1000 are held out from training and calibration
+EVAL_SEED = 2000  # quantkit.synthetic.tiny corpus seeds >= 1000 are held out from training and calibration
 
 
 # ---- measuring a child process -------------------------------------------------------------------
@@ -98,14 +98,12 @@ def quantkit_convert(src: Path | str, out: Path, method: str, args, recipe: str 
 # ---- the llm-compressor worker (runs in its own process) -----------------------------------------
 def llmc_worker(spec: dict) -> None:
     import torch
-
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM
-
     from llmcompressor import oneshot
     from llmcompressor.modeling.moe.linearize import linearize_moe
     from llmcompressor.modifiers.quantization import GPTQModifier
+    from transformers import AutoModelForCausalLM
 
     ids = torch.load(spec["ids"])
     ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
@@ -139,7 +137,7 @@ def reference_copy(src: Path, dst: Path, dtype_name: str) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from quantkit.checkpoint import Checkpoint
+    from quantkit.checkpoint.shards import Checkpoint
 
     dtype = getattr(torch, dtype_name)
     ck = Checkpoint(src)
@@ -174,8 +172,8 @@ def splice_experts(ref: Path, decode: Path, dst: Path) -> Path:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from quantkit.checkpoint import Checkpoint
-    from quantkit.tensors import TensorClass
+    from quantkit.checkpoint.shards import Checkpoint
+    from quantkit.model.tensors import TensorClass
 
     sd = load_file(str(ref / "model.safetensors"))
     ck = Checkpoint(decode)
@@ -194,13 +192,13 @@ def splice_experts(ref: Path, decode: Path, dst: Path) -> Path:
 
 
 def random_checkpoint(folder: Path, src: Path, layers: int, args) -> Path:
-    """Random BF16 weights (quantkit.tiny.init_weights) of the source's text architecture at `layers`
+    """Random BF16 weights (quantkit.synthetic.tiny.init_weights) of the source's text architecture at `layers`
     depth and the --depth-* sizes, one shard per layer, the source's tokenizer files."""
     import torch
 
-    from quantkit.arch import arch_from_config
-    from quantkit.checkpoint import Checkpoint, CheckpointWriter
-    from quantkit.tiny import init_weights
+    from quantkit.checkpoint.shards import Checkpoint, CheckpointWriter
+    from quantkit.model.arch import arch_from_config
+    from quantkit.synthetic.tiny import init_weights
 
     cfg = json.loads((src / "config.json").read_text())
     if cfg["model_type"] == "kimi_k25":  # the text model alone, as Kimi K2 ships it
@@ -231,7 +229,7 @@ def log_probs(folder: Path | str, ids, chunk: int = 16):
     """log-softmax of quantkit's reference-forward logits, (N, T, V), computed `chunk` windows at a time."""
     import torch
 
-    from quantkit.forward import logits
+    from quantkit.validation.forward import logits
 
     with torch.no_grad():
         return torch.cat([logits(folder, ids[i:i + chunk], device="cpu").log_softmax(-1) for i in range(0, len(ids), chunk)])
@@ -357,11 +355,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from quantkit.calib import load_tokens
-    from quantkit.checkpoint import Checkpoint
-    from quantkit.models import is_tiny, resolve
+    from quantkit.checkpoint.shards import Checkpoint
+    from quantkit.inputs.modelspec import is_tiny, resolve
+    from quantkit.inputs.tokens import load_tokens
     from quantkit.recipe import default_recipe, load_recipe, recipe_overrides
-    from quantkit.tiny import batches
+    from quantkit.synthetic.tiny import batches
 
     if args.out and args.out.exists() and any(args.out.iterdir()):
         ap.error(f"--out {args.out}: not empty")

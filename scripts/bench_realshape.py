@@ -9,7 +9,7 @@ For each (model, calibration samples) it runs, in a child process,
 (Kimi with --group-size 128, so that its INT4 g32 experts are re-quantized with GPTQ rather than
 reused), then tabulates the measured peak RSS (getrusage of the convert process, also in
 convert-report.json), disk of both outputs, wall and CPU time against the prediction convert
-recorded (report["cost"], the same quantkit.cost.plan_convert that `quantkit plan --convert`
+recorded (report["cost"], the same quantkit.conversion.cost.plan_convert that `quantkit plan --convert`
 prints; the time column is recomputed with the current model and this process's torch threads, so
 run it with the OMP_NUM_THREADS the converts ran with). With --reuse, a finished ROOT/... folder is tabulated without running it again.
 Then it prints the full-scale predictions (`quantkit plan MODEL --convert --gpu h200`) for the
@@ -57,8 +57,8 @@ def run(model: str, samples: int, root: Path, budget: str, reuse: bool) -> dict:
     r = json.loads(report.read_text())
     m = json.loads(meta.read_text()) if meta.is_file() else {"wall": r["seconds"], "cpu": None}
     c = r["cost"]
-    # time: the current model (quantkit.cost) for the same run and thread count; memory/disk: as recorded
-    from quantkit.cost import plan_convert_for
+    # time: the current model (quantkit.conversion.cost) for the same run and thread count; memory/disk: as recorded
+    from quantkit.conversion.cost import plan_convert_for
 
     now = plan_convert_for(f"realshape:{model}", gpu="cpu", method="gptq", num_samples=samples, seq_len=512,
                            group_size=128 if model == "kimi-k2.6" else None, max_host_memory=budget, validate=False)
@@ -70,7 +70,7 @@ def run(model: str, samples: int, root: Path, budget: str, reuse: bool) -> dict:
 
 
 def matmul_rate() -> float:
-    """Float32 matmul GFLOP/s per torch thread, in CPU time (what quantkit.cost.CPU_FLOPS_PER_THREAD
+    """Float32 matmul GFLOP/s per torch thread, in CPU time (what quantkit.conversion.cost.CPU_FLOPS_PER_THREAD
     assumes): 2048x6144 @ 6144x2048 and x^T x at D 6144, the shapes of the Hessians and experts."""
     import torch
 
@@ -86,7 +86,7 @@ def matmul_rate() -> float:
 
 
 def full_scale() -> list[str]:
-    from quantkit.cost import plan_convert_for
+    from quantkit.conversion.cost import plan_convert_for
 
     lines = []
     for model in ("glm-5.2", "kimi-k2.6"):
@@ -100,7 +100,7 @@ def full_scale() -> list[str]:
 
 def _with_h200_rate(flops: float) -> str:
     """The GLM 5.2 prediction with the H200's matmul rate set to `flops` (a what-if)."""
-    from quantkit import cost
+    from quantkit.conversion.pipeline import cost
 
     c = cost.plan_convert_for("glm-5.2", gpu="h200", max_host_memory="1TB", rates={"flops": flops})
     return cost._hms(sum(c.seconds.values()))
@@ -118,10 +118,10 @@ def main() -> None:
     if not args.full_scale_only:
         rows = [run(m, int(n), args.root, args.budget, args.reuse)
                 for m in args.models.split(",") for n in args.samples.split(",")]
-        from quantkit.cost import CPU_FLOPS_PER_THREAD
+        from quantkit.conversion.cost import CPU_FLOPS_PER_THREAD
 
         print(f"float32 matmul here: {matmul_rate():.0f} GFLOP/s per thread in CPU time "
-              f"(quantkit.cost assumes {CPU_FLOPS_PER_THREAD / 1e9:.0f})")
+              f"(quantkit.conversion.cost assumes {CPU_FLOPS_PER_THREAD / 1e9:.0f})")
         print(f"convert --method gptq --max-host-memory {args.budget}, synthetic:train, seq_len 512, --no-validate")
         print("| model | tokens | store | chunk | peak RSS GB (pred) | ratio | disk GB (pred) | wall s | CPU s | time s (pred) |")
         print("|---|---|---|---|---|---|---|---|---|---|")

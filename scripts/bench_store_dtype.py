@@ -14,8 +14,8 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from quantkit.conversion import convert
-from quantkit.validation import validate
+from quantkit.conversion.pipeline import convert
+from quantkit.validation.pipeline import validate
 
 
 def main() -> None:

@@ -4,7 +4,7 @@
     python scripts/build_realshape.py              # both: realshape:glm-5.2, realshape:kimi-k2.6
     python scripts/build_realshape.py glm-5.2
 
-Cached under QUANTKIT_CACHE (default ~/.cache/quantkit)/realshape; see quantkit/realshape.py.
+Cached under QUANTKIT_CACHE (default ~/.cache/quantkit)/realshape; see quantkit/synthetic/realshape.py.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import time
 
-from quantkit.realshape import REALSHAPE_NAMES, realshape_path
+from quantkit.synthetic.realshape import REALSHAPE_NAMES, realshape_path
 
 
 def main(names: list[str]) -> None:

@@ -26,7 +26,7 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 
 def compare(out: Path, m: str, preset: str | None) -> bool:
-    from quantkit.forward import logits
+    from quantkit.validation.forward import logits
 
     ok = True
     print(f"\n== {m}")
@@ -59,7 +59,7 @@ def compare(out: Path, m: str, preset: str | None) -> bool:
           f"{r['peak_rss_bytes'] / 1e9:.2f} GB vs {pred['peak_host'] / 1e9:.2f} GB predicted"
           + (f"; device {pred['peak_device'] / 1e9:.2f} GB predicted" if pred.get("peak_device") else ""))
     if preset:
-        from quantkit.cost import plan_convert_for
+        from quantkit.conversion.cost import plan_convert_for
 
         ratio = r["seconds"] / max(pred["seconds_total"], 1e-9)
         full = plan_convert_for(preset, gpu="h200", max_host_memory="1TB")

@@ -36,12 +36,13 @@ from pathlib import Path
 import torch
 
 from quantkit import convert
-from quantkit.calib import load_tokens
-from quantkit.checkpoint import Checkpoint
-from quantkit.kvcache import E4M3_MAX, SCALE_1, KVCache, per_tensor
-from quantkit.models import open_checkpoint
-from quantkit.progress import LayerProgress
-from quantkit.validation import _measure, _target
+from quantkit.checkpoint.shards import Checkpoint
+from quantkit.inputs.modelspec import open_checkpoint
+from quantkit.inputs.tokens import load_tokens
+from quantkit.model.kvcache import E4M3_MAX, KVCache, per_tensor
+from quantkit.runtime.progress import LayerProgress
+from quantkit.validation.kvrows import SCALE_1
+from quantkit.validation.pipeline import measure, target
 
 
 @dataclass
@@ -76,7 +77,7 @@ class IndexOnly(KVCache):
 
 
 def _setup(folder: Path, samples: int):
-    t = _target(folder, None)
+    t = target(folder, None)
     ckpts = {"reference": open_checkpoint(t.reference_source)} | {r: Checkpoint(p) for r, p in t.models.items()}
     report = json.loads((folder / "convert-report.json").read_text())
     tokens = load_tokens(report["recipe"]["validate"]["dataset"], tokenizer=t.reference_path, num_samples=samples, seq_len=64)
@@ -88,7 +89,7 @@ def sweep(folder: Path, samples: int, gen_tokens: int) -> list[dict]:
     out = []
     for value in (1.0, 0.5, 0.1, 0.03, 0.01):
         with LayerProgress(False, 1, "study") as bar, torch.no_grad():
-            m = _measure(ckpts, tokens.ids, gen_tokens, True, torch.device("cpu"), torch.float32, bar,
+            m = measure(ckpts, tokens.ids, gen_tokens, True, torch.device("cpu"), torch.float32, bar,
                          {"": Fixed("fp8_e4m3", value=value)}, False)
         r = m["rows"]["decode_kv"]
         out.append({"scale": value, "kv_delta": r["metrics"]["kv_delta"], "kv_delta_se": r["kv"]["kv_delta_se"]})
@@ -110,7 +111,7 @@ def study(folder: Path, samples: int, gen_tokens: int, few: bool = False) -> lis
     out = []
     for label, kv in variants:
         with LayerProgress(False, 1, "study") as bar, torch.no_grad():
-            m = _measure(ckpts, tokens.ids, gen_tokens, True, torch.device("cpu"), torch.float32, bar, kv, True)
+            m = measure(ckpts, tokens.ids, gen_tokens, True, torch.device("cpu"), torch.float32, bar, kv, True)
         base = {"decode_kv": m["rows"]["cross_phase"]["int4_only"]["kl"], "cross_phase_kv": m["rows"]["cross_phase"]["metrics"]["kl"]}
         for row in ("decode_kv", "cross_phase_kv"):
             r = m["rows"][row]

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 import quantkit as qk
-from quantkit.forward import logits
-from quantkit.stats import paired, token_kl
-from quantkit.tiny import batches, tiny_seed
+from quantkit.synthetic.tiny import batches, tiny_seed
+from quantkit.validation.forward import logits
+from quantkit.validation.metrics import paired, token_kl
 
 
 def main() -> None:

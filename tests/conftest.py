@@ -9,12 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantkit.arch import arch_from_config
-from quantkit.checkpoint import CheckpointWriter
+from quantkit.checkpoint.shards import CheckpointWriter
 from quantkit.formats import fp8, int4
-from quantkit.gptq import quantize_rtn
-from quantkit.tiny import GLM, KIMI_TEXT, init_weights, tiny_path
-
+from quantkit.model.arch import arch_from_config
+from quantkit.quant.gptq import quantize_rtn
+from quantkit.synthetic.tiny import GLM, KIMI_TEXT, init_weights, tiny_path
 
 # Float reductions (and so INT4 rounding of a few weights) depend on the thread count: fix it, so
 # a test's numbers do not change with the machine's core count.

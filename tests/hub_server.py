@@ -1,4 +1,4 @@
-"""A tiny in-process fake of the Hugging Face Hub, for offline tests of quantkit.hub.
+"""A tiny in-process fake of the Hugging Face Hub, for offline tests of quantkit.hub.download.
 
 It speaks exactly the part of the Hub HTTP API that huggingface_hub 1.33 uses to download model files:
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantkit.activations import ActivationStore, StorePlan
+from quantkit.conversion.activations import ActivationStore, StorePlan
 
 
 @pytest.mark.parametrize("backing", ["memory", "disk"])

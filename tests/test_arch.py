@@ -6,10 +6,10 @@ import copy
 import json
 
 import pytest
-
 from conftest import small_config
-from quantkit.arch import arch_from_config, load_arch, load_preset, preset_names
+
 from quantkit.errors import ConfigError
+from quantkit.model.arch import arch_from_config, load_arch, load_preset, preset_names
 
 
 def test_preset_names():

@@ -7,20 +7,21 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from conftest import starve_expert
 import torch
+from conftest import starve_expert
 
-from quantkit import awq
-from quantkit.calib import load_tokens
-from quantkit.checkpoint import Checkpoint
-from quantkit.conversion import convert, expert_weights, quantize_experts
-from quantkit.forward import embed, layer_weights, logits
-from quantkit.gptq import quantize_rtn
+from quantkit.checkpoint.shards import Checkpoint
+from quantkit.conversion.pipeline import convert
+from quantkit.inputs.tokens import load_tokens
+from quantkit.model.reference import Context, decoder_layer, route, swiglu
+from quantkit.quant import awq
+from quantkit.quant.experts import expert_weights
+from quantkit.quant.gptq import quantize_rtn
+from quantkit.quant.moe import quantize_experts
 from quantkit.recipe import load_recipe
-from quantkit.reference import Context, decoder_layer, route, swiglu
-from quantkit.stats import paired, token_kl
-from quantkit.tiny import batches
+from quantkit.synthetic.tiny import batches
+from quantkit.validation.forward import embed, layer_weights, logits
+from quantkit.validation.metrics import paired, token_kl
 
 IDS = torch.tensor([[1, 5, 9, 13, 40, 41, 42, 7, 8, 100, 101, 3]])
 PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -145,7 +146,7 @@ def _expert_error(q, x, w, tokens, experts):
 
 
 def test_layer_awq_keeps_shared_weights_and_routing_and_lowers_expert_error(glm_layer):
-    from quantkit.conversion import routed_tokens
+    from quantkit.quant.moe import routed_tokens
 
     x, w, arch = glm_layer
     rec = load_recipe("tiny-glm-5.2")
@@ -208,7 +209,7 @@ def runs(tmp_path_factory):
 
 
 # 16384 held-out tokens (corpus seed 3000): per-token KL is heavy-tailed, so verdicts rest on the
-# paired difference on these tokens and its standard error (quantkit.stats), not on two means.
+# paired difference on these tokens and its standard error (quantkit.validation.metrics), not on two means.
 EVAL = batches(256, 64, seed=3000)
 
 
@@ -288,7 +289,7 @@ def test_kimi_awq_decode_loads_in_transformers_and_matches(runs):
 
 def test_prefill_is_unchanged_by_awq(runs):
     """AWQ only changes the decode experts: the FP8 prefill checkpoint is the same as with RTN, but for
-    the per-layer KV scales (quantkit.kvcache), which only a calibrated convert measures."""
+    the per-layer KV scales (quantkit.model.kvcache), which only a calibrated convert measures."""
     from safetensors.torch import load_file
 
     def weights(folder):

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import small_config, write_random
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +40,7 @@ def test_measured_reports_each_child_alone(bench, tmp_path):
 
 
 def test_reference_copy_is_exact_and_splice_reproduces_decode(bench, tmp_path):
-    from quantkit.forward import logits
+    from quantkit.validation.forward import logits
 
     src, _ = write_random(tmp_path / "src", small_config("glm"), linears="fp8", experts="fp8")
     ref = bench.reference_copy(src, tmp_path / "ref", "float32")

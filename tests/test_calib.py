@@ -1,4 +1,4 @@
-"""quantkit.calib: every spec kind (the Hugging Face path offline, on local dataset folders),
+"""quantkit.inputs.tokens: every spec kind (the Hugging Face path offline, on local dataset folders),
 chat-template rendering, determinism, held-out separation, no pickle, and one-line errors."""
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from quantkit import calib, tiny
-from quantkit.calib import load_tokens, parse_spec
 from quantkit.errors import ConfigError
+from quantkit.inputs import tokens as calib
+from quantkit.inputs.tokens import load_tokens, parse_spec
+from quantkit.synthetic import tiny
 
 BOS, EOS = 1, 2
 

@@ -1,4 +1,4 @@
-"""quantkit.calibrate's streamed GPTQ against the whole-layer form: the same policy (held-out
+"""quantkit.conversion.layerpass's streamed GPTQ against the whole-layer form: the same policy (held-out
 tokens, starved experts, the guard) and the same arithmetic, only the tokens arrive one
 micro-batch at a time. convert runs the streamed form; the whole-layer one (conversion.
 quantize_experts + experts.guard_experts) is its oracle here."""
@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantkit.activations import ActivationStore, StorePlan
-from quantkit.calibrate import LayerRouting, gptq_experts
-from quantkit.conversion import quantize_experts
-from quantkit.experts import PROJS, guard_experts
+from quantkit.conversion.activations import ActivationStore, StorePlan
+from quantkit.conversion.layerpass import LayerRouting, gptq_experts
+from quantkit.quant.experts import PROJS, guard_experts
+from quantkit.quant.moe import quantize_experts
 from quantkit.recipe import load_recipe
 
 N, T, D, I, E, K = 4, 40, 64, 32, 4, 2  # samples, tokens per sample, hidden, expert width, experts, top-k

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import small_config, write_random
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import quantkit.checkpoint as ckmod
-from conftest import small_config, write_random
-from quantkit.arch import arch_from_config
-from quantkit.checkpoint import INDEX, Checkpoint, CheckpointWriter
+import quantkit.checkpoint.shards as ckmod
+from quantkit.checkpoint.shards import INDEX, Checkpoint, CheckpointWriter
 from quantkit.errors import CheckpointError, ConfigError, OutputError
-from quantkit.tiny import init_weights
+from quantkit.model.arch import arch_from_config
+from quantkit.synthetic.tiny import init_weights
 
 
 def header_of(path: Path) -> tuple[int, dict]:
@@ -171,7 +171,7 @@ def test_get_reads_asymmetric_int4(tmp_path, ds_weights):
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-    from quantkit.inspection import storage_format
+    from quantkit.planner.inspection import storage_format
 
     cfg, t = ds_weights
     name = "model.layers.1.mlp.experts.2.down_proj.weight"  # [128, 128]: 4 groups of 32
@@ -215,7 +215,7 @@ def test_raw_returns_bytes_as_stored(tmp_path, ds_weights, fmt):
     for name, file in ckpt.weight_map.items():
         x = ckpt.raw(name)
         _, h = header_of(folder / file)
-        assert ckmod._DTYPES[h[name]["dtype"]] == x.dtype and list(x.shape) == h[name]["shape"]
+        assert ckmod.DTYPES[h[name]["dtype"]] == x.dtype and list(x.shape) == h[name]["shape"]
         assert x.contiguous().view(torch.uint8).numpy().tobytes() == stored_bytes(folder / file, name), name
         raw_dtypes.add(x.dtype)
     assert {torch.int32, torch.bfloat16} <= raw_dtypes if fmt == "int4" else {torch.float8_e4m3fn, torch.float32} <= raw_dtypes
@@ -223,7 +223,7 @@ def test_raw_returns_bytes_as_stored(tmp_path, ds_weights, fmt):
 
 # ---- laziness -----------------------------------------------------------------------------------
 class SpyOpen:
-    """Wraps quantkit.checkpoint's shard reader and records every tensor read."""
+    """Wraps quantkit.checkpoint.shards's shard reader and records every tensor read."""
 
     def __init__(self):
         self.reads: list[str] = []
@@ -619,7 +619,7 @@ def test_written_checkpoint_reads_back(tmp_path, ds_weights):
 
 
 def test_readahead_requests_exactly_a_layers_stored_bytes(tiny_glm):
-    """convert reads the next layer ahead (conversion._Prefetcher); quantkit.cost counts the read as
+    """convert reads the next layer ahead (conversion.Prefetcher); quantkit.conversion.cost counts the read as
     overlapped on the strength of it, so it must cover the layer's bytes, where they are, no more."""
     ckpt = Checkpoint(tiny_glm)
     for layer in (0, 1):
@@ -638,7 +638,7 @@ def test_kept_tensors_are_read_once_as_stored_and_handed_out_as_copies(tiny_glm)
     """Checkpoint.keep (validate's resident weights): a kept layer is read from the file once, into
     one block, and every get after that dequantizes the kept bytes: the same values as reading the
     file; a caller that writes into what it got does not change what the next get returns."""
-    from quantkit.checkpoint import _DTYPES
+    from quantkit.checkpoint.shards import DTYPES
 
     plain, kept = Checkpoint(tiny_glm), Checkpoint(tiny_glm)
     names = kept.names(1)
@@ -648,7 +648,7 @@ def test_kept_tensors_are_read_once_as_stored_and_handed_out_as_copies(tiny_glm)
             assert torch.equal(kept.get(n), plain.get(n)), n
     assert kept.bytes_read == sum(kept.storage_bytes(n) for n in names)  # once, not three times
     dense = next(n for n in names if kept.tensors[n].format == "dense")
-    kept.get(dense, _DTYPES[kept.tensors[dense].dtype]).fill_(7)  # its stored dtype: no conversion copies it
+    kept.get(dense, DTYPES[kept.tensors[dense].dtype]).fill_(7)  # its stored dtype: no conversion copies it
     assert torch.equal(kept.get(dense), plain.get(dense))
     kept.close()  # stops keeping: the file is read again
     before = kept.bytes_read

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_checkpoint import BAD
 from typer.testing import CliRunner
 
 from quantkit.cli import app
-from test_checkpoint import BAD
 
 runner = CliRunner()
 

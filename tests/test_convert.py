@@ -13,16 +13,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import starve_expert
 from oracle import read_raw, transformers_model
-from quantkit.checkpoint import Checkpoint
-from quantkit.conversion import convert
+
+from quantkit.checkpoint.shards import Checkpoint
+from quantkit.conversion.pipeline import convert
 from quantkit.errors import OutputError
-from quantkit.forward import logits, run
-from quantkit.gptq import quantize_rtn
-from quantkit.stats import paired, token_kl
-from quantkit.tiny import batches
+from quantkit.quant.gptq import quantize_rtn
+from quantkit.synthetic.tiny import batches
+from quantkit.validation.forward import logits, run
+from quantkit.validation.metrics import paired, token_kl
 
 IDS = torch.tensor([[1, 5, 9, 13, 40, 41, 42, 7, 8, 100, 101, 3]])
 
@@ -92,7 +92,7 @@ def test_kimi_outputs_load_in_transformers_and_match(pairs, which):
     assert _rel(logits(folder, IDS), theirs) < 1e-4
 
 
-EVAL = batches(256, 64, seed=3000)  # 16384 held-out tokens; verdicts from paired differences (quantkit.stats)
+EVAL = batches(256, 64, seed=3000)  # 16384 held-out tokens; verdicts from paired differences (quantkit.validation.metrics)
 
 
 # GLM's experts start from FP8: INT4 costs real accuracy and GPTQ recovers most of it (scripts/
@@ -148,7 +148,7 @@ def test_kimi_decode_reuses_source_int4_bit_for_bit(pairs, tiny_kimi):
 
 def test_glm_prefill_passes_source_fp8_through(pairs, tiny_glm):
     src, pre = read_raw(tiny_glm), read_raw(pairs["glm"].prefill)
-    kv_scales = {k for k in pre if k.endswith(("self_attn.k_scale", "self_attn.v_scale"))}  # convert's own (quantkit.kvcache)
+    kv_scales = {k for k in pre if k.endswith(("self_attn.k_scale", "self_attn.v_scale"))}  # convert's own (quantkit.model.kvcache)
     assert kv_scales and set(src) == set(pre) - kv_scales
     for k, v in src.items():
         assert torch.equal(v.view(torch.uint8), pre[k].view(torch.uint8)), k
@@ -263,7 +263,7 @@ def test_cli_convert_json_and_errors(tmp_path):
 
 def test_decode_checkpoint_runs_through_reference_incremental_path(pairs):
     """The decode checkpoint decodes through the MLA cache like the source does."""
-    from quantkit.forward import new_caches
+    from quantkit.validation.forward import new_caches
 
     ck = Checkpoint(pairs["glm"].decode)
     full = run(ck, IDS)

@@ -9,10 +9,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from quantkit.arch import arch_from_config, load_preset
 from quantkit.cli import app
-from quantkit.cost import GB, parse_bytes, plan_convert, plan_convert_for
+from quantkit.conversion.cost import GB, parse_bytes, plan_convert, plan_convert_for
 from quantkit.errors import ConfigError
+from quantkit.model.arch import arch_from_config, load_preset
 
 runner = CliRunner()
 
@@ -81,7 +81,7 @@ def test_resume_state_saves_are_bounded_by_the_overhead():
     """Rank 0 saves h (26 GB at full scale) every `state_every` layers, as many as keep the saves
     at STATE_OVERHEAD of the run: every layer when a save is quick, every few layers otherwise.
     A count of layers, not a clock, so every run (and every rank) saves after the same layers."""
-    from quantkit.cost import STATE_OVERHEAD, state_every
+    from quantkit.conversion.cost import STATE_OVERHEAD, state_every
 
     assert state_every(0.001, 1.0) == 1  # tiny: after every layer
     assert state_every(13.0, 78.0) == 4  # GLM 5.2, one H200
@@ -103,7 +103,7 @@ def test_plan_convert_cli_json():
 
 def test_convert_reports_the_same_prediction_as_plan(tiny_glm, tmp_path):
     """One accounting: convert's recorded cost is what `plan --convert` predicts for the same folder."""
-    from quantkit.conversion import convert
+    from quantkit.conversion.pipeline import convert
 
     res = convert(tiny_glm, tmp_path / "out", recipe="tiny-glm-5.2", validate=False, progress=False,
                   max_host_memory="6GB", device="cpu")
@@ -115,7 +115,7 @@ def test_convert_reports_the_same_prediction_as_plan(tiny_glm, tmp_path):
 
 
 def test_convert_refuses_before_writing(tiny_glm, tmp_path):
-    from quantkit.conversion import convert
+    from quantkit.conversion.pipeline import convert
     from quantkit.errors import OutputError
 
     with pytest.raises(OutputError, match="--max-host-memory"):

@@ -51,16 +51,17 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from conftest import small_config
 from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from conftest import small_config
-from quantkit import awq, gptq, reference
-from quantkit.arch import arch_from_config
-from quantkit.conversion import quantize_experts
 from quantkit.formats import fp8, int4
+from quantkit.model import reference
+from quantkit.model.arch import arch_from_config
+from quantkit.quant import awq, gptq
+from quantkit.quant.moe import quantize_experts
 from quantkit.recipe import load_recipe
-from quantkit.tiny import init_weights
+from quantkit.synthetic.tiny import init_weights
 
 DEVICE = torch.device("cuda:0" if torch.backends.cuda.is_built() else "lazy:0")
 
@@ -215,8 +216,8 @@ def test_reference_layers_on_device(model, ties):
 def test_calibration_attention_on_device(model):
     """convert's attention pass through the activation store (micro-batched, DSA selections carried
     between layers) and the routing it keeps."""
-    from quantkit.activations import ActivationStore, StorePlan
-    from quantkit.calibrate import attention_pass
+    from quantkit.conversion.activations import ActivationStore, StorePlan
+    from quantkit.conversion.layerpass import attention_pass
 
     arch, weights = model
     with on_fake_device():

@@ -1,4 +1,4 @@
-"""Expert-parallel convert (quantkit.distributed): 2 ranks under torchrun (gloo, CPU) write the
+"""Expert-parallel convert (quantkit.runtime.distributed): 2 ranks under torchrun (gloo, CPU) write the
 bytes 1 rank does; a killed or hung rank stops the job within a bounded time and --resume completes
 it; the partition balances routed tokens; the planner divides what is split and says what is not."""
 
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantkit import distributed
-from quantkit.cost import expert_fixed_tokens, plan_convert_for
-from quantkit.gptq import gptq
+from quantkit.conversion.cost import expert_fixed_tokens, plan_convert_for
+from quantkit.quant.gptq import gptq
+from quantkit.runtime import distributed
 
 # a small calibration: the tiny models convert in about a second, so a run is mostly torch's import
 CALIB = ["--num-samples", "8", "--seq-len", "64", "--no-validate"]
@@ -132,8 +132,8 @@ def test_gptq_bytes_do_not_depend_on_the_batch_cuda():
 
 def test_expert_chunk_does_not_change_the_output(tmp_path, monkeypatch, one_thread):
     """convert at 16, 3 and 1 experts per chunk: one output (each rank chunks its own experts)."""
-    import quantkit.cost as cost
-    from quantkit.conversion import convert
+    import quantkit.conversion.cost as cost
+    from quantkit.conversion.pipeline import convert
 
     plan = cost.plan_convert
     outs = []
@@ -391,7 +391,7 @@ def test_plan_divides_the_split_phases_and_keeps_the_redundant_ones():
 
 
 def test_token_share_is_by_micro_batches():
-    from quantkit.cost import token_share
+    from quantkit.conversion.cost import token_share
 
     assert token_share(512, 4, 8) == 1 / 8
     assert token_share(8, 3, 2) == 2 / 3  # 3 micro-batches: rank 0 has two
@@ -399,7 +399,7 @@ def test_token_share_is_by_micro_batches():
 
 
 def test_fixed_cost_is_gptq_over_hessian_work_per_token(tiny_glm):
-    from quantkit.models import open_checkpoint
+    from quantkit.inputs.modelspec import open_checkpoint
 
     a = open_checkpoint(tiny_glm).arch
     D, I = a.hidden_size, a.moe_intermediate_size

@@ -1,15 +1,21 @@
-"""quantkit.experts: the one policy every expert quantizer follows (held-out tokens, starved
+"""quantkit.quant.experts: the one policy every expert quantizer follows (held-out tokens, starved
 experts, the guard against RTN)."""
 
 from __future__ import annotations
 
 import torch
 
-from quantkit.conversion import quantize_experts
-from quantkit.experts import (
-    HOLDOUT, PROJS, ExpertRecord, calibration_inputs, guard_against_rtn, heldout_inputs, split_heldout,
+from quantkit.quant.experts import (
+    HOLDOUT,
+    PROJS,
+    ExpertRecord,
+    calibration_inputs,
+    guard_against_rtn,
+    heldout_inputs,
+    split_heldout,
 )
-from quantkit.gptq import quantize_rtn
+from quantkit.quant.gptq import quantize_rtn
+from quantkit.quant.moe import quantize_experts
 from quantkit.recipe import load_recipe
 
 D, I, E = 64, 32, 3
@@ -56,7 +62,6 @@ def test_gptq_with_min_tokens_zero_never_zeroes_an_expert():
 def test_guard_picks_the_best_alternative():
     x, w = _layer()
     xh = heldout_inputs(x, torch.arange(200))
-    rtn = {p: quantize_rtn(w[f"mlp.experts.0.{p}.weight"], 32) for p in PROJS}
     bad = {p: quantize_rtn(-w[f"mlp.experts.0.{p}.weight"], 32) for p in PROJS}
     fine = {p: quantize_rtn(w[f"mlp.experts.0.{p}.weight"], 16) for p in PROJS}  # finer groups beat RTN g32
     r = ExpertRecord(1, 0, 200, "awq")

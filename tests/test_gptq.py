@@ -1,4 +1,4 @@
-"""quantkit.gptq against its oracles: compressed-tensors (scales, quantize, dequantize) and
+"""quantkit.quant.gptq against its oracles: compressed-tensors (scales, quantize, dequantize) and
 llm-compressor 0.14's GPTQ core (`llmcompressor.modifiers.gptq.gptq_quantize.quantize_weight`)."""
 
 import functools
@@ -7,7 +7,7 @@ import pytest
 import torch
 from compressed_tensors.quantization import QuantizationArgs, dequantize, quantize
 
-from quantkit.gptq import (
+from quantkit.quant.gptq import (
     HessianError,
     QuantizedWeight,
     gptq,
@@ -224,7 +224,7 @@ def test_shape_errors():
 def test_shared_h_equals_separate_calls_without_copying_h():
     """gate and up share one H: quantizing them row-stacked against one factored H gives what two
     separate calls with two copies of H give (GPTQ's rows are independent given Hinv)."""
-    from quantkit.gptq import gptq_shared_h
+    from quantkit.quant.gptq import gptq_shared_h
 
     g = torch.Generator().manual_seed(3)
     X = torch.randn(2, 300, 64, generator=g)  # 2 experts

@@ -1,4 +1,4 @@
-"""quantkit.hub against a local fake Hub (tests/hub_server.py); no internet."""
+"""quantkit.hub.download against a local fake Hub (tests/hub_server.py); no internet."""
 
 from __future__ import annotations
 
@@ -8,12 +8,11 @@ import logging
 import random
 import socket
 
-import pytest
-
 import huggingface_hub
+import pytest
 from huggingface_hub import constants as hf_constants
 
-from quantkit.hub import ChecksumError, HubError, HubSource, PullResult, parse_hf_id, pull
+from quantkit.hub.download import ChecksumError, HubError, HubSource, PullResult, parse_hf_id, pull
 
 try:
     from hub_server import FakeHub

@@ -1,4 +1,4 @@
-"""quantkit.kvcache: the engines' FP8 KV cache, bit for bit against an independent e4m3 reference; the
+"""quantkit.model.kvcache: the engines' FP8 KV cache, bit for bit against an independent e4m3 reference; the
 scales convert writes (identical in both outputs, named as the loaders read them); validate's KV rows."""
 
 from __future__ import annotations
@@ -11,10 +11,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from quantkit.kvcache import (
-    E4M3_MAX, SCALE_NAMES, KVCache, capacity_beside_delta, ds_mla, indexer_keys, per_tensor, to_e4m3, ue8m0,
-)
-from quantkit.reference import Context, LayerCache, mla_attention
+from quantkit.model.kvcache import E4M3_MAX, SCALE_NAMES, KVCache, ds_mla, indexer_keys, per_tensor, to_e4m3, ue8m0
+from quantkit.model.reference import Context, LayerCache, mla_attention
+from quantkit.planner.capacity import capacity_beside_delta
 
 
 # ---- an independent e4m3 encoder: the format's definition, numpy float32 arithmetic ---------------
@@ -103,8 +102,8 @@ def test_ue8m0_is_the_next_power_of_two():
 def test_bf16_cache_leaves_the_forward_unchanged(tiny_kimi):
     """Context.kv = KVCache("bf16") must be the old forward exactly; fp8 stores quantized keys only
     in the cache (a prefill chunk attends to its fresh keys, a decode step to the stored ones)."""
-    from quantkit.checkpoint import Checkpoint
-    from quantkit.forward import layer_weights
+    from quantkit.checkpoint.shards import Checkpoint
+    from quantkit.validation.forward import layer_weights
 
     ck = Checkpoint(tiny_kimi)
     a = ck.arch
@@ -181,7 +180,7 @@ def test_calibrated_scales_no_worse_than_scale_one(pairs, name):
     move e4m3's subnormal floor (relative precision is the same elsewhere), so the honest claim is
     'not worse': the mean paired KL difference stays under 4 standard errors (one-sided t with 31
     degrees of freedom: a false alarm about once in 5000 builds of the tiny model)."""
-    from quantkit.validation import validate
+    from quantkit.validation.pipeline import validate
 
     res = validate(pairs[name], device="cpu", progress=False, write=False, num_samples=32, kv_cache_dtype="fp8_e4m3")
     for row in ("decode_kv", "cross_phase_kv"):
@@ -192,8 +191,8 @@ def test_calibrated_scales_no_worse_than_scale_one(pairs, name):
 
 
 def test_kv_delta_gate_and_plan_line(pairs, tmp_path):
-    from quantkit.planner import plan
-    from quantkit.validation import check_gates, validate
+    from quantkit.planner.capacity import plan
+    from quantkit.validation.pipeline import check_gates, validate
 
     res = validate(pairs["kimi-k2.6"], device="cpu", progress=False, write=False, num_samples=2, gen_tokens=3,
                    kv_cache_dtype="fp8_ds_mla", gates={"kv_delta_max": -1.0})
@@ -211,7 +210,7 @@ def test_kv_delta_gate_and_plan_line(pairs, tmp_path):
 
 def test_unknown_kv_dtype_is_one_line_error(pairs):
     from quantkit.errors import ConfigError
-    from quantkit.validation import validate
+    from quantkit.validation.pipeline import validate
 
     with pytest.raises(ConfigError, match="fp8_e4m3"):
         validate(pairs["kimi-k2.6"], device="cpu", progress=False, write=False, kv_cache_dtype="fp8")

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantkit.checkpoint import Checkpoint
-from quantkit.forward import layer_weights
-from quantkit.reference import Context, decoder_layer
+from quantkit.checkpoint.shards import Checkpoint
+from quantkit.model.reference import Context, decoder_layer
+from quantkit.validation.forward import layer_weights
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 16])
 def test_streamed_layer_equals_decoder_layer(tiny_glm, chunk):
-    from quantkit.layerstream import streamed_layer
+    from quantkit.validation.layerstream import streamed_layer
 
     ckpt = Checkpoint(tiny_glm)
     a = ckpt.arch

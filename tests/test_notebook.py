@@ -8,8 +8,8 @@ writes out/glm. Skipped only when the kernel cannot start; a cell that raises fa
 from __future__ import annotations
 
 import importlib
-import sys
 import os
+import sys
 import time
 from pathlib import Path
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from quantkit.arch import load_preset
 from quantkit.errors import ConfigError
-from quantkit.planner import ARTICLE_FIGURES, GB, GiB, plan, render_plan
+from quantkit.model.arch import load_preset
+from quantkit.planner.capacity import ARTICLE_FIGURES, GB, GiB, plan, render_plan
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from quantkit.arch import arch_from_config, load_preset
-from quantkit.realshape import EXPERTS, LAYERS, realshape_config
+from quantkit.model.arch import arch_from_config, load_preset
+from quantkit.synthetic.realshape import EXPERTS, LAYERS, realshape_config
 
 
 @pytest.mark.parametrize("name", ["glm-5.2", "kimi-k2.6"])

@@ -7,18 +7,18 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import small_config, write_random
 from oracle import dequantized_state_dict
-from quantkit.arch import arch_from_config
-from quantkit.calib import parse_spec
-from quantkit.conversion import convert
+
+from quantkit.conversion.pipeline import convert
 from quantkit.errors import ConfigError
+from quantkit.inputs.tokens import parse_spec
+from quantkit.model.arch import arch_from_config
 from quantkit.recipe import Recipe, available_recipes, default_recipe, load_recipe, recipe_dirs, recipe_overrides
-from quantkit.tiny import tiny_config
+from quantkit.synthetic.tiny import tiny_config
 
 SHIPPED = ["deepseek-v3", "glm-5.2", "kimi-k2.6", "tiny-glm-5.2", "tiny-kimi-k2.6"]
-REPO_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+REPO_RECIPES = Path(__file__).resolve().parent.parent / "quantkit" / "recipes"
 
 
 def write(tmp_path: Path, text: str) -> Path:

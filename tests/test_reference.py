@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import small_config, write_random
 from oracle import transformers_model
-from quantkit.checkpoint import Checkpoint
-from quantkit.forward import logits, new_caches, run
-from quantkit.reference import apply_rope, rope_inv_freq
-from quantkit.arch import arch_from_config
+
+from quantkit.checkpoint.shards import Checkpoint
+from quantkit.model.arch import arch_from_config
+from quantkit.model.reference import apply_rope, rope_inv_freq
+from quantkit.validation.forward import logits, new_caches, run
 
 TOL = 1e-4
 
@@ -86,8 +86,8 @@ def test_incremental_decode_equals_full_forward(which, tiny_kimi, tiny_glm):
 
 
 def test_yarn_inv_freq_matches_transformers():
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     from transformers import DeepseekV3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     cfg = small_config("deepseek_v3")
     arch = arch_from_config(cfg)

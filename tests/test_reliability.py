@@ -25,16 +25,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import small_config, write_random
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from conftest import small_config, write_random
-from quantkit import faults
+from quantkit.checkpoint.manifest import MANIFEST, REPORT, atomic_write_text, verify
 from quantkit.cli import app
-from quantkit.conversion import _check_disk, _disk_full, convert
+from quantkit.conversion.pipeline import check_disk, convert, disk_full
 from quantkit.errors import IntegrityError, OutputError
-from quantkit.integrity import MANIFEST, REPORT, atomic_write_text, verify
+from quantkit.runtime import faults
 
 runner = CliRunner()
 MATRIX: list[tuple[str, str, int, str]] = []  # (area, case, tries, result)
@@ -440,7 +440,7 @@ def test_existing_and_interrupted_outputs_say_what_to_do(src, whole, tmp_path, m
 
 # ---- one owner per output -----------------------------------------------------------------------------------
 def _holder(out: Path) -> subprocess.Popen:
-    code = ("import sys, time; from quantkit.outlock import acquire; acquire(sys.argv[1], 'convert'); "
+    code = ("import sys, time; from quantkit.checkpoint.outlock import acquire; acquire(sys.argv[1], 'convert'); "
             "print('held', flush=True); time.sleep(60)")
     p = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "held"
@@ -496,7 +496,7 @@ def test_safetensors_enospc_is_recognised():
 
     with pytest.raises(SafetensorError) as e:
         save_file({"x": torch.zeros(1 << 16)}, "/dev/full")
-    assert _disk_full(e.value)
+    assert disk_full(e.value)
 
 
 def test_a_failed_write_leaves_the_old_file_whole(tmp_path):
@@ -560,15 +560,15 @@ def test_ctrl_c_says_resume_continues(src, whole, tmp_path, monkeypatch):
 
 
 def test_disk_precheck_message_has_real_sizes(src, tmp_path):
-    from quantkit.checkpoint import Checkpoint
-    from quantkit.precision import decide
+    from quantkit.checkpoint.shards import Checkpoint
+    from quantkit.conversion.precision import decide
     from quantkit.recipe import default_recipe
 
     ck = Checkpoint(src)
     rec = default_recipe(str(src), ck.arch)
     decisions = {n: decide(st, rec, rec.group_size, None) for n, st in ck.tensors.items()}
     with pytest.raises(OutputError) as e:
-        _check_disk(ck, decisions, tmp_path, rec.group_size, free=1000)
+        check_disk(ck, decisions, tmp_path, rec.group_size, free=1000)
     msg = str(e.value)
     ok = "0.0 GB" not in msg and " MB more, only 1000 bytes free" in msg
     record("disk precheck", "a small pair on a nearly full disk", 1, ok, msg.split(": ", 1)[1][:60])
@@ -634,7 +634,7 @@ def test_verify_finds_damage_and_names_it(whole, tmp_path, case, damage, named):
 def test_verify_checks_the_pair_shares_its_bytes(whole, tmp_path):
     """A change to one side only, with that side's manifest and the report rewritten to match: the
     per-file checks pass, the twin check does not."""
-    from quantkit.integrity import build_manifest, write_manifest
+    from quantkit.checkpoint.manifest import build_manifest, write_manifest
 
     out = tmp_path / "o"
     shutil.copytree(whole[0], out)
@@ -657,8 +657,8 @@ def test_verify_checks_the_pair_shares_its_bytes(whole, tmp_path):
 
 
 def test_validate_verifies_first_and_the_card_states_the_manifest_digest(whole, src, tmp_path):
-    from quantkit.integrity import manifest_digest
-    from quantkit.validation import validate
+    from quantkit.checkpoint.manifest import manifest_digest
+    from quantkit.validation.pipeline import validate
 
     out = tmp_path / "o"
     shutil.copytree(whole[0], out)
@@ -683,9 +683,8 @@ HUB_REPO = "evil-org/tiny"
 @pytest.fixture
 def evil(tmp_path, monkeypatch, src):
     """A loopback Hub serving the small source; tests make it lie. HF_HOME and the quantkit cache are private."""
-    from huggingface_hub import constants as hf_constants
-
     from hub_server import FakeHub
+    from huggingface_hub import constants as hf_constants
 
     home = tmp_path / "hf_home"
     monkeypatch.setenv("HF_HOME", str(home))
@@ -774,7 +773,7 @@ def test_a_file_without_checksum_needs_allow_unverified_and_is_recorded(evil, tm
     evil.listing_hook = _no_checksum
     res = _convert(f"hf://{HUB_REPO}", tmp_path / "out", allow_unverified=True)
     ok = res.report["source"]["unverified_files"] == [SHARD]
-    from quantkit.hub import pull
+    from quantkit.hub.download import pull
 
     pulled = pull(HUB_REPO, tmp_path / "pulled", allow_unverified=True, progress=False)
     ok = ok and pulled.unverified == [SHARD]
@@ -783,7 +782,7 @@ def test_a_file_without_checksum_needs_allow_unverified_and_is_recorded(evil, tm
 
 
 def test_a_truncated_body_is_refused(evil, tmp_path):
-    from quantkit.hub import HubError, pull
+    from quantkit.hub.download import HubError, pull
 
     evil.truncate(SHARD, 100)
     with pytest.raises(HubError) as e:

@@ -1,9 +1,9 @@
 """Both engines load both outputs: asked of vLLM 0.33.0's and SGLang 0.5.23's own code.
 
-The engines' config-resolution modules come from the pinned release wheels (quantkit.engines,
-downloaded once into the quantkit cache) and run in a child process (quantkit.engine_harness, whose
+The engines' config-resolution modules come from the pinned release wheels (quantkit.serving.engines,
+downloaded once into the quantkit cache) and run in a child process (quantkit.serving.harness, whose
 docstring lists what is stubbed: kernels, distributed state, the GPU as sm90). Which modules the
-engines build, under which names, is a cited reading of their model files (quantkit.serving's
+engines build, under which names, is a cited reading of their model files (quantkit.serving.checks's
 docstring); everything from there on is the engines' code: config parsing, target matching,
 ignore lists, scheme selection and constructors, `weight_block_size`, and `create_weights`, whose
 registered parameters are compared with the stored tensors.
@@ -18,8 +18,8 @@ import shutil
 
 import pytest
 
-from quantkit.conversion import convert
-from quantkit.serving import check_serving_many
+from quantkit.conversion.pipeline import convert
+from quantkit.serving.checks import check_serving_many
 
 pytestmark = pytest.mark.slow  # one engine process per engine (~10 s each) plus two tiny conversions
 
@@ -29,7 +29,7 @@ INT4_MOE = {"vllm": "CompressedTensorsWNA16MoEMethod", "sglang": "CompressedTens
 
 @pytest.fixture(scope="module")
 def engines_available():
-    from quantkit.engines import EngineUnavailable, engine_source
+    from quantkit.serving.engines import EngineUnavailable, engine_source
 
     try:
         return {e: engine_source(e) for e in ENGINES}
@@ -192,7 +192,7 @@ def test_glm_shared_expert_fusion_needs_the_flag(reports):
 
     Not executed: the gate itself (models/deepseek_v2.py
     `DeepseekV2ForCausalLM.shared_experts_fusion_disable_reason`; the model file needs the GPU model
-    stack) is re-stated in `quantkit.serving.sglang_fusion_flags`; its quantization test,
+    stack) is re-stated in `quantkit.serving.checks.sglang_fusion_flags`; its quantization test,
     `is_wint4afp8_or_wint4a16_config` (models/deepseek_common/utils.py), runs for real."""
     assert not [f for e in reports["glm/decode"].values() for f in e.flags]
     assert reports["e256"]["sglang"].flags == ["--disable-shared-experts-fusion"] and reports["e256"]["vllm"].flags == []
@@ -200,11 +200,11 @@ def test_glm_shared_expert_fusion_needs_the_flag(reports):
 
 
 def test_card_asks_for_the_fusion_flag_when_sglang_would_fuse(outputs, variants):
-    from quantkit.card import _serving
+    from quantkit.validation.card import serving_section
 
     report = outputs["glm"].report
     for folder, flag in ((outputs["glm"].decode, False), (variants["e256"], True)):
-        text = "\n".join(_serving("decode", report, "glm", json.loads((folder / "config.json").read_text())))
+        text = "\n".join(serving_section("decode", report, "glm", json.loads((folder / "config.json").read_text())))
         assert ("--page-size 64 \\\n  --disable-shared-experts-fusion" in text) == flag, text
 
 
@@ -243,10 +243,10 @@ def _real_dims(folder, preset: str):
     """The tiny checkpoint's tensor table with the real model's dimensions (same names, formats and
     quantization config; headers only, nothing allocated): the engines' shape checks on 576-row
     kv_a_proj_with_mqa, 2624-row fused projections and real expert widths."""
-    from quantkit.arch import arch_from_config, load_preset
-    from quantkit.serving import _read
+    from quantkit.model.arch import arch_from_config, load_preset
+    from quantkit.serving.checks import read_stored
 
-    st = _read(folder)
+    st = read_stored(folder)
     a = arch_from_config(load_preset(preset))
     h, heads = a.hidden_size, a.num_attention_heads
     dims = {"q_a_proj": (a.q_lora_rank, h), "q_b_proj": (heads * a.qk_head_dim, a.q_lora_rank),
@@ -278,12 +278,12 @@ def _real_dims(folder, preset: str):
 
 
 def test_real_dimensions_load(outputs, engines_available):
-    from quantkit.serving import _engine_reports
+    from quantkit.serving.checks import engine_reports
 
     for model, preset in (("glm", "glm-5.2"), ("kimi", "kimi-k2.6")):
         stored = [_real_dims(getattr(outputs[model], w), preset) for w in ("prefill", "decode")]
         for engine in ENGINES:
-            for which, rep in zip(("prefill", "decode"), _engine_reports(engine, stored, download=False)):
+            for which, rep in zip(("prefill", "decode"), engine_reports(engine, stored, download=False)):
                 assert rep.loads, (model, which, engine, rep.problems)
                 assert all(r.params_checked for r in rep.rows if r.stored != "bf16")
                 kv_a = [r for r in rep.rows if "fused_qkv_a" in r.module]

@@ -6,11 +6,11 @@ from __future__ import annotations
 import struct
 
 import pytest
+from hub_server import FakeHub
 from huggingface_hub import constants as hf_constants
 
-from hub_server import FakeHub
-from quantkit.conversion import convert
-from quantkit.models import hub_source, open_checkpoint
+from quantkit.conversion.pipeline import convert
+from quantkit.inputs.modelspec import hub_source, open_checkpoint
 
 REPO = "zai-org/GLM-5.2-tiny"
 

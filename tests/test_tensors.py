@@ -6,13 +6,13 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from conftest import small_config
-from quantkit.arch import arch_from_config
-from quantkit.checkpoint import Checkpoint
+
+from quantkit.checkpoint.shards import Checkpoint
 from quantkit.errors import CheckpointError
-from quantkit.inspection import inspect, storage_format
-from quantkit.tensors import TensorClass, classify, logical_name
+from quantkit.model.arch import arch_from_config
+from quantkit.model.tensors import TensorClass, classify, logical_name
+from quantkit.planner.inspection import inspect, storage_format
 
 C = TensorClass
 

@@ -12,8 +12,8 @@ import torch
 from safetensors import safe_open
 
 from quantkit.errors import ConfigError
-from quantkit.forward import logits
-from quantkit.tiny import batches, build, encode, tiny_path
+from quantkit.synthetic.tiny import batches, build, encode, tiny_path
+from quantkit.validation.forward import logits
 
 
 def files(folder: Path) -> dict[str, bytes]:

@@ -12,14 +12,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from quantkit.calib import load_tokens
-from quantkit.checkpoint import Checkpoint
+from quantkit.checkpoint.shards import Checkpoint
 from quantkit.cli import app
-from quantkit.conversion import convert
+from quantkit.conversion.pipeline import convert
 from quantkit.errors import ConfigError
-from quantkit.forward import embed, head, layer_weights, run
-from quantkit.reference import Context, decoder_layer
-from quantkit.validation import GATES_FAILED_EXIT, cross_phase_logits, validate
+from quantkit.inputs.tokens import load_tokens
+from quantkit.model.reference import Context, decoder_layer
+from quantkit.validation.forward import embed, head, layer_weights, run
+from quantkit.validation.pipeline import GATES_FAILED_EXIT, cross_phase_logits, validate
 
 runner = CliRunner()
 DAMAGED_LAYER = 2  # an MoE layer of the tiny GLM (layer 0 is dense), with an indexer (DSA)
@@ -95,7 +95,7 @@ def _damage(pair: Path, dst: Path) -> tuple[Path, int]:
 
 def _reseal(out: Path) -> None:
     """Rewrite both manifests (keeping the shared list) and the report's digests, as a buggy convert would."""
-    from quantkit.integrity import MANIFEST, build_manifest, write_manifest
+    from quantkit.checkpoint.manifest import MANIFEST, build_manifest, write_manifest
 
     report = json.loads((out / "convert-report.json").read_text())
     for which in ("prefill", "decode"):
@@ -255,7 +255,7 @@ def test_needs_a_reference_without_a_report(tmp_path):
 
 
 def test_cards_keep_the_source_license(tmp_path, pairs, cli_runs):
-    from quantkit.card import write_cards
+    from quantkit.validation.card import write_cards
 
     _, data = cli_runs["kimi"]
     report = json.loads((pairs["kimi"] / "convert-report.json").read_text())
@@ -274,7 +274,7 @@ def test_kept_weights_are_read_once_and_change_no_number(pairs):
     once, where `stream` re-reads the layers for every greedy token; a budget that holds half the
     share keeps a prefix (the shared tensors first) and streams the rest. The numbers are the same
     to the bit in all three: the kept bytes are dequantized as the read ones are."""
-    from quantkit.cost import _validate_working_set
+    from quantkit.planner.budgets import validate_working_set
 
     kw = dict(num_samples=2, seq_len=16, gen_tokens=3, device="cpu", progress=False, write=False)
     auto = validate(pairs["glm"], **kw)
@@ -284,7 +284,7 @@ def test_kept_weights_are_read_once_and_change_no_number(pairs):
     assert w["mode"] == "resident" and w["kept_bytes_per_rank"] == [share] and w["read_bytes_per_rank"][0] <= share
     s = stream.data["weights"]
     assert s["mode"] == "stream" and s["kept_bytes_per_rank"] == [0] and s["read_bytes_per_rank"][0] > 2 * share
-    fixed, per = _validate_working_set(Checkpoint(pairs["glm"] / "prefill").arch, "cpu")
+    fixed, per = validate_working_set(Checkpoint(pairs["glm"] / "prefill").arch, "cpu")
     half = validate(pairs["glm"], max_host_memory=fixed + per + share // 2, **kw)
     h = half.data["weights"]
     assert h["mode"] == "partly resident" and 0 < h["kept_bytes_per_rank"][0] <= share // 2

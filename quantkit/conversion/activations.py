@@ -1,0 +1,156 @@
+"""The calibration activation store: every calibration token's hidden state, within a memory budget.
+
+Calibration runs the model one layer at a time over all calibration tokens, so the residual
+stream h (samples x seq_len x hidden) lives for the whole conversion, and a MoE layer also needs
+its input x = post_attention_layernorm(h) while the experts are quantized and their outputs added
+to h. At the shipped GLM recipe (512 x 2048 tokens, hidden 6144) one float32 copy is 25.8 GB; a
+bf16 copy 12.9 GB. So the store holds exactly these two arrays and nothing else token-sized:
+
+    h  (N, T, D)   the residual stream                      stored dtype: float32 or bfloat16
+    x  (N, T, D)   MoE input of the current layer           same dtype (MoE layers only)
+
+in one of two places, chosen by `quantkit.conversion.cost` from the budget:
+
+    memory   a tensor on the compute device, or in host memory (the same on a CPU-only run)
+    disk     raw files in the state folder, read and written with pread/pwrite a micro-batch at a
+             time (the page cache keeps what fits; it is never counted in our RSS)
+
+All compute reads a micro-batch of samples at a time, as float32 on the compute device
+(`read`), and writes it back (`write`), so the work space is bounded by the micro-batch, never by
+the number of tokens. bfloat16 storage halves the store at the cost of rounding h to 8 bits of
+mantissa between layers (docs/benchmarks.md measures the KL this costs on the tiny models).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+STORE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# numpy has no bfloat16: its bits are kept as uint16 and viewed back by torch
+_NP = {torch.float32: np.float32, torch.bfloat16: np.uint16}
+
+
+@dataclass
+class StorePlan:
+    """Where and how the activations live (decided by quantkit.conversion.cost.plan_convert)."""
+
+    dtype: torch.dtype = torch.float32
+    backing: str = "memory"  # memory | disk
+    location: str = "device"  # memory backing: on the compute device, or in host memory
+    micro_batch: int = 8  # samples per read/write
+
+
+class TokenArray:
+    """One (N, T, D) array of the store: a tensor (memory), or a raw file read and written with
+    explicit positioned I/O (disk), so that its pages sit in the page cache, never in our RSS."""
+
+    def __init__(self, shape: tuple[int, int, int], dtype: torch.dtype, backing: str, device, compute,
+                 path: Path | None = None):
+        self.shape, self.dtype, self.backing = tuple(shape), dtype, backing
+        self.device, self.compute = torch.device(device), torch.device(compute)
+        self.sample_bytes = shape[1] * shape[2] * torch.empty(0, dtype=dtype).element_size()
+        if backing == "memory":
+            # host memory feeding a GPU is pinned, so the micro-batch copies can overlap compute
+            pin = self.device.type == "cpu" and self.compute.type == "cuda"
+            self.data = torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin)
+        elif backing == "disk":
+            assert path is not None
+            self.path = Path(path)
+            with open(self.path, "wb") as f:
+                f.truncate(shape[0] * self.sample_bytes)
+            self._fd = os.open(self.path, os.O_RDWR)
+        else:
+            raise ValueError(backing)
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.sample_bytes
+
+    def _raw(self, sl: slice) -> torch.Tensor:
+        start, stop, _ = sl.indices(self.shape[0])
+        if self.backing == "memory":
+            return self.data[start:stop]
+        buf = os.pread(self._fd, (stop - start) * self.sample_bytes, start * self.sample_bytes)
+        arr = np.frombuffer(bytearray(buf), dtype=_NP[self.dtype]).reshape(stop - start, *self.shape[1:])
+        return torch.from_numpy(arr).view(self.dtype)
+
+    def read(self, sl: slice) -> torch.Tensor:
+        """Samples `sl` as float32 on the compute device, (B, T, D); a new tensor."""
+        return self._raw(sl).to(self.compute, torch.float32, copy=True)
+
+    def write(self, sl: slice, value: torch.Tensor) -> None:
+        start, stop, _ = sl.indices(self.shape[0])
+        if self.backing == "memory":
+            self.data[start:stop] = value.to(self.device, self.dtype)
+            return
+        raw = value.to("cpu", self.dtype).contiguous().view(torch.uint8).numpy().tobytes()
+        os.pwrite(self._fd, raw, start * self.sample_bytes)
+
+    def assign(self, value: torch.Tensor, micro_batch: int) -> None:
+        for i in range(0, self.shape[0], micro_batch):
+            self.write(slice(i, i + micro_batch), value[i:i + micro_batch])
+
+    def save(self, path: Path) -> None:
+        """Raw bytes of the array, written through a temporary name (resume state), a sample at a time."""
+        tmp = Path(str(path) + ".tmp")
+        with open(tmp, "wb") as f:
+            for i in range(self.shape[0]):
+                f.write(self._raw(slice(i, i + 1)).cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        os.replace(tmp, path)
+
+    def load(self, path: Path) -> None:
+        with open(path, "rb") as f:
+            for i in range(self.shape[0]):
+                arr = np.frombuffer(bytearray(f.read(self.sample_bytes)), dtype=_NP[self.dtype])
+                self.write(slice(i, i + 1), torch.from_numpy(arr).view(self.dtype).reshape(1, *self.shape[1:]))
+
+    def close(self) -> None:
+        if self.backing == "disk":
+            os.close(self._fd)
+            self.path.unlink(missing_ok=True)
+        else:
+            del self.data
+
+
+class ActivationStore:
+    """h for every calibration token, plus x for the MoE layer being converted."""
+
+    def __init__(self, n: int, t: int, d: int, plan: StorePlan, compute, folder: Path | None = None):
+        self.plan, self.compute, self.folder = plan, torch.device(compute), folder
+        self.shape = (n, t, d)
+        self.h = self._array("h")
+        self.x: TokenArray | None = None
+
+    def _array(self, name: str) -> TokenArray:
+        path = self.folder / f"{name}.work" if self.plan.backing == "disk" else None
+        device = self.compute if self.plan.location == "device" else torch.device("cpu")
+        return TokenArray(self.shape, self.plan.dtype, self.plan.backing, device, self.compute, path)
+
+    def slices(self):
+        """Micro-batches of samples, in order."""
+        mb = self.plan.micro_batch
+        for i in range(0, self.shape[0], mb):
+            yield slice(i, min(i + mb, self.shape[0]))
+
+    def open_x(self) -> TokenArray:
+        if self.x is None:
+            self.x = self._array("x")
+        return self.x
+
+    def close_x(self) -> None:
+        if self.x is not None:
+            self.x.close()
+            self.x = None
+
+    def close(self) -> None:
+        self.close_x()
+        self.h.close()
+
+    @property
+    def tokens(self) -> int:
+        return self.shape[0] * self.shape[1]

@@ -1,0 +1,420 @@
+"""Calibration and evaluation tokens: one function from a data spec to an int64 [N, L] tensor.
+
+GPTQ needs activations that look like what the model will serve (Hessians are sums of x x^T over
+calibration tokens), and validation needs tokens the calibration never saw. Both come from here:
+
+    load_tokens("hf:HuggingFaceH4/ultrachat_200k@train_sft", tokenizer=folder, num_samples=512, seq_len=2048)
+    load_tokens("synthetic:heldout", tokenizer=None, num_samples=8, seq_len=64)
+
+Spec grammar (docs/recipes.md has the full reference):
+
+    synthetic[:train|:heldout]          the tiny models' generated corpus (quantkit.synthetic.tiny); train draws
+                                        corpus seeds in [0, 1000), heldout seeds >= 1000
+    PATH.jsonl | .txt | .parquet        text or chat documents in a local file
+    PATH.npy | .safetensors             pre-tokenized ids (int [N, L] or a 1-D stream; `input_ids`)
+    DIR                                 a local dataset folder (parquet/json files, or save_to_disk)
+    hf:ID[:CONFIG][@SPLIT][#REVISION]   a dataset loaded with datasets.load_dataset (streamed);
+                                        ID is a Hub id or a local dataset folder
+    ORG/NAME[:CONFIG][@SPLIT][#REV]     the same, when ORG/NAME is not a local path
+
+Text documents are rendered (chat `messages` through the tokenizer's chat template), tokenized,
+shuffled with a seeded RNG, joined with BOS/EOS separators and cut into N consecutive windows of L
+tokens. Pre-tokenized files are joined as they are and N of their L-token windows are drawn with
+the seeded RNG. The same spec, tokenizer, sizes and seed always give the same ids (and sha256).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from itertools import islice
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from quantkit.checkpoint.shards import file_sha256
+from quantkit.errors import ConfigError
+
+__all__ = ["TokenData", "load_tokens", "parse_spec", "HELDOUT_SEED"]
+
+HELDOUT_SEED = 1000  # quantkit.synthetic.tiny: corpus seeds >= 1000 never reach training or calibration
+TEXT_SUFFIXES = (".jsonl", ".txt", ".parquet")
+TOKEN_SUFFIXES = (".npy", ".safetensors")
+SHUFFLE_BUFFER = 10_000  # documents held when shuffling a streamed dataset
+_TOKENIZE_BATCH = 64
+_HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?(@[\w.-]+)?(#[\w.-]+)?$")
+_ROLES = {"human": "user", "gpt": "assistant", "model": "assistant"}  # ShareGPT `from` values
+
+
+@dataclass
+class TokenData:
+    ids: torch.Tensor  # int64 [N, L]
+    spec: str  # what was asked for, normalized
+    sha256: str  # of ids' bytes (int64, row-major): the data identity in reports
+    source: dict  # where the tokens came from, e.g. {"kind": "hf", "dataset": ..., "split": ...}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A parsed data spec. kind: synthetic | text | tokens | hf (a local folder is hf with local=True)."""
+
+    kind: str
+    normalized: str
+    path: Path | None = None  # text/tokens files, local dataset folders
+    split: str | None = None
+    dataset: str | None = None  # hf id or folder
+    config: str | None = None
+    revision: str | None = None
+
+
+def parse_spec(spec: str) -> Spec:
+    """Parse a data spec (no data is read; a local path must exist to count as one)."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError("data spec is empty; use synthetic:train, a .jsonl/.txt/.parquet/.npy/.safetensors file, "
+                          "or hf:org/name@split")
+    s = spec.strip()
+    if s == "synthetic" or s.startswith("synthetic:"):
+        split = s.partition(":")[2] or "train"
+        if split not in ("train", "heldout"):
+            raise ConfigError(f"{s}: unknown synthetic split {split!r}; use synthetic:train or synthetic:heldout")
+        return Spec("synthetic", f"synthetic:{split}", split=split)
+    if s.startswith("hf:"):
+        return _parse_hf(s[3:], s)
+    path = Path(s).expanduser()
+    suffix = path.suffix.lower()
+    if path.is_dir():  # a local dataset folder, split "train" (write hf:DIR@split for another)
+        folder = path.resolve()
+        return Spec("hf", f"hf:{folder}@train", path=folder, dataset=str(folder), split="train")
+    if suffix in TEXT_SUFFIXES + TOKEN_SUFFIXES:
+        if not path.is_file():
+            raise ConfigError(f"{s}: file not found; check the path (relative paths start at the current folder)")
+        return Spec("text" if suffix in TEXT_SUFFIXES else "tokens", f"file:{path.resolve()}", path=path.resolve())
+    if path.exists():
+        raise ConfigError(f"{s}: unsupported file type {suffix or '(none)'!r}; "
+                          "use .jsonl, .txt, .parquet (text) or .npy, .safetensors (token ids)")
+    if _HF_ID.match(s):
+        return _parse_hf(s, s)
+    raise ConfigError(
+        f"{s}: not a file, a folder, synthetic[:train|:heldout] or a dataset id; write hf:org/name[:config][@split]")
+
+
+def _parse_hf(body: str, original: str) -> Spec:
+    body, _, revision = body.partition("#")
+    body, _, split = body.rpartition("@") if "@" in body else (body, "", "")
+    head, slash, tail = body.rpartition("/")
+    name, _, config = tail.partition(":")
+    dataset = head + slash + name
+    if not name:
+        raise ConfigError(f"{original}: no dataset name; write hf:org/name[:config][@split]")
+    split = split or "train"
+    local = Path(dataset).expanduser()
+    if local.is_dir():
+        dataset = str(local.resolve())
+    norm = f"hf:{dataset}" + (f":{config}" if config else "") + f"@{split}" + (f"#{revision}" if revision else "")
+    return Spec("hf", norm, path=local.resolve() if local.is_dir() else None, dataset=dataset,
+                config=config or None, split=split, revision=revision or None)
+
+
+def load_tokens(
+    spec: str,
+    *,
+    tokenizer: Path | None,
+    num_samples: int,
+    seq_len: int,
+    seed: int = 0,
+    trust_remote_code: bool = False,
+    chat_template: bool = True,
+) -> TokenData:
+    """Load `num_samples` windows of `seq_len` token ids for `spec`.
+
+    Args:
+        spec: a data spec (module docstring).
+        tokenizer: the model folder whose tokenizer renders and tokenizes text (not needed for
+            synthetic data or pre-tokenized files).
+        seed: shuffles documents (text) or picks windows (token files, synthetic corpus seed).
+        trust_remote_code: allow a tokenizer that ships its own Python code (Kimi's tiktoken one).
+        chat_template: render chat `messages` with the tokenizer's template; False joins the
+            message contents with newlines.
+    Returns:
+        TokenData with ids int64 [num_samples, seq_len].
+    Raises:
+        ConfigError: bad spec, unreadable file, missing tokenizer, or too few tokens.
+    """
+    for field, value in (("num_samples", num_samples), ("seq_len", seq_len)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{spec}: {field} must be a positive integer (got {value!r})")
+    if not isinstance(seed, int) or seed < 0:
+        raise ConfigError(f"{spec}: seed must be a non-negative integer (got {seed!r})")
+    s = parse_spec(spec)
+    if s.kind == "synthetic":
+        ids, source = _synthetic(s, num_samples, seq_len, seed)
+    elif s.kind == "tokens":
+        ids, source = _token_file(s, num_samples, seq_len, seed)
+    else:
+        tok = _tokenizer(tokenizer, trust_remote_code, s.normalized)
+        docs, source = (_text_file(s) if s.kind == "text" else _hf_documents(s, seed))
+        if s.kind == "text":
+            random.Random(seed).shuffle(docs)
+        texts = (t for t in (_render(d, tok, chat_template, s.normalized) for d in docs) if t)
+        ids, used = _pack(_tokenize(tok, texts), tok, num_samples, seq_len, s.normalized)
+        source.update(documents=used, chat_template=chat_template)
+    ids = ids.to(torch.int64).contiguous()
+    if tokenizer is not None:
+        _check_vocab(ids, Path(tokenizer), s.normalized)
+    return TokenData(ids=ids, spec=s.normalized, sha256=hashlib.sha256(ids.numpy().tobytes()).hexdigest(), source=source)
+
+
+# ---- synthetic corpus ----------------------------------------------------------------------------
+def _synthetic(s: Spec, n: int, L: int, seed: int) -> tuple[torch.Tensor, dict]:
+    from quantkit.synthetic import tiny
+
+    # tiny.token_stream uses consecutive corpus seeds; each yields at least 64 sentences of >= 6 tokens.
+    seeds_used = math.ceil(n * L / (64 * 6 + 1))
+    if s.split == "train":
+        first = seed
+        if first + seeds_used > HELDOUT_SEED:
+            raise ConfigError(
+                f"synthetic:train: seed {seed} with {n}x{L} tokens may reach held-out corpus seeds >= {HELDOUT_SEED}; "
+                f"use a seed below {max(HELDOUT_SEED - seeds_used, 0)} or fewer tokens")
+    else:
+        first = HELDOUT_SEED + seed
+    ids = tiny.batches(n, L, first)
+    return ids, {"kind": "synthetic", "split": s.split, "corpus_seed": first, "tiny_version": tiny.TINY_VERSION}
+
+
+# ---- pre-tokenized files -------------------------------------------------------------------------
+def _token_file(s: Spec, n: int, L: int, seed: int) -> tuple[torch.Tensor, dict]:
+    path = s.path
+    if path.suffix.lower() == ".npy":
+        import numpy as np
+
+        try:
+            arr = np.load(path, allow_pickle=False)
+        except ValueError as e:  # object arrays need pickle, which we never allow
+            raise ConfigError(f"{path}: cannot load without pickle ({e}); save a plain integer array with np.save") from None
+        except OSError as e:
+            raise ConfigError(f"{path}: not a readable .npy file ({e}); save the ids with np.save") from None
+        if arr.dtype.kind not in "iu":
+            raise ConfigError(f"{path}: dtype {arr.dtype} is not an integer type; save token ids as int32/int64")
+        ids = torch.from_numpy(arr.astype(np.int64))
+    else:
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                if "input_ids" not in f.keys():
+                    raise ConfigError(f"{path}: no `input_ids` tensor (has: {', '.join(sorted(f.keys())) or 'none'}); "
+                                      "save the ids under the name input_ids")
+                ids = f.get_tensor("input_ids")
+        except (SafetensorError, OSError) as e:
+            raise ConfigError(f"{path}: not a readable safetensors file ({e})") from None
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise ConfigError(f"{path}: input_ids has dtype {ids.dtype}; save token ids as an integer tensor")
+    if ids.dim() not in (1, 2):
+        raise ConfigError(f"{path}: token ids have shape {tuple(ids.shape)}; expected [N, L] or a 1-D stream")
+    if ids.numel() and int(ids.min()) < 0:
+        raise ConfigError(f"{path}: negative token id {int(ids.min())}; remove padding markers like -100 before saving")
+    stream = ids.to(torch.int64).reshape(-1)
+    windows = stream.numel() // L
+    if windows < n:
+        raise ConfigError(
+            f"{path}: {stream.numel()} tokens make {windows} windows of {L}, need {n}; "
+            f"lower num_samples or seq_len, or save more tokens")
+    pick = torch.tensor(random.Random(seed).sample(range(windows), n))
+    out = stream[: windows * L].view(windows, L)[pick]
+    return out, {"kind": "file", "path": str(path), "sha256": file_sha256(path), "format": path.suffix.lower()[1:],
+                 "windows_available": windows}
+
+
+# ---- text documents ------------------------------------------------------------------------------
+def _text_file(s: Spec) -> tuple[list, dict]:
+    path = s.path
+    suffix = path.suffix.lower()
+    if suffix == ".txt":
+        text = path.read_text(encoding="utf-8", errors="replace")
+        docs: list = [{"text": d.strip()} for d in re.split(r"\n\s*\n", text) if d.strip()]
+    elif suffix == ".jsonl":
+        docs = []
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"{path}:{lineno}: not valid JSON ({e.msg}); write one JSON object per line") from None
+                docs.append(_document(row, f"{path}:{lineno}"))
+    else:
+        try:
+            import pyarrow.parquet as pq
+
+            rows = pq.read_table(path).to_pylist()
+        except Exception as e:  # pyarrow raises several types for a corrupt file
+            raise ConfigError(f"{path}: not a readable parquet file ({type(e).__name__}: {_first_line(e)})") from None
+        docs = [_document(row, f"{path}: row {i}") for i, row in enumerate(rows)]
+    if not docs:
+        raise ConfigError(f"{path}: no documents; add text (blank lines separate .txt documents)")
+    return docs, {"kind": "file", "path": str(path), "sha256": file_sha256(path), "format": suffix[1:]}
+
+
+def _document(row: Any, where: str) -> dict:
+    """Normalize one record to {"text": str} and/or {"messages": [{role, content}]}."""
+    if not isinstance(row, dict):
+        raise ConfigError(f"{where}: expected an object with \"text\" or \"messages\", got {type(row).__name__}")
+    doc: dict = {}
+    if isinstance(row.get("text"), str):
+        doc["text"] = row["text"]
+    msgs = row.get("messages", row.get("conversations"))
+    if msgs is not None:
+        doc["messages"] = _messages(msgs, where)
+    if not doc:
+        raise ConfigError(f"{where}: no \"text\" string or \"messages\"/\"conversations\" list "
+                          f"(fields: {', '.join(sorted(row)) or 'none'}); add one of them")
+    return doc
+
+
+def _messages(msgs: Any, where: str) -> list[dict]:
+    if not isinstance(msgs, list):
+        raise ConfigError(f"{where}: messages must be a list of {{role, content}} objects")
+    out = []
+    for m in msgs:
+        if not isinstance(m, dict):
+            raise ConfigError(f"{where}: each message must be an object with role and content")
+        role = m.get("role", _ROLES.get(m.get("from"), m.get("from")))
+        content = m.get("content", m.get("value"))
+        if isinstance(content, list):  # multimodal parts: keep the text ones
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type", "text") == "text")
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise ConfigError(f"{where}: a message lacks a string role or content; use {{\"role\": ..., \"content\": ...}}")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _render(doc: dict, tok, chat_template: bool, spec: str) -> str:
+    """Chat documents through the chat template (when asked), else the plain text."""
+    if "messages" in doc and (chat_template or "text" not in doc):
+        if not chat_template:
+            return "\n".join(m["content"] for m in doc["messages"])
+        if not getattr(tok, "chat_template", None):
+            raise ConfigError(f"{spec}: chat documents but the tokenizer has no chat template; "
+                              "add one to tokenizer_config.json or turn chat templates off (chat_template=False)")
+        return tok.apply_chat_template(doc["messages"], tokenize=False)
+    return doc["text"]
+
+
+# ---- Hugging Face datasets -----------------------------------------------------------------------
+def _hf_documents(s: Spec, seed: int) -> tuple[Iterator[dict], dict]:
+    """Documents of a dataset in a seeded shuffled order; streamed unless saved with save_to_disk."""
+    source = {"kind": "hf", "dataset": s.dataset, "config": s.config, "split": s.split, "revision": s.revision,
+              "local": s.path is not None}
+    return (_document(row, f"{s.normalized}: row") for row in _hf_rows(s, seed)), source
+
+
+def _hf_rows(s: Spec, seed: int) -> Iterator[dict]:
+    import datasets
+
+    saved = s.path is not None and any((s.path / f).is_file() for f in ("dataset_info.json", "dataset_dict.json"))
+    try:
+        if saved:  # a Dataset.save_to_disk folder: random access, so a full seeded permutation
+            ds = datasets.load_from_disk(str(s.path))
+            if isinstance(ds, datasets.DatasetDict):
+                if s.split not in ds:
+                    raise ConfigError(f"{s.normalized}: no split {s.split!r} (has: {', '.join(ds)}); write @<split>")
+                ds = ds[s.split]
+            order = list(range(len(ds)))
+            random.Random(seed).shuffle(order)
+            for i in order:
+                yield ds[i]
+        else:
+            ds = datasets.load_dataset(s.dataset, s.config, split=s.split, revision=s.revision, streaming=True)
+            yield from _buffer_shuffle(iter(ds), SHUFFLE_BUFFER, random.Random(seed))
+    except ConfigError:
+        raise
+    except Exception as e:  # datasets raises many types (not found, bad split, offline, auth, corrupt file)
+        raise ConfigError(f"{s.normalized}: cannot load the dataset ({type(e).__name__}: {_first_line(e)}); "
+                          "check the name, config and split, or download it and pass a local file") from None
+
+
+def _buffer_shuffle(rows: Iterator, size: int, rng: random.Random) -> Iterator:
+    """Seeded shuffle of a stream through a buffer of `size` items (ours, not datasets', so the
+    order does not depend on the datasets version)."""
+    buf = list(islice(rows, size))
+    for row in rows:
+        i = rng.randrange(len(buf))
+        yield buf[i]
+        buf[i] = row
+    rng.shuffle(buf)
+    yield from buf
+
+
+# ---- tokenization and packing --------------------------------------------------------------------
+@lru_cache(maxsize=4)
+def _load_tokenizer(folder: str, trust_remote_code: bool):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, local_files_only=True)
+
+
+def _tokenizer(folder: Path | None, trust_remote_code: bool, spec: str):
+    if folder is None:
+        raise ConfigError(f"{spec}: text data needs a tokenizer; pass the model folder as tokenizer")
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ConfigError(f"{folder}: tokenizer folder not found; pass the model folder that holds tokenizer files")
+    try:
+        return _load_tokenizer(str(folder.resolve()), bool(trust_remote_code))
+    except Exception as e:  # transformers raises ValueError/OSError/ImportError for missing or remote-code tokenizers
+        cfg = folder / "tokenizer_config.json"
+        remote = cfg.is_file() and "auto_map" in cfg.read_text(errors="replace")
+        fix = ("it ships its own code: pass --trust-remote-code if you trust it" if remote and not trust_remote_code
+               else "check the tokenizer files (tokenizer.json / tokenizer_config.json)")
+        raise ConfigError(f"{folder}: cannot load the tokenizer ({type(e).__name__}: {_first_line(e)}); {fix}") from None
+
+
+def _tokenize(tok, texts: Iterable[str]) -> Iterator[list[int]]:
+    it = iter(texts)
+    while batch := list(islice(it, _TOKENIZE_BATCH)):
+        yield from tok(batch, add_special_tokens=False)["input_ids"]
+
+
+def _pack(docs: Iterable[list[int]], tok, n: int, L: int, spec: str) -> tuple[torch.Tensor, int]:
+    """Join documents as [BOS] doc [EOS] ... and cut the first n*L tokens into n windows."""
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    need, stream, used = n * L, [], 0
+    for ids in docs:
+        if not ids:
+            continue
+        if bos is not None and ids[0] != bos:
+            stream.append(bos)
+        stream.extend(ids)
+        if eos is not None and ids[-1] != eos:
+            stream.append(eos)
+        used += 1
+        if len(stream) >= need:
+            return torch.tensor(stream[:need], dtype=torch.int64).view(n, L), used
+    raise ConfigError(
+        f"{spec}: only {len(stream)} tokens in {used} documents, need {n}x{L} = {need}; "
+        f"lower num_samples or seq_len, or use a larger dataset")
+
+
+def _check_vocab(ids: torch.Tensor, folder: Path, spec: str) -> None:
+    """Ids must index the model's embedding (catches token files made with another tokenizer)."""
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file() or not ids.numel():
+        return
+    cfg = json.loads(cfg_path.read_text())
+    vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    if vocab and int(ids.max()) >= vocab:
+        raise ConfigError(f"{spec}: token id {int(ids.max())} >= the model's vocab_size {vocab}; "
+                          "tokenize the data with this model's tokenizer")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""

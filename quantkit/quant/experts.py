@@ -1,0 +1,160 @@
+"""What every routed-expert quantizer shares: the record it leaves, which tokens it may fit on,
+what a starved expert gets, and the guard that keeps an expert's INT4 weights never worse than
+plain round-to-nearest.
+
+One policy, in one place, for GPTQ (quantkit.conversion.pipeline) and AWQ (quantkit.quant.awq):
+
+* Held-out tokens. Every HOLDOUT-th calibration token of a layer (by position in the layer's
+  token list) is kept out of every Hessian and every AWQ statistic. Those tokens exist only to
+  judge the result: an error measured on the tokens a Hessian was fitted to is biased towards
+  GPTQ (it fits them), and with few routed tokens per expert that bias is what made calibrated
+  experts lose to RTN on models we had not tuned on.
+* Starved experts. An expert with fewer than max(gptq.min_tokens, 1) fit tokens takes
+  gptq.fallback: "all_tokens" fits on every fit token of the layer, "rtn" rounds to nearest.
+  An expert is never fitted on zero tokens (H = 0 would quantize it to all zeros), whatever
+  min_tokens says.
+* Guard. After quantization, each expert's output error on its held-out routed tokens is
+  compared with RTN's; the lower one is stored, and the record says which and both errors. So no
+  expert is stored worse than RTN on data it was not fitted to (up to the noise of its held-out
+  tokens), by construction rather than by tuning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quantkit.errors import OutputError
+from quantkit.model.reference import swiglu
+from quantkit.quant.gptq import HessianError, QuantizedWeight, gptq, quantize_rtn
+
+__all__ = ["PROJS", "HOLDOUT", "ExpertRecord", "expert_weights", "is_heldout", "split_heldout", "starved",
+           "calibration_inputs",
+           "heldout_inputs", "rtn_expert", "run_gptq", "guard_against_rtn", "guard_experts"]
+
+PROJS = ("gate_proj", "up_proj", "down_proj")
+HOLDOUT = 8  # every 8th calibration token of a layer is held out of fitting, to judge the result
+
+
+@dataclass
+class ExpertRecord:
+    layer: int
+    expert: int
+    tokens: int  # routed calibration tokens (fit + held out)
+    method: str  # what is stored: gptq | awq | rtn | reused
+    fallback: str | None = None  # why this expert did not get its own Hessian
+    loss: float | None = None
+    guard: str | None = None  # what the held-out guard stored instead: "rtn", or an alternative's name
+    heldout: int = 0  # tokens the guard judged on
+    err: float | None = None  # mean squared expert-output error per held-out token, calibrated weights
+    err_rtn: float | None = None  # the same for RTN
+    rank: int | None = None  # multi-rank convert: the rank that quantized it (quantkit.runtime.distributed)
+
+
+def expert_weights(w: dict[str, torch.Tensor], e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    p = f"mlp.experts.{e}."
+    return w[p + "gate_proj.weight"], w[p + "up_proj.weight"], w[p + "down_proj.weight"]
+
+
+def is_heldout(pos: torch.Tensor) -> torch.Tensor:
+    """The policy itself, for positions (n,) in an expert's routed-token list (or the layer's token
+    list): True where held out. The streamed path (quantkit.conversion.layerpass), which sees an expert's
+    tokens one micro-batch at a time, applies it to running positions; `split_heldout` is the same
+    rule for a whole list at once."""
+    return pos % HOLDOUT == HOLDOUT - 1
+
+
+def starved(n_routed: int, g) -> bool:
+    """Whether an expert routed n_routed calibration tokens has too few fit tokens (those not held
+    out) for its own Hessian: fewer than max(gptq.min_tokens, 1)."""
+    return n_routed - n_routed // HOLDOUT < max(g.min_tokens, 1)
+
+
+def split_heldout(tok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token indices (n,) -> (fit, held out): every HOLDOUT-th entry (positions HOLDOUT-1, 2*HOLDOUT-1,
+    ...) is held out (`is_heldout`). By position, with slices and views only, so the sizes follow from n alone
+    (no data-dependent shapes: the same code runs under torch's FakeTensorMode, tests/test_device.py)."""
+    n = len(tok)
+    m = n - n % HOLDOUT
+    fit = torch.cat([tok[:m].view(-1, HOLDOUT)[:, : HOLDOUT - 1].flatten(), tok[m:]])  # (n - n // HOLDOUT,)
+    return fit, tok[HOLDOUT - 1 :: HOLDOUT]
+
+
+def calibration_inputs(x: torch.Tensor, routed: torch.Tensor, g) -> tuple[torch.Tensor | None, str | None]:
+    """The inputs an expert is fitted on and the fallback taken, for x (N, D) the layer's MoE
+    inputs and `routed` the indices of the tokens the router sends it.
+
+    Returns (x[fit tokens], None) normally; (x[every fit token of the layer], "all_tokens") or
+    (None, "rtn") for a starved expert, as gptq.fallback says.
+    """
+    if not starved(len(routed), g):
+        return x[split_heldout(routed)[0]], None
+    if g.fallback == "rtn":
+        return None, "rtn"
+    return x[split_heldout(torch.arange(len(x), device=x.device))[0]], "all_tokens"
+
+
+def heldout_inputs(x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+    """The tokens the guard judges an expert on: its held-out routed tokens, or, when it has none
+    (a starved expert), every held-out token of the layer."""
+    _, held = split_heldout(routed)
+    if len(held) == 0:
+        _, held = split_heldout(torch.arange(len(x), device=x.device))
+    return x[held]
+
+
+def rtn_expert(w: dict[str, torch.Tensor], e: int, group_size: int) -> dict[str, QuantizedWeight]:
+    return {p: quantize_rtn(t, group_size) for p, t in zip(PROJS, expert_weights(w, e))}
+
+
+def run_gptq(W: torch.Tensor, H: torch.Tensor, group_size: int, g, layer: int, experts,
+             consume: bool = False) -> QuantizedWeight:
+    """`quantkit.quant.gptq.gptq` with the recipe's settings; a broken Hessian becomes a one-line error.
+    consume=True lets GPTQ factor H in place and free it (the caller must hold no other reference)."""
+    box = [H]
+    del H  # no reference left here, so that a consumed H is freed inside gptq
+    try:
+        return gptq(W, box.pop(), group_size, block_size=g.block_size, dampening=g.dampening, actorder=g.actorder,
+                    consume=consume)
+    except HessianError as e:
+        raise OutputError(f"layer {layer}, experts {experts}: {e}; raise gptq.dampening in the recipe") from None
+
+
+def _output_error(x: torch.Tensor, ref: torch.Tensor, q: dict[str, QuantizedWeight]) -> float:
+    out = swiglu(x, *(q[p].dequantize(torch.float32).to(x.device) for p in PROJS))
+    return (out - ref).square().sum(-1).mean().item()
+
+
+def guard_against_rtn(x_held: torch.Tensor, w: dict[str, torch.Tensor], e: int, q: dict[str, QuantizedWeight],
+                      group_size: int, record: ExpertRecord,
+                      alternatives: dict[str, dict[str, QuantizedWeight]] | None = None) -> dict[str, QuantizedWeight]:
+    """Keep q, one of its `alternatives` (e.g. AWQ with s = 1) or RTN for expert e, whichever has the
+    lowest output error on x_held (float32); fills the record's guard fields, returns what is stored.
+    record.err is q's error, record.err_rtn RTN's; record.guard names the winner when it is not q."""
+    x = x_held.float()
+    ref = swiglu(x, *(t.float() for t in expert_weights(w, e)))
+    rtn = {p: quantize_rtn(t, group_size) for p, t in zip(PROJS, expert_weights(w, e))}
+    record.heldout = len(x)
+    record.err, record.err_rtn = _output_error(x, ref, q), _output_error(x, ref, rtn)
+    best, best_err, name = q, record.err, None
+    for alt, qa in (alternatives or {}).items():
+        err = _output_error(x, ref, qa)
+        if err < best_err:
+            best, best_err, name = qa, err, alt
+    if record.err_rtn < best_err:
+        record.guard, record.method = "rtn", "rtn"
+        return rtn
+    record.guard = name
+    return best
+
+
+def guard_experts(records: list[ExpertRecord], quantized: dict[int, dict[str, QuantizedWeight]], x: torch.Tensor,
+                  tokens: dict[int, torch.Tensor], w: dict[str, torch.Tensor], group_size: int,
+                  alternatives: dict | None = None) -> None:
+    """`guard_against_rtn` for every calibrated expert of one `quantize_experts` result, in place:
+    x (N, D) the layer's MoE inputs, tokens[e] the expert's routed token indices."""
+    for r in records:
+        if r.method != "rtn":
+            quantized[r.expert] = guard_against_rtn(heldout_inputs(x, tokens[r.expert]), w, r.expert,
+                                                    quantized[r.expert], group_size, r, (alternatives or {}).get(r.expert))

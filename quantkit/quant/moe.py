@@ -1,0 +1,82 @@
+"""The MoE expert batch: GPTQ, AWQ or RTN for a chunk of one layer's routed experts, batched across
+experts, from the layer's MoE inputs held whole in memory. Tensors in, tensors out.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from quantkit.model.reference import route
+from quantkit.quant.experts import ExpertRecord, calibration_inputs, expert_weights, rtn_expert, run_gptq
+from quantkit.quant.gptq import QuantizedWeight, hessian_from_inputs
+
+
+def quantize_experts(
+    x: torch.Tensor,
+    w: dict[str, torch.Tensor],
+    tokens: dict[int, torch.Tensor],
+    experts: list[int],
+    recipe,
+    group_size: int,
+    method: str,
+    layer: int,
+    alternatives: dict | None = None,
+) -> tuple[dict[int, dict[str, QuantizedWeight]], list[ExpertRecord]]:
+    """GPTQ, AWQ or RTN for the given routed experts of one layer, batched across experts, from
+    the layer's MoE inputs held whole in memory.
+
+    convert's GPTQ streams its Hessians instead (quantkit.conversion.layerpass.gptq_experts, the same policy
+    and arithmetic; tests/test_calibrate.py holds the two equal); this whole-layer form is AWQ's
+    path, the oracle of that test, and what tests/test_device.py runs on a fake device.
+
+    x: (N, D) the MoE input of every calibration token; tokens[e]: indices of the tokens routed to e.
+    Which tokens an expert is fitted on, and what a starved one gets, is quantkit.quant.experts' one
+    policy (held-out tokens never enter a Hessian). GPTQ: gate and up share the Hessian of their
+    input; down's Hessian comes from the *quantized* gate/up output on the same tokens.
+    `alternatives`, when a dict, receives other candidates per expert for the held-out guard (AWQ: s = 1).
+    """
+    if method == "awq":  # activation-aware smoothing + clipping per expert (quantkit.quant.awq), same contract
+        from quantkit.quant.awq import quantize_experts_awq  # awq builds on this module's helpers
+
+        return quantize_experts_awq(x, w, tokens, experts, recipe, group_size, layer, alternatives=alternatives)
+    if method == "rtn":
+        return ({e: rtn_expert(w, e, group_size) for e in experts},
+                [ExpertRecord(layer, e, len(tokens[e]), "rtn") for e in experts])
+
+    g = recipe.gptq
+    records, quantized, inputs, fallback = [], {}, {}, {}
+    for e in experts:
+        inputs[e], fallback[e] = calibration_inputs(x, tokens[e], g)
+        if inputs[e] is None:
+            quantized[e] = rtn_expert(w, e, group_size)
+            records.append(ExpertRecord(layer, e, len(tokens[e]), "rtn", fallback="rtn"))
+    run = [e for e in experts if inputs[e] is not None]
+
+    if run:  # one batched GPTQ call; the caller bounds how many experts that is
+        # gate and up: one Hessian per expert, shared by both projections
+        H = torch.stack([hessian_from_inputs(inputs[e].float()) for e in run])  # (C, D, D)
+        Wgu = torch.stack([torch.stack(expert_weights(w, e)[:2]) for e in run]).float()  # (C, 2, I, D)
+        qgu = run_gptq(Wgu, H[:, None].expand(-1, 2, -1, -1), group_size, g, layer, run)
+        # down: inputs are what the quantized gate/up produce on the same tokens
+        gu_hat = qgu.dequantize(torch.float32)  # (C, 2, I, D)
+        Z = [F.silu(inputs[e].float() @ gu_hat[i, 0].T) * (inputs[e].float() @ gu_hat[i, 1].T) for i, e in enumerate(run)]
+        Hd = torch.stack([hessian_from_inputs(z) for z in Z])  # (C, I, I)
+        Wd = torch.stack([expert_weights(w, e)[2] for e in run]).float()  # (C, D, I)
+        qd = run_gptq(Wd, Hd, group_size, g, layer, run)
+        for i, e in enumerate(run):
+            quantized[e] = {
+                "gate_proj": QuantizedWeight(qgu.q[i, 0], qgu.scale[i, 0]),
+                "up_proj": QuantizedWeight(qgu.q[i, 1], qgu.scale[i, 1]),
+                "down_proj": QuantizedWeight(qd.q[i], qd.scale[i]),
+            }
+            loss = (qgu.loss[i].sum() + qd.loss[i]).item() if qgu.loss is not None else None
+            records.append(ExpertRecord(layer, e, len(tokens[e]), "gptq", fallback[e], loss))
+    records.sort(key=lambda r: r.expert)
+    return quantized, records
+
+
+def routed_tokens(x: torch.Tensor, w: dict[str, torch.Tensor], arch) -> dict[int, torch.Tensor]:
+    """For every routed expert, the indices of the tokens the router sends it."""
+    topk_idx, _ = route(x, w, arch)
+    return {e: (topk_idx == e).nonzero(as_tuple=True)[0] for e in range(arch.n_routed_experts)}

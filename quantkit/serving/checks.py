@@ -1,0 +1,483 @@
+"""Will vLLM and SGLang load this checkpoint? Asked of the engines' own code, module by module.
+
+`check_serving(folder)` lists the modules each engine builds with the checkpoint's quantization
+config (`inventory`), hands the config and that list to the pinned release's own resolution code
+(`quantkit.serving.engines`, run in `quantkit.serving.harness`), and judges each answer against what the
+checkpoint stores:
+
+  - routed experts stored INT4 must get the engine's W4A16 MoE scheme;
+  - FP8 modules must get block FP8 with the block the scales were written for (128);
+  - BF16 modules must stay unquantized;
+  - the tensors the scheme's `create_weights` registers must take the stored tensors (names,
+    dtypes, shapes; fused modules and the experts' transposed layout accounted for).
+
+Any engine exception is a refusal, reported with the module and the engine's message.
+
+What the engines build is a cited reading (the model files cannot run without a GPU), kept small:
+  - names: the stored ones, except fused `q_a_proj`+`kv_a_proj_with_mqa` (SGLang
+    `fused_qkv_a_proj_with_mqa` ReplicatedLinear, vLLM `fused_qkv_a_proj`, both deepseek_v2.py
+    `DeepseekV2AttentionMLA.__init__`), fused `gate_proj`+`up_proj` (`gate_up_proj`,
+    `DeepseekV2MLP`), routed experts as one `mlp.experts` FusedMoE; SGLang runs Kimi K2.5/K2.6's
+    text model without the `language_model.` prefix (models/kimi_k25.py `KimiK25ForConditionalGeneration.__init__`)
+    and the MTP layer as its draft model's `model.decoder.` (models/deepseek_nextn.py); vLLM keeps
+    `model.layers.N.` for MTP (models/deepseek_mtp.py `DeepSeekMultiTokenPredictorLayer`).
+  - not built with the quantization config: the DSA indexer's `weights_proj` (SGLang, BF16
+    `params_dtype`) and vLLM's fused `wk_weights_proj` (`quant_config=None`, FP8 `wk` upcast on
+    load), MTP `eh_proj` (plain `nn.Linear` in both), the router gate, Kimi's vision tower and
+    projector under compressed-tensors (both engines pass `quant_config=None` to them).
+  - SGLang's shared-expert fusion (`DeepseekV2ForCausalLM.shared_experts_fusion_disable_reason`,
+    models/deepseek_v2.py): for the allowed architectures (DeepseekV3ForCausalLM,
+    GlmMoeDsaForCausalLM, their NextN drafts) with 256 routed experts and one shared expert it
+    fuses the shared expert into the routed MoE unless `is_wint4afp8_or_wint4a16_config` (run for
+    real) says the `Linear` group is INT4 (Kimi's 384 experts fuse only for Quark checkpoints).
+    When routed and shared experts are stored differently, fusion would load the shared expert
+    into the routed scheme: the report then asks for `--disable-shared-experts-fusion`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from quantkit.errors import CheckpointError, ConfigError
+
+ENGINES = ("vllm", "sglang")
+FP8_BLOCK = 128
+FUSION_ARCHS = {"DeepseekV3ForCausalLM": 256, "GlmMoeDsaForCausalLM": 256}
+# what each engine calls the W4A16 MoE scheme (SGLang: the Marlin, Triton and MxInt4 variants)
+INT4_MOE = {"CompressedTensorsWNA16MoE", "CompressedTensorsWNA16TritonMoE", "CompressedTensorsMxInt4MoE",
+            "CompressedTensorsWNA16MoEMethod"}
+TORCH_DTYPES = {"F8_E4M3": "float8_e4m3fn", "BF16": "bfloat16", "F16": "float16", "F32": "float32",
+                "I32": "int32", "I64": "int64", "I8": "int8", "U8": "uint8"}
+UNQUANTIZED = {"UnquantizedLinearMethod", "UnquantizedFusedMoEMethod", "None"}
+
+
+@dataclass
+class Module:
+    """One module an engine builds with the checkpoint's quantization config."""
+
+    name: str  # the engine's runtime name
+    klass: str  # the engine's class name
+    kind: str  # linear | moe | lm_head
+    shards: list[str]  # stored module names it loads (fused: each shard; moe: each expert's projections)
+    stored: str  # int4 | fp8 | bf16: how the checkpoint stores it
+    create: dict | None = None  # sizes for create_weights
+
+
+@dataclass
+class Row:
+    module: str
+    stored: str
+    scheme: str  # the engine's method/scheme, e.g. "CompressedTensorsW8A8Fp8 block [128, 128]"
+    ok: bool
+    problem: str | None = None
+    params_checked: bool = False  # the stored tensors were compared with what create_weights registered
+    note: str | None = None  # why they were not (create_weights could not run on CPU)
+
+
+@dataclass
+class EngineReport:
+    engine: str
+    version: str | None
+    source: str  # "engine code" (pinned release executed) or "rules" (offline re-statement)
+    loads: bool
+    rows: list[Row] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    flags: list[str] = field(default_factory=list)  # launch flags this checkpoint needs
+    stubbed: int = 0
+
+
+@dataclass
+class ServingReport:
+    folder: str
+    quant_method: str
+    engines: list[EngineReport]
+
+    @property
+    def loads(self) -> bool:
+        return all(e.loads for e in self.engines)
+
+    def to_dict(self) -> dict:
+        return {"folder": self.folder, "quant_method": self.quant_method, "loads": self.loads,
+                "engines": [asdict(e) for e in self.engines]}
+
+
+# ---- the checkpoint ------------------------------------------------------------------------------
+@dataclass
+class _Stored:
+    config: dict
+    text: dict  # the text model's config (Kimi: text_config)
+    qc: dict
+    tensors: dict[str, tuple[str, list[int]]]  # name -> (dtype, shape)
+
+
+def read_stored(folder: Path) -> _Stored:
+    from safetensors import safe_open
+
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise ConfigError(f"{cfg_path}: not found; pass a checkpoint folder (DIR/prefill or DIR/decode)")
+    config = json.loads(cfg_path.read_text())
+    text = config.get("text_config", config)
+    qc = config.get("quantization_config") or text.get("quantization_config")
+    if not qc:
+        raise ConfigError(f"{cfg_path}: no quantization_config; nothing for an engine to resolve")
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    tensors = {}
+    for f in files:
+        path = folder / f
+        if not path.is_file():
+            raise CheckpointError("listed in the index but missing", file=str(path))
+        with safe_open(str(path), framework="pt") as sf:
+            for n in sf.keys():  # noqa: SIM118 - a safetensors handle, not a dict
+                sl = sf.get_slice(n)
+                tensors[n] = (TORCH_DTYPES.get(sl.get_dtype(), sl.get_dtype()), list(sl.get_shape()))
+    return _Stored(config, text, qc, tensors)
+
+
+def _format(st: _Stored, module: str) -> str:
+    if f"{module}.weight_packed" in st.tensors:
+        return "int4"
+    if f"{module}.weight_scale_inv" in st.tensors or f"{module}.weight_scale" in st.tensors:
+        return "fp8"
+    return "bf16"
+
+
+def inventory(st: _Stored, engine: str) -> list[Module]:
+    """The modules `engine` builds with the quantization config (see the module docstring)."""
+    text = st.text
+    n_layers = int(text["num_hidden_layers"])
+    n_mtp = int(text.get("num_nextn_predict_layers") or 0)
+    lp = "language_model.model." if any(n.startswith("language_model.model.") for n in st.tensors) else "model."
+    mods: list[Module] = []
+
+    def shape(m):
+        return st.tensors.get(f"{m}.weight", st.tensors.get(f"{m}.weight_packed", (None, None)))[1]
+
+    def true_shape(m):
+        if f"{m}.weight_shape" in st.tensors:
+            return None  # int4: the real shape is stored as a tensor; create sizes come from fp8/bf16 peers
+        return shape(m)
+
+    def linear(runtime, klass, shards, single=False):
+        shards = [s for s in shards if shape(s) is not None]
+        if not shards:
+            return
+        fmts = {_format(st, s) for s in shards}
+        sizes = [true_shape(s) for s in shards]
+        create = None
+        if all(sizes):
+            outs = [s[0] for s in sizes]
+            create = {"input_size": sizes[0][1], "output_sizes": [sum(outs)] if single else outs}
+        mods.append(Module(runtime, klass, "linear", shards, fmts.pop() if len(fmts) == 1 else "mixed", create))
+
+    for layer in range(n_layers + n_mtp):
+        sp = f"{lp}layers.{layer}."
+        if engine == "sglang":
+            rp = "model.decoder." if layer >= n_layers else f"model.layers.{layer}."
+        else:
+            rp = sp
+        a = "self_attn."
+        if engine == "sglang":  # one ReplicatedLinear of q_lora + kv_lora + rope rows, shards concatenated on load
+            linear(rp + a + "fused_qkv_a_proj_with_mqa", "ReplicatedLinear", [sp + a + "q_a_proj", sp + a + "kv_a_proj_with_mqa"],
+                   single=True)
+        else:
+            linear(rp + a + "fused_qkv_a_proj", "MergedColumnParallelLinear", [sp + a + "q_a_proj", sp + a + "kv_a_proj_with_mqa"])
+        linear(rp + a + "q_b_proj", "ColumnParallelLinear", [sp + a + "q_b_proj"])
+        linear(rp + a + "kv_b_proj", "ColumnParallelLinear", [sp + a + "kv_b_proj"])
+        linear(rp + a + "o_proj", "RowParallelLinear", [sp + a + "o_proj"])
+        linear(rp + a + "indexer.wq_b", "ReplicatedLinear", [sp + a + "indexer.wq_b"])
+        if engine == "sglang":
+            linear(rp + a + "indexer.wk", "ReplicatedLinear", [sp + a + "indexer.wk"])
+        experts = sorted({n.rsplit(".", 2)[0] for n in st.tensors if n.startswith(sp + "mlp.experts.")},
+                         key=lambda m: int(m.rsplit(".", 1)[1]))
+        if experts:
+            shards = [f"{e}.{p}" for e in experts for p in ("gate_proj", "up_proj", "down_proj")]
+            fmts = {_format(st, s) for s in shards}
+            create = None
+            if f"{experts[0]}.down_proj.weight_shape" in st.tensors or shape(f"{experts[0]}.gate_proj"):
+                inter, hidden = _expert_dims(st, experts[0])
+                create = {"num_experts": len(experts), "hidden_size": hidden, "intermediate_size": inter}
+            mods.append(Module(rp + "mlp.experts", "FusedMoE", "moe", shards, fmts.pop() if len(fmts) == 1 else "mixed", create))
+            m = "mlp.shared_experts."
+        else:
+            m = "mlp."
+        linear(rp + m + "gate_up_proj", "MergedColumnParallelLinear", [sp + m + "gate_proj", sp + m + "up_proj"])
+        linear(rp + m + "down_proj", "RowParallelLinear", [sp + m + "down_proj"])
+    head = "language_model.lm_head" if lp != "model." else "lm_head"
+    if shape(head) is not None:
+        runtime = "lm_head" if engine == "sglang" else head
+        mods.append(Module(runtime, "ParallelLMHead", "lm_head", [head], _format(st, head)))
+    return mods
+
+
+def _expert_dims(st: _Stored, expert: str) -> tuple[int, int]:
+    """(intermediate, hidden) of one routed expert, from its gate projection."""
+    sh = f"{expert}.gate_proj.weight_shape"
+    if sh in st.tensors:  # pack-quantized: eight values per int32 along the input dim
+        _, s = st.tensors[f"{expert}.gate_proj.weight_packed"]
+        return s[0], s[1] * 8
+    out, inp = st.tensors[f"{expert}.gate_proj.weight"][1]
+    return out, inp
+
+
+# ---- judging the engine's answer ---------------------------------------------------------------
+def _scheme_label(ans: dict) -> str:
+    name = ans.get("scheme") or ans.get("method") or "None"
+    if ans.get("block"):
+        name += f" block {ans['block']}"
+    return name
+
+
+def _judge(m: Module, ans: dict, st: _Stored) -> str | None:
+    """Why the engine's answer for module `m` would not load or not compute what is stored; None if fine."""
+    if ans.get("error"):
+        return f"refused: {ans['error']}"
+    got = ans.get("scheme") or ans.get("method") or "None"
+    if m.stored == "mixed":
+        return "its shards are stored in different formats; engines load a fused module in one scheme"
+    if m.stored == "int4":
+        if got not in INT4_MOE:
+            return f"stored INT4 (pack-quantized) but the engine picks {got}"
+    elif m.stored == "fp8":
+        if "Fp8" not in got:
+            return f"stored FP8 blocks but the engine picks {got}"
+        if ans.get("block") != [FP8_BLOCK, FP8_BLOCK]:
+            return f"stored FP8 {FP8_BLOCK}x{FP8_BLOCK} blocks but the engine's block size is {ans.get('block')}"
+    elif got not in UNQUANTIZED:
+        return f"stored BF16 but the engine picks {got}"
+    if ans.get("params"):
+        return _check_params(m, ans["params"], st)
+    return None
+
+
+def _check_params(m: Module, params: dict, st: _Stored) -> str | None:
+    """The stored tensors against what create_weights registered (TP 1)."""
+    if m.kind == "moe":  # every expert's tensors against the per-expert slice of the fused parameters
+        prefix_of = {"gate_proj": "w13_", "up_proj": "w13_", "down_proj": "w2_"}
+        for shard in m.shards:
+            proj = shard.rsplit(".", 1)[1]
+            prefix = prefix_of[proj]
+            for suffix in ("weight", "weight_packed", "weight_scale", "weight_scale_inv", "weight_shape", "weight_zero_point"):
+                name = f"{shard}.{suffix}"
+                if name not in st.tensors:
+                    continue
+                dtype, shape = st.tensors[name]
+                p = params.get(prefix + suffix)
+                if p is None:
+                    return f"{name}: the engine registers no {prefix + suffix} for it"
+                per_expert = list(p["shape"][1:])
+                want = list(shape)
+                if suffix != "weight_shape":
+                    if p.get("transposed"):
+                        want = want[::-1]
+                    if prefix == "w13_":
+                        want[1 if p.get("transposed") else 0] *= 2
+                    if per_expert != want:
+                        return f"{name} {shape}: {prefix + suffix} holds {per_expert} per expert"
+                    if dtype != p["dtype"]:
+                        return f"{name}: stored {dtype}, {prefix + suffix} is {p['dtype']}"
+                elif per_expert != want:
+                    return f"{name} {shape}: {prefix + suffix} holds {per_expert} per expert"
+        return None
+    rows_w = rows_s = 0
+    for shard in m.shards:
+        for suffix in ("weight", "weight_scale", "weight_scale_inv"):
+            name = f"{shard}.{suffix}"
+            if name not in st.tensors:
+                continue
+            p = params.get(suffix)
+            if p is None:
+                return f"{name}: the engine registers no {suffix} on {m.name}"
+            dtype, shape = st.tensors[name]
+            if dtype != p["dtype"]:
+                return f"{name}: stored {dtype}, {m.name}.{suffix} is {p['dtype']}"
+            if shape[1:] != p["shape"][1:]:
+                return f"{name} {shape}: {m.name}.{suffix} is {p['shape']}"
+            if suffix == "weight":
+                rows_w += shape[0]
+            else:
+                rows_s += shape[0]
+    if "weight" in params and rows_w != params["weight"]["shape"][0]:
+        return f"{m.name}: shards hold {rows_w} rows, the engine's weight {params['weight']['shape'][0]}"
+    for s in ("weight_scale", "weight_scale_inv"):
+        if s in params and rows_s and rows_s != params[s]["shape"][0]:
+            return f"{m.name}: shards hold {rows_s} scale rows, the engine's {s} {params[s]['shape'][0]}"
+    return None
+
+
+def sglang_fusion_flags(config: dict, routed: str, shared: str, linear_int4: bool | None = None) -> list[str]:
+    """`["--disable-shared-experts-fusion"]` when SGLang would fuse this checkpoint's shared expert into
+    the routed MoE while the two are stored differently (the gate is cited in the module docstring).
+
+    `linear_int4`: what SGLang's `is_wint4afp8_or_wint4a16_config` answers (check-serving runs it);
+    None re-states it from the config (the group targeting `Linear` is INT4 weight-only).
+    """
+    text = config.get("text_config", config)
+    arch = (config.get("architectures") or [""])[0]
+    if FUSION_ARCHS.get(arch) != text.get("n_routed_experts") or text.get("n_shared_experts") != 1:
+        return []
+    if linear_int4 is None:
+        qc = config.get("quantization_config") or text.get("quantization_config") or {}
+        linear_int4 = _linear_group_is_int4(qc)
+    if linear_int4 or not routed or not shared or routed == shared:
+        return []  # SGLang turns fusion off itself, or there is nothing to mis-load
+    return ["--disable-shared-experts-fusion"]
+
+
+def _fusion_flag(engine: str, st: _Stored, mods: list[Module], wint4_linear: bool | None) -> list[str]:
+    if engine != "sglang":
+        return []
+    routed = {m.stored for m in mods if m.kind == "moe"}
+    shared = {m.stored for m in mods if ".shared_experts." in m.name}
+    return sglang_fusion_flags(st.config, ",".join(sorted(routed)), ",".join(sorted(shared)), bool(wint4_linear))
+
+
+PACKED = {  # the model classes' packed_modules_mapping (deepseek_v2.py DeepseekV2ForCausalLM.__init__)
+    "sglang": {"fused_qkv_a_proj_with_mqa": ["q_a_proj", "kv_a_proj_with_mqa"]},
+    "vllm": {"gate_up_proj": ["gate_proj", "up_proj"], "fused_qkv_a_proj": ["q_a_proj", "kv_a_proj_with_mqa"]},
+}
+
+
+def engine_reports(engine: str, stored: list[_Stored], *, download: bool) -> list[EngineReport]:
+    """One engine's verdict on each checkpoint (one child process for all of them)."""
+    from quantkit.serving.engines import EngineUnavailable, engine_source, run_harness
+
+    inventories = [inventory(st, engine) for st in stored]
+    try:
+        src = engine_source(engine, download=download)
+    except EngineUnavailable as e:
+        return [rules_report(engine, st, mods, reason=str(e)) for st, mods in zip(stored, inventories)]
+    jobs = [{"quantization_config": st.qc, "packed_modules_mapping": PACKED[engine], "create_weights": True,
+             "modules": [{"name": m.name, "class": m.klass, "kind": m.kind, "create": m.create} for m in mods]}
+            for st, mods in zip(stored, inventories)]
+    ans = run_harness(src, {"jobs": jobs})
+    return [_verdict(engine, src.version, st, mods, job, len(ans.get("stubbed", [])))
+            for st, mods, job in zip(stored, inventories, ans["jobs"])]
+
+
+def _verdict(engine: str, version: str, st: _Stored, mods: list[Module], ans: dict, stubbed: int) -> EngineReport:
+    rep = EngineReport(engine, version, "engine code", True, stubbed=stubbed)
+    if "fatal" in ans:
+        rep.loads = False
+        rep.problems.append(f"the quantization config is refused: {ans['fatal']}")
+        return rep
+    for m, a in zip(mods, ans["modules"]):
+        problem = _judge(m, a, st)
+        rep.rows.append(Row(m.name, m.stored, _scheme_label(a), problem is None, problem,
+                            params_checked=bool(a.get("params")), note=a.get("params_error")))
+        if problem:
+            rep.problems.append(f"{m.name}: {problem}")
+    if engine == "sglang" and any(m.stored == "fp8" for m in mods):
+        wbs = ans.get("weight_block_size")
+        if wbs != [FP8_BLOCK, FP8_BLOCK]:
+            rep.problems.append(f"weight_block_size is {wbs} (SGLang reads it from the group targeting Linear); "
+                                f"kv_b_proj's {FP8_BLOCK}x{FP8_BLOCK} block scales would be misread")
+    rep.flags = _fusion_flag(engine, st, mods, ans.get("wint4_linear_config"))
+    rep.loads = not rep.problems
+    return rep
+
+
+def rules_report(engine: str, st: _Stored, mods: list[Module], *, reason: str) -> EngineReport:
+    """Offline fallback: the engines' rules as re-stated in RULES, applied without their code."""
+    from quantkit.serving.engines import PINNED
+
+    rep = EngineReport(engine, PINNED[engine], "rules", True)
+    rep.problems += rules_check(engine, st, mods)
+    rep.flags = _fusion_flag(engine, st, mods, _linear_group_is_int4(st.qc))
+    rep.loads = not rep.problems
+    rep.rows = [Row(m.name, m.stored, "(rules)", True) for m in mods]
+    rep.flags.append(f"# engine code unavailable ({reason}); checked against quantkit.serving.checks.RULES")
+    return rep
+
+
+RULES = """\
+Re-statement of the pinned engines' rules (used only when their code cannot be fetched):
+1. SGLang W4A16 MoE schemes need the top-level `format` == "pack-quantized" (compressed_tensors_wNa16_moe.py).
+2. SGLang matches a module by name, then by class name (`Linear`), then by fused shards
+   (compressed_tensors/utils.py find_matched_target): the group targeting `Linear` must be the one
+   fused gate_up_proj / fused_qkv_a_proj_with_mqa should get.
+3. SGLang reads weight_block_size only from the group targeting `Linear`.
+4. vLLM uses each group's own `format` and matches name, fused shards, then class name.
+"""
+
+
+def _linear_group_is_int4(qc: dict) -> bool:
+    for g in (qc.get("config_groups") or {}).values():
+        if "Linear" in g.get("targets", []):
+            w = g.get("weights") or {}
+            return w.get("num_bits") == 4 and w.get("type") == "int" and not g.get("input_activations")
+    return False
+
+
+def rules_check(engine: str, st: _Stored, mods: list[Module]) -> list[str]:
+    """The problems RULES predicts for this checkpoint (SGLang only: vLLM's rules accept both layouts)."""
+    qc = st.qc
+    if qc.get("quant_method") != "compressed-tensors" or engine != "sglang":
+        return []
+    out = []
+    if any(m.stored == "int4" for m in mods) and qc.get("format") != "pack-quantized":
+        out.append(f"top-level format {qc.get('format')!r}: SGLang's W4A16 MoE schemes need 'pack-quantized' (rule 1)")
+    linear = next((g for g in qc.get("config_groups", {}).values() if "Linear" in g.get("targets", [])), None)
+    fp8 = any(m.stored == "fp8" for m in mods)
+    if linear is not None and fp8 and (linear.get("weights") or {}).get("type") != "float":
+        out.append("the group targeting Linear is not the FP8 group: fused modules and weight_block_size "
+                       "follow it in SGLang (rules 2, 3)")
+    return out
+
+
+def check_serving(folder: str | Path, engines: tuple[str, ...] = ENGINES, *, download: bool = True) -> ServingReport:
+    """Resolve every module of one checkpoint folder with each engine's pinned code (see module docstring)."""
+    return check_serving_many([folder], engines, download=download)[0]
+
+
+def check_serving_many(folders: list[str | Path], engines: tuple[str, ...] = ENGINES, *,
+                       download: bool = True) -> list[ServingReport]:
+    """`check_serving` for several folders, one engine process each (a convert output's pair)."""
+    for e in engines:
+        if e not in ENGINES:
+            raise ConfigError(f"unknown engine {e!r}; choose from {', '.join(ENGINES)} or all")
+    paths = [Path(f) for f in folders]
+    stored = [read_stored(p) for p in paths]
+    per_engine = {e: engine_reports(e, stored, download=download) for e in engines}
+    return [ServingReport(str(p), st.qc.get("quant_method", "?"), [per_engine[e][i] for e in engines])
+            for i, (p, st) in enumerate(zip(paths, stored))]
+
+
+def serving_folders(path: str | Path) -> list[Path]:
+    """A checkpoint folder itself, or a convert output's prefill/ and decode/."""
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return [path]
+    pair = [path / "prefill", path / "decode"]
+    if all((p / "config.json").is_file() for p in pair):
+        return pair
+    raise ConfigError(f"{path}: neither a checkpoint folder (config.json) nor a convert output (prefill/, decode/)")
+
+
+def render(report: ServingReport):
+    """Rich tables, one per engine: every module, what the checkpoint stores, the scheme the engine picks."""
+    from rich.console import Group
+    from rich.table import Table
+
+    tables = []
+    for e in report.engines:
+        verdict = "loads" if e.loads else "REFUSES"
+        how = "its own code" if e.source == "engine code" else "re-stated rules (engine code unavailable)"
+        t = Table(title=f"{report.folder}: {e.engine} {e.version} {verdict} (checked with {how})")
+        t.add_column("module", overflow="fold")
+        t.add_column("stored")
+        t.add_column("scheme", overflow="fold")
+        t.add_column("tensors vs create_weights")
+        for r in e.rows:
+            checked = "match" if r.params_checked and r.ok else ("-" if not r.params_checked else "")
+            scheme = r.scheme if r.ok else f"[red]{r.scheme}: {r.problem}[/red]"
+            t.add_row(r.module, r.stored, scheme, checked)
+        notes = [f"launch with {' '.join(f for f in e.flags if not f.startswith('#'))}"] if any(
+            not f.startswith("#") for f in e.flags) else []
+        notes += [p for p in e.problems if not any(p.startswith(r.module + ":") for r in e.rows)]
+        t.caption = "; ".join(notes) or None
+        tables.append(t)
+    return Group(*tables)

@@ -1,0 +1,139 @@
+"""The serving engines' own code, pinned: fetched once from PyPI, kept as plain .py files.
+
+`quantkit check-serving` and tests/test_serving.py ask vLLM and SGLang themselves which scheme each
+module of a checkpoint gets. The engines cannot be installed beside quantkit (they pin their own
+torch and need CUDA), so the pinned release wheel is downloaded with pip (`pip download --no-deps`),
+only the modules that turn a config into schemes are extracted (a few hundred KB, `EXTRACT`), and
+the wheel is deleted. They run in a child process (`quantkit.serving.harness`).
+
+Cache: `$QUANTKIT_CACHE/engines/<engine>-<version>/` (default ~/.cache/quantkit). A folder is used
+only when complete (extracted into `.partial`, renamed at the end). Offline, with the folder
+absent, `engine_source` raises EngineUnavailable and the caller says so (check-serving falls back
+to `quantkit.serving.checks.RULES`, tests skip).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from quantkit.errors import QuantkitError
+
+# The releases whose code the tests run (the newest on PyPI when this was written; bump together
+# with docs/serving.md).
+PINNED = {"vllm": "0.33.0", "sglang": "0.5.23"}
+
+# Path prefixes (inside the wheel) of the files the harness executes.
+EXTRACT = {
+    "sglang": (
+        "sglang/srt/layers/quantization/compressed_tensors/",
+        "sglang/srt/layers/quantization/fp8.py",
+        "sglang/srt/layers/quantization/utils.py",
+        "sglang/srt/layers/quantization/base_config.py",
+        "sglang/srt/layers/parameter.py",
+        "sglang/srt/layers/moe/utils.py",
+        "sglang/srt/models/deepseek_common/utils.py",
+    ),
+    "vllm": (
+        "vllm/model_executor/layers/quantization/compressed_tensors/",
+        "vllm/model_executor/layers/quantization/fp8.py",
+        "vllm/model_executor/layers/quantization/base_config.py",
+        "vllm/model_executor/layers/quantization/utils/quant_utils.py",
+        "vllm/model_executor/layers/quantization/utils/config_utils.py",
+        "vllm/model_executor/layers/quantization/utils/fp8_utils.py",
+        "vllm/model_executor/parameter.py",
+    ),
+}
+
+
+class EngineUnavailable(QuantkitError):
+    """The pinned engine release could not be fetched (offline, registry unreachable)."""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("QUANTKIT_CACHE", Path.home() / ".cache" / "quantkit")) / "engines"
+
+
+@dataclass(frozen=True)
+class EngineSource:
+    engine: str
+    version: str
+    path: Path  # put this on the harness's search path: it holds `sglang/...` or `vllm/...`
+
+
+def engine_source(engine: str, *, download: bool = True, timeout: float = 600) -> EngineSource:
+    """The extracted files of the pinned `engine` release, fetching them on first use."""
+    if engine not in PINNED:
+        raise QuantkitError(f"unknown engine {engine!r}; choose from {', '.join(PINNED)}")
+    version = PINNED[engine]
+    final = cache_root() / f"{engine}-{version}"
+    if _complete(final, engine):
+        return EngineSource(engine, version, final)
+    if not download:
+        raise EngineUnavailable(f"{engine} {version}: not in {cache_root()} and downloading is off")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=final.parent, prefix=f".{engine}-download-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
+               "--dest", tmp, f"{engine}=={version}"]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise EngineUnavailable(f"{engine} {version}: pip download failed ({e})") from None
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        if proc.returncode != 0 or not wheels:
+            last = (proc.stderr.strip().splitlines() or ["no wheel"])[-1]
+            raise EngineUnavailable(f"{engine} {version}: pip download failed: {last}")
+        partial = Path(tmp) / "extracted"
+        files = extract(wheels[0], engine, partial)
+        (partial / "files.json").write_text(json.dumps(
+            {"wheel": wheels[0].name, "extract": list(EXTRACT[engine]), "files": files}, indent=1))
+        if _complete(final, engine):  # another process finished first
+            return EngineSource(engine, version, final)
+        if final.exists():  # extracted for an older EXTRACT list
+            shutil.rmtree(final)
+        shutil.move(str(partial), final)
+    return EngineSource(engine, version, final)
+
+
+def _complete(folder: Path, engine: str) -> bool:
+    """The folder was extracted for today's EXTRACT list (an older quantkit may have taken fewer files)."""
+    try:
+        return json.loads((folder / "files.json").read_text()).get("extract") == list(EXTRACT[engine])
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def extract(wheel: Path, engine: str, dest: Path) -> list[str]:
+    """The wheel's files under EXTRACT[engine] into `dest`; returns their paths."""
+    out = []
+    with zipfile.ZipFile(wheel) as z:
+        for name in z.namelist():
+            if name.endswith(".py") and name.startswith(EXTRACT[engine]):
+                z.extract(name, dest)
+                out.append(name)
+    if not out:
+        raise EngineUnavailable(f"{wheel.name}: none of the expected files ({', '.join(EXTRACT[engine])})")
+    return sorted(out)
+
+
+def run_harness(source: EngineSource, request: dict, timeout: float = 300) -> dict:
+    """One `quantkit.serving.harness` run in a child process (its stubs never touch this one)."""
+    req = dict(request, engine=source.engine, src=str(source.path))
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    proc = subprocess.run([sys.executable, "-m", "quantkit.serving.harness"], input=json.dumps(req),
+                          capture_output=True, text=True, timeout=timeout, env=env, check=False)
+    try:
+        ans = json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise QuantkitError(f"{source.engine} {source.version} harness failed: {tail}") from None
+    if "fatal" in ans:
+        ans.setdefault("modules", [])
+    return ans

@@ -1,0 +1,80 @@
+"""The package's shape, enforced: the stage layers (import-linter's contract in pyproject.toml),
+no import circle between any two modules (function-local imports count), no module reaching into
+another's underscore names, and ruff's rule set (the size limit included)."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import grimp
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's SCCs with more than one module (the import circles)."""
+    index, low, stack, on, out, n = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = n[0]
+        n[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(10_000)
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle():
+    g = grimp.build_graph("quantkit", include_external_packages=False)
+    # a package's __init__ is not a module anyone imports for code here: leave the package nodes out
+    modules = {m for m in g.modules if not (ROOT / Path(*m.split("."))).is_dir()}
+    graph = {m: {d for d in g.find_modules_directly_imported_by(m) if d in modules} for m in modules}
+    assert _strongly_connected(graph) == []
+
+
+def test_layers_contract_holds():
+    exe = shutil.which("lint-imports") or str(Path(sys.executable).parent / "lint-imports")
+    r = subprocess.run([exe], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+def test_no_module_imports_another_modules_private_names():
+    bad = []
+    for p in sorted((ROOT / "quantkit").rglob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("quantkit"):
+                bad += [f"{p.relative_to(ROOT)}: {node.module}.{a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+    assert bad == []
+
+
+@pytest.mark.parametrize("what", ["quantkit", "tests", "scripts"])
+def test_ruff(what):
+    exe = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
+    r = subprocess.run([exe, "check", what, "--output-format", "concise"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:]
