@@ -18,7 +18,7 @@ from conftest import small_config, write_random
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import quantkit.checkpoint.shards as ckmod
+import quantkit.checkpoint.reader as ckmod
 from quantkit.checkpoint.shards import INDEX, Checkpoint, CheckpointWriter
 from quantkit.errors import CheckpointError, ConfigError, OutputError
 from quantkit.model.arch import arch_from_config
@@ -223,7 +223,7 @@ def test_raw_returns_bytes_as_stored(tmp_path, ds_weights, fmt):
 
 # ---- laziness -----------------------------------------------------------------------------------
 class SpyOpen:
-    """Wraps quantkit.checkpoint.shards's shard reader and records every tensor read."""
+    """Wraps quantkit.checkpoint.reader's shard reader and records every tensor read."""
 
     def __init__(self):
         self.reads: list[str] = []

@@ -23,9 +23,10 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from quantkit.checkpoint.manifest import MANIFEST, atomic_write_text, build_manifest, shared_pairs, write_manifest
+from quantkit.checkpoint.manifest import MANIFEST, build_manifest, shared_pairs, write_manifest
 from quantkit.errors import OutputError
 from quantkit.runtime import faults
+from quantkit.runtime.files import atomic_write_text
 
 JOURNAL = "finish.json"
 PAIR = ("prefill", "decode")
@@ -107,7 +108,7 @@ def finish_pair(
 
 def _stage(folder: Path, which: str, parts: list[str], digits: int, config: dict, carried: list[Path],
            differ: set[str], shared: list[dict]) -> None:
-    from quantkit.checkpoint.shards import INDEX, read_header
+    from quantkit.checkpoint.index import INDEX, read_header
 
     for stale in folder.glob("*.tmp"):
         stale.unlink()

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantkit.errors import IntegrityError
+from quantkit.runtime.files import atomic_write_text  # also imported from here (validation, tests)
 
 MANIFEST = "manifest.json"
 FORMAT = "quantkit-manifest/1"
@@ -145,18 +145,6 @@ def write_manifest(folder: Path, manifest: dict) -> str:
     text = json.dumps(manifest, indent=1, sort_keys=False) + "\n"
     atomic_write_text(Path(folder) / MANIFEST, text)
     return digest_bytes(text.encode())
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write `path` so it is either absent, its old content, or complete (a full disk leaves no
-    0-byte file under the final name)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 # ---- verifying ----------------------------------------------------------------------------------

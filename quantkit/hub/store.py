@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from quantkit.errors import QuantkitError
+from quantkit.runtime.files import atomic_write_text
 
 HASH_CHUNK = 8 << 20
 STATE = (".cache", "quantkit")  # bookkeeping lives under <root>/.cache/quantkit/
@@ -64,14 +65,6 @@ class RemoteFile:
 def short(names: list[str], n: int = 8) -> str:
     shown = ", ".join(names[:n])
     return shown + (f" (+{len(names) - n} more)" if len(names) > n else "")
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 class Cancelled(Exception):
@@ -281,7 +274,7 @@ class Layout:
     def write_marker(self, rf: RemoteFile, commit: str | None) -> None:
         st = self.final(rf.name).stat()
         data = {"size": rf.size, "sha256": rf.sha256, "blob_id": rf.blob_id, "commit": commit, "mtime_ns": st.st_mtime_ns}
-        atomic_write(self.marker(rf.name), json.dumps(data))
+        atomic_write_text(self.marker(rf.name), json.dumps(data), make_parents=True)
 
     def drop_marker(self, name: str) -> None:
         self.marker(name).unlink(missing_ok=True)
@@ -291,13 +284,6 @@ class Layout:
             return min(self.partial(rf).stat().st_size, rf.size)
         except OSError:
             return 0
-
-
-def atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def manifest_dict(repo_id: str, revision: str, commit: str, files: dict[str, RemoteFile]) -> dict:

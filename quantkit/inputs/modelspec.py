@@ -6,7 +6,7 @@
   (quantkit.synthetic.realshape; built on first use, ~1.2-1.7 GB);
 - `hf://org/repo@rev`: a Hugging Face repo at a pinned commit, streamed: configs and tokenizer are
   fetched at once, every shard's header with a ranged read, and each shard only when a tensor in
-  it is first needed (quantkit.hub.download.HubSource).
+  it is first needed (quantkit.hub.source.HubSource).
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ def resolve(spec: str | Path) -> Path:
 
 def hub_source(spec: str, **kwargs):
     """The HubSource for an `hf://org/repo@rev` spec, cached under the quantkit cache folder."""
-    from quantkit.hub.download import HubSource
-    from quantkit.synthetic.tiny import cache_dir
+    from quantkit.hub.source import HubSource
+    from quantkit.runtime.files import cache_dir
 
     return HubSource(spec, cache_dir=kwargs.pop("cache_dir", cache_dir()), **kwargs)
 

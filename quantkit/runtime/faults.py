@@ -24,7 +24,7 @@ import signal
 import threading
 
 _seen: dict[str, int] = {}
-_lock = threading.Lock()  # parts are saved by background threads (quantkit.checkpoint.shards.CheckpointWriter)
+_lock = threading.Lock()  # parts are saved by background threads (quantkit.checkpoint.writer.CheckpointWriter)
 _MODES = ("kill", "raise", "enospc", "interrupt", "hang")
 
 

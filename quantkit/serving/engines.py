@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantkit.errors import QuantkitError
+from quantkit.runtime.files import cache_dir
 
 # The releases whose code the tests run (the newest on PyPI when this was written; bump together
 # with docs/serving.md).
@@ -58,7 +59,8 @@ class EngineUnavailable(QuantkitError):
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("QUANTKIT_CACHE", Path.home() / ".cache" / "quantkit")) / "engines"
+    """Where the extracted engine releases are kept: quantkit's cache folder's `engines/`."""
+    return cache_dir() / "engines"
 
 
 @dataclass(frozen=True)

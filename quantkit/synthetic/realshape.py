@@ -172,7 +172,8 @@ def realshape_path(name: str) -> Path:
 
         raise ConfigError(f"unknown realshape model {name!r}; choose one of: "
                           + ", ".join(f"realshape:{n}" for n in REALSHAPE_NAMES))
-    from quantkit.synthetic.tiny import cache_dir, cached_build
+    from quantkit.runtime.files import cache_dir
+    from quantkit.synthetic.tiny import cached_build
 
     key = hashlib.sha256(json.dumps([REALSHAPE_VERSION, realshape_config(name)], sort_keys=True).encode()).hexdigest()[:12]
     return cached_build(cache_dir() / "realshape" / f"{name}-{key}", lambda tmp: build(name, tmp))
