@@ -107,7 +107,7 @@ def plan(
         return
     from quantkit.inputs.modelspec import is_tiny, resolve
     from quantkit.planner.capacity import plan as run_plan
-    from quantkit.planner.capacity import render_plan
+    from quantkit.planner.render import render_plan
 
     group_size = group_size or 128
 
@@ -118,7 +118,7 @@ def plan(
         import json
 
         from quantkit.errors import ConfigError
-        from quantkit.planner.capacity import capacity_beside_delta
+        from quantkit.planner.render import capacity_beside_delta
 
         try:
             measured = json.loads(validation.read_text())

@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from quantkit.model.kvcache import E4M3_MAX, SCALE_NAMES, KVCache, ds_mla, indexer_keys, per_tensor, to_e4m3, ue8m0
 from quantkit.model.reference import Context, LayerCache, mla_attention
-from quantkit.planner.capacity import capacity_beside_delta
+from quantkit.planner.render import capacity_beside_delta
 
 
 # ---- an independent e4m3 encoder: the format's definition, numpy float32 arithmetic ---------------

@@ -37,6 +37,14 @@ C experts per chunk, B samples per micro-batch, w = 4 bytes per float32; compute
 On a GPU, layer/store/routing/attention/experts are device memory, base/writer and the source's
 pages host memory (plus the store when it lives in pinned host memory).
 
+Settings, within the room the budget leaves after routing, the ranks' `received` (below) and, on
+the CPU, base and writer: B halves from N while one micro-batch's attention or expert rows take
+over 15% of it; the store is the first of float32 in memory, bfloat16 in memory, bfloat16 on disk
+(on a GPU, one over half the room goes to pinned host memory if it takes under 70% of the host
+budget less base and writer) that leaves room for min(4, E) experts per chunk, else the first that
+leaves one; C is as many experts as that room holds, at most CHUNK_MAX (CHUNK_MAX_GPU on a GPU);
+shards are 1/16 of the host budget, from 256 MiB up to max_shard_bytes (5 GiB).
+
 Several ranks (`nproc`, quantkit.runtime.distributed: torchrun, one rank per GPU): every figure is per
 rank. The routed experts' Hessians and GPTQ are split by experts (balanced by routed tokens, so
 divided by nproc); attention and the routed-expert outputs by micro-batches (the busiest rank's
@@ -55,6 +63,12 @@ write, `disk_wait` when reads and writes together need longer than the compute, 
 each rank's share of the three checkpoints as stored, what of it fits in memory (kept), the reads
 (all once, then per greedy token what was not kept) and the compute. `rates` sets what-ifs
 (`--disk-gbps`). It is an estimate; docs/benchmarks.md compares it with measurements.
+
+`plan_convert` takes these steps in order: the memory terms (`_memory_terms`), the settings
+(`_choose_settings`), the memory table and peaks (`_memory_table`), the rates (`_device_rates`),
+the phases' times (`_phase_seconds`), the multi-rank terms (`_multi_rank_terms`), the disk's
+overlap with the compute and the resume state (`_overlap_disk`), and validate
+(`_validate_estimate`).
 """
 
 from __future__ import annotations
@@ -236,6 +250,313 @@ def gather_bytes(x: LayerShapes, N: int, T: int, dtype: torch.dtype, nproc: int)
     return per_run * (nproc - 1) / nproc
 
 
+@dataclass
+class _Memory:
+    """A run's memory terms (the module docstring's components, bytes) and the room left for its
+    work: device memory on a GPU, host memory on the CPU."""
+
+    x: LayerShapes
+    calibrate: bool
+    awq: bool
+    T: int  # tokens per sample (0 without calibration)
+    tokens: int  # N x T
+    on_gpu: bool
+    host: int  # the host budget
+    budget: int  # the budget the compute works in (the GPU's on a GPU, else the host's)
+    chunk_max: int
+    w_dense: int
+    w_moe: int
+    transient: int
+    per_expert: int  # one routed expert of a chunk at its peak (AWQ's when awq)
+    shard: int
+    writer: int
+    routing: int
+    host_fixed: int  # base + writer
+    dev_fixed: int  # what the compute's memory holds before any layer: routing (+ base + writer on the CPU)
+    received: float  # multi-rank: a layer's quantized experts every rank holds (0 with one rank)
+    shared_work: bool  # the ranks split the experts' Hessians and GPTQ (and exchange the result)
+    E4: int  # a layer's experts that are quantized: what ranks split and exchange
+    room: float  # budget - dev_fixed - received: for the store and a layer's work
+
+    def attention_phase(self, B: int) -> int:
+        """Loading a layer and running its attention half (and dense MLP / shared expert)."""
+        att = _attention_bytes(self.x, B, self.T) if self.calibrate else 0
+        return max(self.w_dense + max(self.transient, att), self.w_moe + max(self.transient, att))
+
+    def experts_phase(self, B: int, C: int) -> int:
+        """A MoE layer's routed experts, C at a time."""
+        x = self.x
+        if not self.calibrate:
+            return self.w_moe + C * 3 * x.expert_width * x.hidden * F32 * 2
+        gathered = self.tokens * x.hidden * F32 if self.awq else 0  # AWQ's search reads the layer's x whole
+        return self.w_moe + C * self.per_expert + _expert_mb_bytes(x, B, self.T) + gathered
+
+
+def _memory_terms(x: LayerShapes, *, method: str, group_size: int, calibrate: bool, N: int, T: int, on_gpu: bool,
+                  host: int, gpu_mem: int | None, output_bytes: tuple[int, int], max_shard_bytes: int, quantized: float,
+                  nproc: int) -> _Memory:
+    tokens = N * T
+    budget = gpu_mem if on_gpu else host  # where the compute work lives
+    shard = min(max_shard_bytes, max(MIN_SHARD, host // 16))
+    n_layers = max(x.layers, 1)
+    # the part being filled and the one being saved in the background (CheckpointWriter.MAX_PENDING), per output
+    writer = 2 * sum(min(int(b / n_layers * 1.5), shard) for b in output_bytes)  # an expert-heavy layer's share
+    routing = tokens * x.topk * 6
+    host_fixed = BASE_BYTES + writer
+    dev_fixed = (0 if on_gpu else host_fixed) + routing
+    # multi-rank: a layer's INT4 experts, quantized (int8 q, bf16 scale per group), held by every rank
+    # from the exchange to the end of the h update; taken from the room before the chunk is sized
+    # (an expert's GPTQ bytes do not depend on its chunk, so the output stays the single-process one)
+    E4 = round(quantized * x.experts)
+    shared_work = nproc > 1 and calibrate and method != "rtn" and E4 > 0
+    received = E4 * 3 * x.expert_width * x.hidden * (1 + 2 / group_size) if shared_work else 0
+    awq = calibrate and method == "awq"
+    return _Memory(
+        x=x, calibrate=calibrate, awq=awq, T=T, tokens=tokens, on_gpu=on_gpu, host=host, budget=budget,
+        chunk_max=CHUNK_MAX_GPU if on_gpu else CHUNK_MAX, w_dense=x.dense_layer_params * F32,
+        w_moe=x.moe_layer_params * F32,
+        transient=3 * x.largest_tensor * F32,  # dequantizing one FP8 tensor: values, expanded scales, product
+        per_expert=_awq_per_expert(x, tokens) if awq else _per_expert(x, tokens), shard=shard, writer=writer,
+        routing=routing, host_fixed=host_fixed, dev_fixed=dev_fixed, received=received, shared_work=shared_work,
+        E4=E4, room=budget - dev_fixed - received)
+
+
+# ---- the settings: micro-batch, activation store, experts per chunk
+
+
+def _store_options(activation_dtype: str | None) -> list[tuple[torch.dtype, str]]:
+    """The stores to try, in order: float32 in memory, bfloat16 in memory, bfloat16 on disk; or
+    the forced dtype in memory, then on disk."""
+    if activation_dtype is None:
+        return [(torch.float32, "memory"), (torch.bfloat16, "memory"), (torch.bfloat16, "disk")]
+    from quantkit.conversion.activations import STORE_DTYPES
+
+    if activation_dtype not in STORE_DTYPES:
+        raise ConfigError(f"activation dtype {activation_dtype!r}: use float32 or bfloat16")
+    forced = STORE_DTYPES[activation_dtype]
+    return [(forced, "memory"), (forced, "disk")]
+
+
+def _micro_batch(m: _Memory, N: int) -> int:
+    """Samples per micro-batch: N, halved while one micro-batch's attention or expert rows take more
+    than 15% of the room."""
+    B = max(N, 1)
+    while B > 1 and max(_attention_bytes(m.x, B, m.T), _expert_mb_bytes(m.x, B, m.T)) > 0.15 * m.room:
+        B = (B + 1) // 2
+    return B
+
+
+def _store_choice(m: _Memory, B: int, options: list[tuple[torch.dtype, str]]) -> tuple | None:
+    """(dtype, backing, location, experts per chunk, store bytes in memory) of the first option
+    that leaves room for min(4, E) experts per chunk, else of the first that leaves room for one;
+    None when none does. On a GPU a store over half the room goes to pinned host memory, if it
+    takes under 70% of what the host has left."""
+    fallback = None
+    for dt, backing in options:
+        store_b = 2 * m.tokens * m.x.hidden * (4 if dt == torch.float32 else 2) if backing == "memory" else 0
+        if m.on_gpu and backing == "memory" and store_b > 0.5 * m.room:  # on a GPU: try pinned host memory
+            location = "host" if store_b < 0.7 * (m.host - m.host_fixed) else None
+        else:
+            location = "device"
+        if location is None:
+            continue
+        left = m.room - (store_b if location == "device" else 0)
+        if m.attention_phase(B) > left:
+            continue
+        C = int((left - m.experts_phase(B, 0)) // m.per_expert)
+        C = max(min(C, m.chunk_max, m.x.experts), 0)
+        cand = (dt, backing, location, C, store_b)
+        if C >= min(4, m.x.experts):
+            return cand
+        if C >= 1 and fallback is None:
+            fallback = cand
+    return fallback
+
+
+def _choose_settings(m: _Memory, N: int, activation_dtype: str | None) -> tuple[int, tuple | None]:
+    """(samples per micro-batch, the store choice as `_store_choice` gives it). Without calibration
+    there is no store: the chunk is what the room leaves at the experts' float32 weights."""
+    if not m.calibrate:
+        C = int((m.room - m.experts_phase(1, 0)) // (3 * m.x.expert_width * m.x.hidden * F32 * 2))
+        return max(N, 1), (torch.float32, "memory", "device", max(min(C, m.chunk_max, m.x.experts), 0), 0)
+    B = _micro_batch(m, N)
+    return B, _store_choice(m, B, _store_options(activation_dtype))
+
+
+def _knob(m: _Memory) -> str:
+    return "--max-gpu-memory" if m.on_gpu else "--max-host-memory"
+
+
+def _no_room_reason(m: _Memory) -> str:
+    need = m.dev_fixed + max(m.attention_phase(1), m.experts_phase(1, 1))
+    knob = _knob(m)
+    return (f"{knob} {m.budget / GB:.1f} GB cannot hold one layer's work even with the activations on disk "
+            f"and one expert at a time (needs about {need / GB:.1f} GB): raise {knob}"
+            + (", or lower --seq-len (attention scores grow with its square)" if m.calibrate else ""))
+
+
+def _memory_table(m: _Memory, B: int, C: int, location: str, store_b: int) -> tuple[dict[str, int], float, float | None]:
+    """(the components, peak host, peak device: None on the CPU), as the module docstring sums them."""
+    work = max(m.attention_phase(B), m.experts_phase(B, C))
+    memory = {"base": BASE_BYTES, "writer": m.writer, "store": store_b, "routing": m.routing,
+              "dense_layer": m.w_dense, "moe_layer": m.w_moe, "load_transient": m.transient,
+              "attention": _attention_bytes(m.x, B, m.T) if m.calibrate else 0,
+              "experts": m.experts_phase(B, C) - m.w_moe, "work": work, "received": int(m.received)}
+    if m.on_gpu:
+        peak_device = (store_b if location == "device" else 0) + m.routing + work + m.received
+        peak_host = m.host_fixed + (store_b if location == "host" else 0) + m.transient
+    else:
+        peak_device = None
+        peak_host = m.host_fixed + store_b + m.routing + work + m.received
+    return memory, peak_host, peak_device
+
+
+def _store_notes(m: _Memory, store: StorePlan, activation_dtype: str | None) -> list[str]:
+    notes = []
+    if m.calibrate and store.dtype == torch.bfloat16 and activation_dtype is None:
+        notes.append("hidden states stored in bfloat16 (float32 does not fit the budget)")
+    if m.calibrate and m.x.has_dsa and m.T > m.x.index_topk:
+        notes.append(f"seq_len {m.T} > index_topk {m.x.index_topk}: DSA selections are kept per micro-batch")
+    return notes
+
+
+# ---- time
+
+
+@dataclass(frozen=True)
+class _Rates:
+    flops: float  # matmul FLOP/s
+    disk: float  # bytes/s, reads and writes together
+    launch: float  # seconds per kernel launch (0 on the CPU)
+    gptq: float  # GPTQ's column loop, FLOP/s
+    link: float  # bytes/s between ranks
+
+
+def _device_rates(on_gpu: bool, gpu: str | None, rates: dict[str, float]) -> _Rates:
+    if on_gpu:
+        spec = GPU_SPECS.get(gpu or "h200", GPU_SPECS["h200"])
+        flops, disk_bw, launch = spec["flops"], spec["disk"], spec["launch"]
+    else:
+        flops, disk_bw, launch = CPU_FLOPS_PER_THREAD * torch.get_num_threads(), CPU_DISK, 0.0
+    flops, disk_bw = rates.get("flops", flops), rates.get("disk", disk_bw)
+    if flops <= 0 or disk_bw <= 0:
+        raise ConfigError(f"--disk-gbps {disk_bw / 1e9:g}, matmul {flops / 1e12:g} TFLOP/s: both must be positive")
+    return _Rates(flops=flops, disk=disk_bw, launch=launch, gptq=flops * (1.0 if on_gpu else CPU_GPTQ_EFFICIENCY),
+                  link=NVLINK_BYTES if on_gpu else GLOO_BYTES)
+
+
+def _phase_seconds(m: _Memory, r: _Rates, *, method: str, C: int, source_bytes: int, output_bytes: tuple[int, int],
+                   quantized: float, nproc: int) -> dict[str, float]:
+    """Seconds per phase of one rank's run, before the split by micro-batches and the disk overlap."""
+    x, tokens, T = m.x, m.tokens, m.T
+    D, I = x.hidden, x.expert_width
+    L, Lm = x.calibrated_layers, x.calibrated_moe_layers  # the calibration pass skips MTP layers
+    attn_flops = tokens * (2 * x.attn_params + 2 * 2 * x.heads * T * (x.qk_head + x.v_head)) * L
+    attn_flops += tokens * 2 * 3 * D * (x.dense_width * (L - Lm) + x.shared_width * Lm)  # dense MLP / shared expert
+    routed = tokens * x.topk  # token-expert pairs per MoE layer
+    gptq_on = m.calibrate and method in ("gptq", "awq")
+    # the experts that get Hessians and GPTQ (not the reused source INT4 ones), this rank's part of them
+    share = quantized / (nproc if m.shared_work else 1)
+    per_token_hess, per_expert_gptq = expert_flops(D, I)
+    hess_flops = share * routed * per_token_hess * Lm if gptq_on else 0
+    out_flops = routed * 2 * 3 * I * D * Lm if m.calibrate else 0
+    gptq_flops = share * x.experts * Lm * per_expert_gptq if gptq_on else 0
+    chunks = Lm * math.ceil(share * x.experts / C)
+    gptq_launch = chunks * (D + I) * LAUNCHES_PER_COLUMN * r.launch if gptq_on else 0.0
+    rtn_flops = x.experts * (x.moe_layers - (Lm if gptq_on else 0)) * 3 * I * D * 20  # RTN'd experts (MTP, or all)
+    return {
+        "read": source_bytes / r.disk,
+        "attention": attn_flops / r.flops,
+        "hessians": hess_flops / r.flops,
+        "gptq": gptq_flops / r.gptq + gptq_launch + rtn_flops / r.flops,
+        "experts_out": out_flops / r.flops,
+        "write": (output_bytes[0] + output_bytes[1]) / r.disk,
+    }
+
+
+def _multi_rank_terms(seconds: dict[str, float], m: _Memory, r: _Rates, *, N: int, store: StorePlan, nproc: int) -> list[str]:
+    """Several ranks (the module docstring): the token split scales attention and experts_out to the
+    busiest rank's micro-batches and adds `gather`; the expert split adds `exchange`. Updates
+    `seconds`; returns the notes saying what is split."""
+    if nproc > 1 and m.calibrate:  # the token split: each rank runs the per-token work of its own micro-batches
+        share_tokens = token_share(N, store.micro_batch, nproc)
+        seconds["attention"] *= share_tokens
+        seconds["experts_out"] *= share_tokens
+        seconds["gather"] = gather_bytes(m.x, N, m.T, store.dtype, nproc) / r.link
+    if m.shared_work:  # each rank receives the others' share of every layer's quantized experts
+        seconds["exchange"] = m.received * (nproc - 1) / nproc * m.x.calibrated_moe_layers / r.link
+        return [f"{nproc} ranks: attention and experts_out are split by micro-batches (then h, x and the "
+                "routing are gathered), hessians and gptq by experts (balanced by routed tokens); read is "
+                "done by every rank; write is spread over the ranks, at one disk's bandwidth "
+                "(docs/distributed.md)"]
+    if nproc > 1 and m.calibrate:
+        return [f"{nproc} ranks: no expert is quantized here (reused source INT4), so only attention and "
+                "experts_out are split (by micro-batches); read and the rest are done by every rank "
+                "(docs/distributed.md)"]
+    if nproc > 1:
+        return [f"{nproc} ranks: no calibration, so there is nothing to split: every rank repeats the whole "
+                "run; use one (docs/distributed.md)"]
+    return []
+
+
+def _overlap_disk(seconds: dict[str, float], layers: int, state_bytes: int, disk_bw: float) -> int:
+    """The disk works while the layers compute: the next layer is read ahead (conversion.Prefetcher)
+    and the cut parts are saved in the background (CheckpointWriter). Reading the first layer and
+    saving the last one's parts add to the run, and so does the time the disk (reads and writes
+    share it) needs beyond the compute's (`disk_wait`); rank 0 saving h for --resume adds
+    `resume_state`. Updates `seconds`; returns the layers between two state saves."""
+    compute = sum(v for k, v in seconds.items() if k not in ("read", "write"))
+    io = seconds["read"] + seconds["write"]
+    seconds["read"] /= max(layers, 1)
+    seconds["write"] /= max(layers, 1)
+    if io > compute:
+        seconds["disk_wait"] = io - compute
+    every = 1
+    if state_bytes:  # rank 0 saves h for --resume every `every` layers (conversion.convert)
+        save_s = state_bytes / disk_bw
+        compute = sum(v for k, v in seconds.items() if k not in ("read", "write", "disk_wait"))
+        every = state_every(save_s, compute / max(layers, 1))
+        seconds["resume_state"] = (1 + math.ceil(layers / every)) * save_s
+    return every
+
+
+def _validate_estimate(arch, m: _Memory, r: _Rates, validate, *, device: str, gpu_mem: int | None, nproc: int,
+                       source_bytes: int, output_bytes: tuple[int, int],
+                       expert_bytes: int | None) -> tuple[float, int, int, list[str]]:
+    """(seconds, the rank's share of the three checkpoints as stored, what of it it keeps, notes).
+
+    quantkit.validation.pipeline: every rank runs attention for all eval tokens and its share of the
+    routed experts (their output rows exchanged); it keeps its share of the three checkpoints
+    resident, as stored, when that fits beside the layer loop, else every pass re-reads the layers."""
+    x = m.x
+    vt = validate.num_samples * validate.seq_len
+    passes = max(validate.gen_tokens, 1)  # the prompt pass yields the first token; each further one is a pass
+    three = source_bytes + output_bytes[0] + output_bytes[1]
+    experts_b = three * 0.95 if expert_bytes is None else expert_bytes
+    share = int(three - experts_b + experts_b / nproc)
+    streams = 3  # the prompt pass: reference, prefill, decode
+    exchange = validate_exchange(arch, vt, nproc)
+    room = validate_room(arch, device, gpu_mem if m.on_gpu else m.host, exchange)
+    if m.on_gpu:  # then the rank's host memory
+        room = max(room, 0) + validate_room(arch, "cpu", m.host)
+    kept = int(min(share, max(room, 0)))
+    # the first pass reads the three checkpoints; each further one what the ranks could not keep
+    # (the routed experts: the shared tensors are kept first), from one disk
+    again = min(three, nproc * (share - kept))
+    vflops = vt * 2 * (x.attn_params + 3 * x.topk * x.expert_width * x.hidden / nproc) * x.layers * streams
+    seconds = (three + (passes - 1) * again) / r.disk + vflops / r.flops
+    seconds += x.calibrated_moe_layers * exchange * (nproc - 1) / nproc / r.link
+    notes = []
+    if validate.gen_tokens and again:
+        notes.append(f"validate: {kept / GB:.0f} of a rank's {share / GB:.0f} GB share kept in memory, so each "
+                     f"greedy token re-reads {again / GB:.0f} GB from disk ({validate.gen_tokens} tokens); more "
+                     f"ranks or a larger budget keep it all (docs/distributed.md)")
+    return seconds, share, kept, notes
+
+
+# ---- the estimate
+
+
 def plan_convert(
     arch,
     *,
@@ -277,230 +598,100 @@ def plan_convert(
     gpu_mem = parse_bytes(max_gpu_memory, "--max-gpu-memory") if device == "cuda" else None
     if device == "cuda" and gpu_mem is None:
         gpu_mem = device_memory(device, gpu)
-    N, T = (num_samples, seq_len) if calibrate else (0, 0)
-    tokens = N * T
-    D = x.hidden
     on_gpu = device == "cuda"
-    budget = gpu_mem if on_gpu else host  # where the compute work lives
-    chunk_max = CHUNK_MAX_GPU if on_gpu else CHUNK_MAX
+    N, T = (num_samples, seq_len) if calibrate else (0, 0)
+    m = _memory_terms(x, method=method, group_size=group_size, calibrate=calibrate, N=N, T=T, on_gpu=on_gpu, host=host,
+                      gpu_mem=gpu_mem, output_bytes=output_bytes, max_shard_bytes=max_shard_bytes, quantized=quantized,
+                      nproc=nproc)
 
-    w_dense, w_moe = x.dense_layer_params * F32, x.moe_layer_params * F32
-    transient = 3 * x.largest_tensor * F32  # dequantizing one FP8 tensor: values, expanded scales, product
-    shard = min(max_shard_bytes, max(MIN_SHARD, host // 16))
-    n_layers = max(x.layers, 1)
-    # the part being filled and the one being saved in the background (CheckpointWriter.MAX_PENDING), per output
-    writer = 2 * sum(min(int(b / n_layers * 1.5), shard) for b in output_bytes)  # an expert-heavy layer's share
-    routing = tokens * x.topk * 6
-    host_fixed = BASE_BYTES + writer
-    dev_fixed = (0 if on_gpu else host_fixed) + routing
-    # multi-rank: a layer's INT4 experts, quantized (int8 q, bf16 scale per group), held by every rank
-    # from the exchange to the end of the h update; taken from the room before the chunk is sized
-    # (an expert's GPTQ bytes do not depend on its chunk, so the output stays the single-process one)
-    E4 = round(quantized * x.experts)  # a layer's experts that are quantized: what ranks split and exchange
-    shared_work = nproc > 1 and calibrate and method != "rtn" and E4 > 0
-    received = E4 * 3 * x.expert_width * D * (1 + 2 / group_size) if shared_work else 0
-    room = budget - dev_fixed - received
-    notes: list[str] = []
-
-    def phase_attention(B: int) -> int:
-        """Loading a layer and running its attention half (and dense MLP / shared expert)."""
-        att = _attention_bytes(x, B, T) if calibrate else 0
-        return max(w_dense + max(transient, att), w_moe + max(transient, att))
-
-    awq = calibrate and method == "awq"
-    per_expert = _awq_per_expert(x, tokens) if awq else _per_expert(x, tokens)
-
-    def phase_experts(B: int, C: int) -> int:
-        """A MoE layer's routed experts, C at a time."""
-        if not calibrate:
-            return w_moe + C * 3 * x.expert_width * D * F32 * 2
-        gathered = tokens * D * F32 if awq else 0  # AWQ's search reads the layer's x whole
-        return w_moe + C * per_expert + _expert_mb_bytes(x, B, T) + gathered
-
-    choice = None
-    B = max(N, 1)
-    if calibrate:
-        while B > 1 and max(_attention_bytes(x, B, T), _expert_mb_bytes(x, B, T)) > 0.15 * room:
-            B = (B + 1) // 2
-        options = [(torch.float32, "memory"), (torch.bfloat16, "memory"), (torch.bfloat16, "disk")]
-        if activation_dtype is not None:
-            from quantkit.conversion.activations import STORE_DTYPES
-
-            if activation_dtype not in STORE_DTYPES:
-                raise ConfigError(f"activation dtype {activation_dtype!r}: use float32 or bfloat16")
-            forced = STORE_DTYPES[activation_dtype]
-            options = [(forced, "memory"), (forced, "disk")]
-        fallback = None
-        for dt, backing in options:
-            store_b = 2 * tokens * D * (4 if dt == torch.float32 else 2) if backing == "memory" else 0
-            if on_gpu and backing == "memory" and store_b > 0.5 * room:  # on a GPU: try pinned host memory
-                location = "host" if store_b < 0.7 * (host - host_fixed) else None
-            else:
-                location = "device"
-            if location is None:
-                continue
-            left = room - (store_b if location == "device" else 0)
-            if phase_attention(B) > left:
-                continue
-            C = int((left - phase_experts(B, 0)) // per_expert)
-            C = max(min(C, chunk_max, x.experts), 0)
-            cand = (dt, backing, location, C, store_b)
-            if C >= min(4, x.experts):
-                choice = cand
-                break
-            if C >= 1 and fallback is None:
-                fallback = cand
-        choice = choice or fallback
-    else:
-        C = int((room - phase_experts(1, 0)) // (3 * x.expert_width * D * F32 * 2))
-        choice = (torch.float32, "memory", "device", max(min(C, chunk_max, x.experts), 0), 0)
-
+    B, choice = _choose_settings(m, N, activation_dtype)
     fits, reason = True, ""
     if choice is None or choice[3] < 1:
-        fits = False
-        need = dev_fixed + max(phase_attention(1), phase_experts(1, 1))
-        knob = "--max-gpu-memory" if on_gpu else "--max-host-memory"
-        reason = (f"{knob} {budget / GB:.1f} GB cannot hold one layer's work even with the activations on disk "
-                  f"and one expert at a time (needs about {need / GB:.1f} GB): raise {knob}"
-                  + (", or lower --seq-len (attention scores grow with its square)" if calibrate else ""))
+        fits, reason = False, _no_room_reason(m)
         choice = choice or (torch.bfloat16, "disk", "device", 1, 0)
     dt, backing, location, C, store_b = choice
     C = max(C, 1)
     store = StorePlan(dtype=dt, backing=backing, location=location, micro_batch=min(B, max(N, 1)))
-    work = max(phase_attention(B), phase_experts(B, C))
-
-    memory = {"base": BASE_BYTES, "writer": writer, "store": store_b, "routing": routing,
-              "dense_layer": w_dense, "moe_layer": w_moe, "load_transient": transient,
-              "attention": _attention_bytes(x, B, T) if calibrate else 0,
-              "experts": phase_experts(B, C) - w_moe, "work": work, "received": int(received)}
-    if on_gpu:
-        peak_device = (store_b if location == "device" else 0) + routing + work + received
-        peak_host = host_fixed + (store_b if location == "host" else 0) + transient
-    else:
-        peak_device = None
-        peak_host = host_fixed + store_b + routing + work + received
-    if fits and received and (peak_device if on_gpu else peak_host) > budget:
+    memory, peak_host, peak_device = _memory_table(m, B, C, location, store_b)
+    if fits and m.received and (peak_device if on_gpu else peak_host) > m.budget:
         fits = False
-        knob = "--max-gpu-memory" if on_gpu else "--max-host-memory"
-        reason = (f"{nproc} ranks: each holds a layer's {E4} quantized experts ({received / GB:.1f} GB) on top of the "
-                  f"single-process work; raise {knob} or use fewer ranks")
-    if calibrate and store.dtype == torch.bfloat16 and activation_dtype is None:
-        notes.append("hidden states stored in bfloat16 (float32 does not fit the budget)")
-    if calibrate and x.has_dsa and T > x.index_topk:
-        notes.append(f"seq_len {T} > index_topk {x.index_topk}: DSA selections are kept per micro-batch")
-
-    state_bytes = tokens * D * (4 if dt == torch.float32 else 2)
+        reason = (f"{nproc} ranks: each holds a layer's {m.E4} quantized experts ({m.received / GB:.1f} GB) on top of "
+                  f"the single-process work; raise {_knob(m)} or use fewer ranks")
+    notes = _store_notes(m, store, activation_dtype)
+    state_bytes = m.tokens * x.hidden * (4 if dt == torch.float32 else 2)
     disk = {"prefill": output_bytes[0], "decode": output_bytes[1],
             "resume_state": state_bytes + (2 * state_bytes if backing == "disk" else 0),
             "streamed_source": 0}
 
-    # ---- time
-    if on_gpu:
-        spec = GPU_SPECS.get(gpu or "h200", GPU_SPECS["h200"])
-        flops, disk_bw, launch = spec["flops"], spec["disk"], spec["launch"]
-    else:
-        flops, disk_bw, launch = CPU_FLOPS_PER_THREAD * torch.get_num_threads(), CPU_DISK, 0.0
-    flops, disk_bw = rates.get("flops", flops), rates.get("disk", disk_bw)
-    if flops <= 0 or disk_bw <= 0:
-        raise ConfigError(f"--disk-gbps {disk_bw / 1e9:g}, matmul {flops / 1e12:g} TFLOP/s: both must be positive")
-    gptq_rate = flops * (1.0 if on_gpu else CPU_GPTQ_EFFICIENCY)
-    I = x.expert_width
-    L, Lm = x.calibrated_layers, x.calibrated_moe_layers  # the calibration pass skips MTP layers
-    attn_flops = tokens * (2 * x.attn_params + 2 * 2 * x.heads * T * (x.qk_head + x.v_head)) * L
-    attn_flops += tokens * 2 * 3 * D * (x.dense_width * (L - Lm) + x.shared_width * Lm)  # dense MLP / shared expert
-    routed = tokens * x.topk  # token-expert pairs per MoE layer
-    gptq_on = calibrate and method in ("gptq", "awq")
-    # the experts that get Hessians and GPTQ (not the reused source INT4 ones), this rank's part of them
-    share = quantized / (nproc if shared_work else 1)
-    per_token_hess, per_expert_gptq = expert_flops(D, I)
-    hess_flops = share * routed * per_token_hess * Lm if gptq_on else 0
-    out_flops = routed * 2 * 3 * I * D * Lm if calibrate else 0
-    gptq_flops = share * x.experts * Lm * per_expert_gptq if gptq_on else 0
-    chunks = Lm * math.ceil(share * x.experts / C)
-    gptq_launch = chunks * (D + I) * LAUNCHES_PER_COLUMN * launch if gptq_on else 0.0
-    rtn_flops = x.experts * (x.moe_layers - (Lm if gptq_on else 0)) * 3 * I * D * 20  # RTN'd experts (MTP, or all)
-    seconds = {
-        "read": source_bytes / disk_bw,
-        "attention": attn_flops / flops,
-        "hessians": hess_flops / flops,
-        "gptq": gptq_flops / gptq_rate + gptq_launch + rtn_flops / flops,
-        "experts_out": out_flops / flops,
-        "write": (output_bytes[0] + output_bytes[1]) / disk_bw,
-    }
-    link = NVLINK_BYTES if on_gpu else GLOO_BYTES
-    if nproc > 1 and calibrate:  # the token split: each rank runs the per-token work of its own micro-batches
-        share_tokens = token_share(N, store.micro_batch, nproc)
-        seconds["attention"] *= share_tokens
-        seconds["experts_out"] *= share_tokens
-        seconds["gather"] = gather_bytes(x, N, T, store.dtype, nproc) / link
+    r = _device_rates(on_gpu, gpu, rates)
+    seconds = _phase_seconds(m, r, method=method, C=C, source_bytes=source_bytes, output_bytes=output_bytes,
+                             quantized=quantized, nproc=nproc)
     if method == "awq" and calibrate:
         seconds["gptq"] *= 1.3  # AWQ's scale search on top (measured ~1.3x GPTQ on the tiny models)
         notes.append("awq: the search gathers the layer's MoE inputs and each expert's routed rows (budgeted); "
                      "time as GPTQ x 1.3")
-    if shared_work:  # each rank receives the others' share of every layer's quantized experts
-        seconds["exchange"] = received * (nproc - 1) / nproc * Lm / link
-        notes.append(f"{nproc} ranks: attention and experts_out are split by micro-batches (then h, x and the "
-                     "routing are gathered), hessians and gptq by experts (balanced by routed tokens); read is "
-                     "done by every rank; write is spread over the ranks, at one disk's bandwidth "
-                     "(docs/distributed.md)")
-    elif nproc > 1 and calibrate:
-        notes.append(f"{nproc} ranks: no expert is quantized here (reused source INT4), so only attention and "
-                     "experts_out are split (by micro-batches); read and the rest are done by every rank "
-                     "(docs/distributed.md)")
-    elif nproc > 1:
-        notes.append(f"{nproc} ranks: no calibration, so there is nothing to split: every rank repeats the whole "
-                     "run; use one (docs/distributed.md)")
-
-    compute = sum(v for k, v in seconds.items() if k not in ("read", "write"))
-    # The disk works while the layers compute: the next layer is read ahead (conversion.Prefetcher)
-    # and the cut parts are saved in the background (CheckpointWriter). Reading the first layer and
-    # saving the last one's parts add to the run, and so does the time the disk (reads and writes
-    # share it) needs beyond the compute's.
-    io = seconds["read"] + seconds["write"]
-    seconds["read"] /= max(x.layers, 1)
-    seconds["write"] /= max(x.layers, 1)
-    if io > compute:
-        seconds["disk_wait"] = io - compute
-    every = 1
-    if state_bytes:  # rank 0 saves h for --resume every `every` layers (conversion.convert)
-        save_s = state_bytes / disk_bw
-        compute = sum(v for k, v in seconds.items() if k not in ("read", "write", "disk_wait"))
-        every = state_every(save_s, compute / max(x.layers, 1))
-        seconds["resume_state"] = (1 + math.ceil(x.layers / every)) * save_s
+    notes += _multi_rank_terms(seconds, m, r, N=N, store=store, nproc=nproc)
+    every = _overlap_disk(seconds, x.layers, state_bytes, r.disk)
 
     validate_s = validate_share = validate_kept = None
     if validate is not None:
-        # quantkit.validation.pipeline: every rank runs attention for all eval tokens and its share of the routed
-        # experts (their output rows exchanged); it keeps its share of the three checkpoints resident,
-        # as stored, when that fits beside the layer loop, else every pass re-reads the layers
-        vt = validate.num_samples * validate.seq_len
-        passes = max(validate.gen_tokens, 1)  # the prompt pass yields the first token; each further one is a pass
-        three = source_bytes + output_bytes[0] + output_bytes[1]
-        experts_b = three * 0.95 if expert_bytes is None else expert_bytes
-        share = int(three - experts_b + experts_b / nproc)
-        streams = 3  # the prompt pass: reference, prefill, decode
-        exchange = validate_exchange(arch, vt, nproc)
-        room = validate_room(arch, device, gpu_mem if on_gpu else host, exchange)
-        if on_gpu:  # then the rank's host memory
-            room = max(room, 0) + validate_room(arch, "cpu", host)
-        validate_kept = int(min(share, max(room, 0)))
-        # the first pass reads the three checkpoints; each further one what the ranks could not keep
-        # (the routed experts: the shared tensors are kept first), from one disk
-        again = min(three, nproc * (share - validate_kept))
-        vflops = vt * 2 * (x.attn_params + 3 * x.topk * I * D / nproc) * x.layers * streams
-        validate_s = (three + (passes - 1) * again) / disk_bw + vflops / flops
-        validate_s += x.calibrated_moe_layers * exchange * (nproc - 1) / nproc / link
-        validate_share = share
-        if validate.gen_tokens and again:
-            notes.append(f"validate: {validate_kept / GB:.0f} of a rank's {share / GB:.0f} GB share kept in memory, so each "
-                         f"greedy token re-reads {again / GB:.0f} GB from disk ({validate.gen_tokens} tokens); more "
-                         f"ranks or a larger budget keep it all (docs/distributed.md)")
-    return ConvertCost(device=device, gpu=gpu if on_gpu else None, host_budget=host, gpu_budget=gpu_mem, tokens=tokens,
-                       store=store, expert_chunk=C, shard_bytes=shard, memory=memory, peak_host=int(peak_host),
+        validate_s, validate_share, validate_kept, validate_notes = _validate_estimate(
+            arch, m, r, validate, device=device, gpu_mem=gpu_mem, nproc=nproc, source_bytes=source_bytes,
+            output_bytes=output_bytes, expert_bytes=expert_bytes)
+        notes += validate_notes
+    return ConvertCost(device=device, gpu=gpu if on_gpu else None, host_budget=host, gpu_budget=gpu_mem, tokens=m.tokens,
+                       store=store, expert_chunk=C, shard_bytes=m.shard, memory=memory, peak_host=int(peak_host),
                        peak_device=int(peak_device) if peak_device is not None else None, disk=disk,
                        seconds={k: round(v, 1) for k, v in seconds.items()}, validate_seconds=validate_s,
                        validate_share=validate_share, validate_kept=validate_kept, state_every=every,
                        notes=notes, fits=fits, reason=reason, nproc=nproc)
+
+
+def _model_for(model: str):
+    """(arch, checkpoint) of a preset (checkpoint None: its config only) or of anything
+    quantkit.inputs.modelspec opens (headers only)."""
+    from pathlib import Path
+
+    from quantkit.model.arch import arch_from_config, load_preset, preset_names
+
+    if model in preset_names() and not Path(model).is_dir():
+        return arch_from_config(load_preset(model), source=f"preset {model}"), None
+    from quantkit.inputs.modelspec import open_checkpoint
+
+    ckpt = open_checkpoint(model)
+    return ckpt.arch, ckpt
+
+
+def _preset_sizes(model: str, arch, rec) -> tuple[int, tuple[int, int], int, float]:
+    """(source bytes, (prefill, decode) bytes, routed experts' bytes in the three, quantized
+    fraction) of a preset, from the planner's checkpoint sizes at the recipe's group size."""
+    from quantkit.conversion.precision import source_int4_group
+    from quantkit.model.tensors import TensorClass
+    from quantkit.planner.capacity import plan as size_plan
+
+    G = rec.group_size
+    sg = source_int4_group(arch)
+    sizes = size_plan(model, group_size=G).checkpoints
+    expert_bytes = sum(sizes[k].bytes_by_class.get(TensorClass.ROUTED_EXPERT.value, 0)
+                       for k in ("source", "prefill", "decode"))
+    # the preset's experts are in the source's own format: reused when it is the target INT4 scheme
+    quantized = 0.0 if (sg == G and rec.decode.reuse_source_int4) else 1.0
+    return sizes["source"].total_bytes, (sizes["prefill"].total_bytes, sizes["decode"].total_bytes), expert_bytes, quantized
+
+
+def _checkpoint_sizes(ckpt, rec) -> tuple[int, tuple[int, int], int, float]:
+    """The same as `_preset_sizes` for a checkpoint, from convert's own per-tensor decisions."""
+    from quantkit.conversion.precision import decide, predicted_bytes, source_int4_group
+    from quantkit.model.tensors import TensorClass
+
+    G = rec.group_size
+    sg = source_int4_group(ckpt.arch)
+    decisions = {n: decide(st, rec, G, sg) for n, st in ckpt.tensors.items()}
+    source_bytes = sum(ckpt.storage_bytes(n) for n in ckpt.tensors)
+    out = predicted_bytes(ckpt, decisions, G)
+    routed = {n: d for n, d in decisions.items() if ckpt.tensors[n].info.klass == TensorClass.ROUTED_EXPERT}
+    expert_bytes = sum(ckpt.storage_bytes(n) for n in routed) + sum(predicted_bytes(ckpt, routed, G))
+    return source_bytes, out, expert_bytes, quantized_fraction(ckpt, decisions)
 
 
 def plan_convert_for(
@@ -521,54 +712,19 @@ def plan_convert_for(
     """`quantkit plan MODEL --convert`: the cost `convert` would predict for MODEL (a preset, a
     folder, a tiny:/realshape: id or hf://org/repo@rev, headers only) with the recipe and overrides,
     on `gpu` (h200, h100, b200) or on the CPU (`cpu`); `nproc` ranks (one per GPU) split the experts."""
-    from pathlib import Path
-
-    from quantkit.model.arch import arch_from_config, load_preset, preset_names
-    from quantkit.model.tensors import TensorClass
     from quantkit.recipe import default_recipe, load_recipe, recipe_overrides
 
     if gpu != "cpu" and gpu not in GPU_SPECS:
         raise ConfigError(f"--gpu {gpu!r}: choose one of {', '.join([*GPU_SPECS, 'cpu'])}")
-    is_preset = model in preset_names() and not Path(model).is_dir()
-    if is_preset:
-        arch = arch_from_config(load_preset(model), source=f"preset {model}")
-    else:
-        from quantkit.inputs.modelspec import open_checkpoint
-
-        ckpt = open_checkpoint(model)
-        arch = ckpt.arch
+    arch, ckpt = _model_for(model)
     rec = load_recipe(recipe) if recipe is not None else default_recipe(str(model), arch)
     rec = recipe_overrides(rec, method=method, group_size=group_size, num_samples=num_samples, seq_len=seq_len)
-    G = rec.group_size
-    from quantkit.conversion.precision import predicted_bytes, source_int4_group
-
-    sg = source_int4_group(arch)
-    if is_preset:
-        from quantkit.conversion.precision import source_int4_group
-        from quantkit.planner.capacity import plan as size_plan
-
-        sizes = size_plan(model, group_size=G).checkpoints
-        source_bytes = sizes["source"].total_bytes
-        out = (sizes["prefill"].total_bytes, sizes["decode"].total_bytes)
-        expert_bytes = sum(sizes[k].bytes_by_class.get(TensorClass.ROUTED_EXPERT.value, 0)
-                           for k in ("source", "prefill", "decode"))
-        # the preset's experts are in the source's own format: reused when it is the target INT4 scheme
-        quantized = 0.0 if (sg == G and rec.decode.reuse_source_int4) else 1.0
-    else:
-        from quantkit.conversion.precision import decide
-
-        decisions = {n: decide(st, rec, G, sg) for n, st in ckpt.tensors.items()}
-        source_bytes = sum(ckpt.storage_bytes(n) for n in ckpt.tensors)
-        out = predicted_bytes(ckpt, decisions, G)
-        routed = {n: d for n, d in decisions.items() if ckpt.tensors[n].info.klass == TensorClass.ROUTED_EXPERT}
-        expert_bytes = sum(ckpt.storage_bytes(n) for n in routed) + sum(predicted_bytes(ckpt, routed, G))
-        quantized = quantized_fraction(ckpt, decisions)
+    source_bytes, out, expert_bytes, quantized = _preset_sizes(model, arch, rec) if ckpt is None else _checkpoint_sizes(ckpt, rec)
     # as convert: any calibrated method runs the calibration pass, even when every expert is reused,
     # because the FP8 KV-cache scales are measured on it (quantkit.model.kvcache)
     calibrate = rec.method != "rtn"
-    device = "cpu" if gpu == "cpu" else "cuda"
-    return plan_convert(arch, method=rec.method, group_size=G, num_samples=rec.calibration.num_samples,
-                        seq_len=rec.calibration.seq_len, calibrate=calibrate, device=device,
+    return plan_convert(arch, method=rec.method, group_size=rec.group_size, num_samples=rec.calibration.num_samples,
+                        seq_len=rec.calibration.seq_len, calibrate=calibrate, device="cpu" if gpu == "cpu" else "cuda",
                         gpu=None if gpu == "cpu" else gpu, max_host_memory=max_host_memory,
                         max_gpu_memory=max_gpu_memory, source_bytes=source_bytes, output_bytes=out,
                         validate=rec.validate if validate else None, quantized=quantized, nproc=nproc,

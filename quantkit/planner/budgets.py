@@ -15,10 +15,9 @@ import torch
 
 from quantkit.errors import ConfigError
 from quantkit.planner.gpus import GPUS
+from quantkit.planner.units import GB, GiB
 from quantkit.runtime.machine import available_host_memory
 
-GB = 10**9
-GiB = 2**30
 F32 = 4
 
 BASE_BYTES = int(0.40 * GB)  # RSS of `quantkit convert` before the first tensor (measured: 0.33-0.40 GB)

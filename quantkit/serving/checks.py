@@ -255,33 +255,54 @@ def _judge(m: Module, ans: dict, st: _Stored) -> str | None:
 
 def _check_params(m: Module, params: dict, st: _Stored) -> str | None:
     """The stored tensors against what create_weights registered (TP 1)."""
-    if m.kind == "moe":  # every expert's tensors against the per-expert slice of the fused parameters
-        prefix_of = {"gate_proj": "w13_", "up_proj": "w13_", "down_proj": "w2_"}
-        for shard in m.shards:
-            proj = shard.rsplit(".", 1)[1]
-            prefix = prefix_of[proj]
-            for suffix in ("weight", "weight_packed", "weight_scale", "weight_scale_inv", "weight_shape", "weight_zero_point"):
-                name = f"{shard}.{suffix}"
-                if name not in st.tensors:
-                    continue
-                dtype, shape = st.tensors[name]
-                p = params.get(prefix + suffix)
-                if p is None:
-                    return f"{name}: the engine registers no {prefix + suffix} for it"
-                per_expert = list(p["shape"][1:])
-                want = list(shape)
-                if suffix != "weight_shape":
-                    if p.get("transposed"):
-                        want = want[::-1]
-                    if prefix == "w13_":
-                        want[1 if p.get("transposed") else 0] *= 2
-                    if per_expert != want:
-                        return f"{name} {shape}: {prefix + suffix} holds {per_expert} per expert"
-                    if dtype != p["dtype"]:
-                        return f"{name}: stored {dtype}, {prefix + suffix} is {p['dtype']}"
-                elif per_expert != want:
-                    return f"{name} {shape}: {prefix + suffix} holds {per_expert} per expert"
-        return None
+    if m.kind == "moe":
+        return _check_expert_params(m, params, st)
+    return _check_linear_params(m, params, st)
+
+
+# a routed expert's stored tensors, and the fused parameter each one loads into
+_EXPERT_SUFFIXES = ("weight", "weight_packed", "weight_scale", "weight_scale_inv", "weight_shape", "weight_zero_point")
+_FUSED_PREFIX = {"gate_proj": "w13_", "up_proj": "w13_", "down_proj": "w2_"}
+
+
+def _check_expert_params(m: Module, params: dict, st: _Stored) -> str | None:
+    """Every expert's tensors against the per-expert slice of the fused parameters."""
+    for shard in m.shards:
+        prefix = _FUSED_PREFIX[shard.rsplit(".", 1)[1]]
+        for suffix in _EXPERT_SUFFIXES:
+            name = f"{shard}.{suffix}"
+            if name not in st.tensors:
+                continue
+            why = _check_expert_tensor(name, st.tensors[name], prefix, suffix, params.get(prefix + suffix))
+            if why:
+                return why
+    return None
+
+
+def _check_expert_tensor(name: str, stored: tuple[str, list[int]], prefix: str, suffix: str, p: dict | None) -> str | None:
+    """One expert's stored tensor against the fused parameter `p` (prefix + suffix): its shape per
+    expert (transposed where the engine stores it so; gate and up stacked in w13), and its dtype
+    (weight_shape: its shape only)."""
+    if p is None:
+        return f"{name}: the engine registers no {prefix + suffix} for it"
+    dtype, shape = stored
+    per_expert = list(p["shape"][1:])
+    want = list(shape)
+    if suffix != "weight_shape":
+        if p.get("transposed"):
+            want = want[::-1]
+        if prefix == "w13_":
+            want[1 if p.get("transposed") else 0] *= 2
+    if per_expert != want:
+        return f"{name} {shape}: {prefix + suffix} holds {per_expert} per expert"
+    if suffix != "weight_shape" and dtype != p["dtype"]:
+        return f"{name}: stored {dtype}, {prefix + suffix} is {p['dtype']}"
+    return None
+
+
+def _check_linear_params(m: Module, params: dict, st: _Stored) -> str | None:
+    """A Linear's shards (fused: each one) against its parameters: dtypes and shapes past the first
+    dimension, then the rows they add up to."""
     rows_w = rows_s = 0
     for shard in m.shards:
         for suffix in ("weight", "weight_scale", "weight_scale_inv"):
@@ -300,6 +321,11 @@ def _check_params(m: Module, params: dict, st: _Stored) -> str | None:
                 rows_w += shape[0]
             else:
                 rows_s += shape[0]
+    return _check_linear_rows(m, params, rows_w, rows_s)
+
+
+def _check_linear_rows(m: Module, params: dict, rows_w: int, rows_s: int) -> str | None:
+    """The shards' rows (weights, scales) against the engine's parameters' first dimension."""
     if "weight" in params and rows_w != params["weight"]["shape"][0]:
         return f"{m.name}: shards hold {rows_w} rows, the engine's weight {params['weight']['shape'][0]}"
     for s in ("weight_scale", "weight_scale_inv"):

@@ -1,0 +1,75 @@
+"""KV cache: bytes each cached token costs an architecture, and how many tokens the memory left
+beside the weights holds (the formulas are in quantkit.planner.capacity's docstring)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from quantkit.errors import ConfigError
+from quantkit.model.arch import ModelArch
+from quantkit.planner.units import GiB
+
+KV_DTYPES = {"bf16": "bf16", "fp8": "fp8", "fp8_e4m3": "fp8"}
+
+
+@dataclass
+class KVCapacity:
+    kv_dtype: str
+    bytes_per_token: int  # all cached layers, one copy
+    kv_gib_per_gpu: float  # room left for the KV pool on each GPU
+    tokens: int  # whole GPU set
+    concurrent_requests: int  # at `context` tokens each
+
+
+def kv_dtype_names(names: tuple[str, ...]) -> list[str]:
+    """The KV dtypes to size, each as "bf16" or "fp8" (fp8_e4m3 is fp8)."""
+    try:
+        return [KV_DTYPES[d] for d in names]
+    except KeyError as e:
+        raise ConfigError(f"kv dtype {e.args[0]!r}: use one of {', '.join(KV_DTYPES)}") from None
+
+
+def kv_bytes_per_layer(arch: ModelArch, kv_dtype: str, *, indexer: bool) -> int:
+    """Bytes cached per token for one layer: the MLA latent (+ the DSA indexer key if `indexer`)."""
+    if kv_dtype == "bf16":
+        latent = 2 * arch.kv_cache_width
+    elif arch.has_dsa:  # FlashMLA sparse FP8: e4m3 nope latent + f32 scale per 128 + bf16 rope
+        latent = arch.kv_lora_rank + 4 * math.ceil(arch.kv_lora_rank / 128) + 2 * arch.qk_rope_head_dim
+    else:  # e4m3 latent, one static per-tensor scale
+        latent = arch.kv_cache_width
+    return latent + (arch.index_head_dim + 4 if indexer else 0)
+
+
+def indexer_cache_layers(arch: ModelArch, kv_layers: int, indexer_cache: str) -> int:
+    """Layers that cache a DSA indexer key: every cached layer ("all") or the ones owning an
+    indexer ("owners"; an MTP layer owns one); 0 without DSA."""
+    if not arch.has_dsa:
+        return 0
+    owners = list(arch.indexer_layers) + [True] * arch.num_mtp_layers
+    return kv_layers if indexer_cache == "all" else sum(owners[:kv_layers])
+
+
+def kv_per_token(arch: ModelArch, dtypes: list[str], kv_layers: int, idx_layers: int) -> dict[str, dict[str, int]]:
+    """Per KV dtype: the latent's and the indexer key's bytes per layer, the layers caching the key,
+    its average over the cached layers, and the bytes per token over all of them (one copy)."""
+    kv_info: dict[str, dict[str, int]] = {}
+    for d in dtypes:
+        latent = kv_bytes_per_layer(arch, d, indexer=False)
+        idx = kv_bytes_per_layer(arch, d, indexer=True) - latent if arch.has_dsa else 0
+        per_token = latent * kv_layers + idx * idx_layers
+        kv_info[d] = {"latent": latent, "indexer": idx, "indexer_layers": idx_layers, "indexer_avg": round(idx * idx_layers / kv_layers), "per_token": per_token}
+    return kv_info
+
+
+def kv_capacity(kv_info: dict[str, dict[str, int]], room: float, *, tp: int, replicas: int, kv_replicated: bool,
+                context: int) -> dict[str, KVCapacity]:
+    """Tokens the KV pool holds per dtype with `room` GiB left on each GPU, over the whole GPU set,
+    and the requests of `context` tokens they make; the latent sits on every TP rank when
+    `kv_replicated`, else it is split tp ways."""
+    kv = {}
+    for d, info in kv_info.items():
+        per_gpu = info["per_token"] / (1 if kv_replicated else tp)
+        tokens = max(int(room * GiB / per_gpu), 0) * replicas if room > 0 else 0
+        kv[d] = KVCapacity(d, info["per_token"], round(room, 3), tokens, tokens // context)
+    return kv
