@@ -355,7 +355,7 @@ def test_ranks_that_do_not_share_the_output_folder_are_refused(tmp_path):
     script = tmp_path / "check.py"
     script.write_text(
         "import os, sys, torch\n"
-        "from quantkit import distributed\n"
+        "from quantkit.runtime import distributed\n"
         "g, _ = distributed.init(torch.device('cpu'))\n"
         "folder = sys.argv[1] if g.rank == 0 else sys.argv[2]\n"
         "try:\n"

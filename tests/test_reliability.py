@@ -489,13 +489,25 @@ def test_disk_full_is_one_line_naming_the_folder_and_resume_completes(src, whole
     assert ok, res.output
 
 
-@pytest.mark.skipif(not Path("/dev/full").is_char_device(), reason="no /dev/full on this machine")
-def test_safetensors_enospc_is_recognised():
-    """/dev/full answers every write with ENOSPC; safetensors reports it in its own exception type."""
+@pytest.fixture
+def full_folder(tmp_path):
+    """A folder on a 4 KB tmpfs: every write past it fails with ENOSPC. (/dev/full no longer serves:
+    safetensors 0.8 writes a temporary file beside the target and renames it, so a save "to"
+    /dev/full fills /dev's tmpfs instead and then replaces the device node with a regular file.)"""
+    d = tmp_path / "full"
+    d.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(d)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs on this machine (needs root)")
+    yield d
+    subprocess.run(["umount", str(d)], capture_output=True)
+
+
+def test_safetensors_enospc_is_recognised(full_folder):
+    """A full filesystem answers every write with ENOSPC; safetensors reports it in its own exception type."""
     from safetensors import SafetensorError
 
     with pytest.raises(SafetensorError) as e:
-        save_file({"x": torch.zeros(1 << 16)}, "/dev/full")
+        save_file({"x": torch.zeros(1 << 16)}, str(full_folder / "x.safetensors"))
     assert disk_full(e.value)
 
 
