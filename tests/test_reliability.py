@@ -32,7 +32,8 @@ from typer.testing import CliRunner
 
 from quantkit.checkpoint.manifest import MANIFEST, REPORT, atomic_write_text, verify
 from quantkit.cli import app
-from quantkit.conversion.pipeline import check_disk, convert, disk_full
+from quantkit.conversion.outputs import check_disk, disk_full
+from quantkit.conversion.pipeline import convert
 from quantkit.errors import IntegrityError, OutputError
 from quantkit.runtime import faults
 
