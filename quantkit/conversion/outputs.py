@@ -34,6 +34,7 @@ from quantkit.conversion.precision import (
 from quantkit.errors import OutputError
 from quantkit.formats import fp8, int4
 from quantkit.quant.gptq import QuantizedWeight
+from quantkit.runtime.units import decimal_bytes
 
 logger = logging.getLogger("quantkit")
 
@@ -166,7 +167,7 @@ def disk_full(e: BaseException) -> bool:
 
 
 def _size(n: float) -> str:
-    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{int(n)} bytes"
+    return decimal_bytes(n, digits=1, gb_from=1e9, bytes_below=1e6)
 
 
 def check_disk(ckpt, decisions, out: Path, G: int, free: int | None = None, extra: int = 0) -> None:

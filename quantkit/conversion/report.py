@@ -22,6 +22,7 @@ from quantkit.conversion.resume import State
 from quantkit.quant.experts import HOLDOUT, ExpertRecord
 from quantkit.runtime.machine import peak_rss
 from quantkit.runtime.progress import rich_html
+from quantkit.runtime.units import decimal_bytes
 
 
 @dataclass
@@ -62,7 +63,7 @@ class ConvertResult:
 
 
 def _gb(n: int) -> str:
-    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+    return decimal_bytes(n, digits=3)
 
 
 def expert_entry(r: ExpertRecord) -> dict:

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from quantkit.checkpoint.manifest import atomic_write_text
+from quantkit.runtime.units import decimal_bytes
 
 ROLE = {
     "prefill": ("FP8 prefill checkpoint", "the compute-bound prefill pool",
@@ -300,7 +301,7 @@ def _family(model_type: str) -> str:
 
 
 def _size(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+    return decimal_bytes(n, digits=2)
 
 
 def _f(v, fmt: str) -> str:
