@@ -93,6 +93,7 @@ def validated(tmp_path_factory, tiny_glm, task_dir):
     return out, r
 
 
+@pytest.mark.slow
 def test_streaming_model_matches_lm_eval_hf_item_by_item(tiny_glm, task_dir, hf_run):
     """Every log-likelihood within float32 noise and every generated string equal to lm-eval's HF model's."""
     import lm_eval
@@ -118,6 +119,7 @@ def test_streaming_model_matches_lm_eval_hf_item_by_item(tiny_glm, task_dir, hf_
         assert ours["results"][task][metric] == hf_run["results"][task][metric]
 
 
+@pytest.mark.slow
 def test_validate_tasks_end_to_end_against_lm_eval_hf(validated, hf_run):
     out, r = validated
     assert r.exit_code in (0, 3), r.output
