@@ -226,3 +226,28 @@ def test_task_data_that_cannot_load_is_one_line_before_anything_runs(tmp_path):
                                 "metric_list:\n  - metric: exact_match\n")
     with pytest.raises(ConfigError, match="could not load the task data"):
         prepare("tiny_missing", task_dir=bad)
+
+
+def test_summary_takes_the_first_filter_and_pairs_items_by_doc_id():
+    """lm-eval's result layout for a two-filter task (gsm8k's strict-match, flexible-extract): the metric
+    is read under the first filter, items are paired by doc_id whatever their order, flips are named."""
+    from quantkit.validation.tasks import summarize_task
+
+    def run(strict: list[float], flexible: list[float]) -> dict:
+        n = len(strict)
+        samples = [{"doc_id": i, "filter": f, "metrics": ["exact_match"], "exact_match": v}
+                   for f, vals in (("strict-match", strict), ("flexible-extract", flexible)) for i, v in enumerate(vals)]
+        return {"results": {"gsm8k": {"exact_match,strict-match": sum(strict) / n, "exact_match_stderr,strict-match": 0.1,
+                                      "exact_match,flexible-extract": sum(flexible) / n,
+                                      "exact_match_stderr,flexible-extract": 0.2}},
+                "samples": {"gsm8k": samples[::-1]}, "versions": {"gsm8k": 3.0}, "n-shot": {"gsm8k": 5},
+                "n-samples": {"gsm8k": {"original": 1319, "effective": n}}, "higher_is_better": {"gsm8k": {"exact_match": True}}}
+
+    raw = {"reference": run([1, 1, 0, 0], [1, 1, 1, 1]), "decode": run([1, 0, 1, 0], [0, 0, 0, 0])}
+    t = summarize_task("gsm8k", raw)
+    assert (t["metric"], t["filter"], t["version"], t["num_fewshot"], t["items"], t["items_in_task"]) == \
+        ("exact_match", "strict-match", 3.0, 5, 4, 1319)
+    d = t["rows"]["decode"]
+    assert d["score"] == 0.5 and d["stderr"] == 0.1 and d["delta"] == 0.0
+    assert [(f["doc_id"], f["reference"], f["this"]) for f in d["flips"]] == [(1, 1.0, 0.0), (2, 0.0, 1.0)]
+    assert d["delta_stderr"] == pytest.approx(((2 * 1.0) / 3 / 4) ** 0.5)  # differences 0, -1, +1, 0

@@ -25,7 +25,7 @@ import torch
 
 from quantkit.errors import ConfigError
 
-__all__ = ["INSTALL", "TaskSpec", "paired", "prepare", "run_tasks", "tasks_markdown", "tasks_card", "tasks_caption"]
+__all__ = ["INSTALL", "TaskSpec", "paired", "prepare", "run_tasks", "summarize_task", "tasks_markdown", "tasks_card", "tasks_caption"]
 
 INSTALL = 'pip install -e ".[eval]"  (or: pip install "lm-eval[hf]>=0.4.9,<0.5")'
 ROWS = {"reference": "source", "prefill": "prefill (FP8)", "decode": "decode (INT4)", "model": "model",
@@ -123,7 +123,7 @@ def run_tasks(spec: TaskSpec, ckpts: dict, tokenizer: Path, kv: dict, dev: torch
             "kv_note": ("decode_kv: the decode checkpoint with the KV cache stored as " + kv[""].dtype +
                         "; a log-likelihood is one prefill pass (fresh keys), so only generation reads the stored cache")
             if "decode_kv" in runs else None,
-            "tasks": {name: _task(name, raw) for name in _leaf_tasks(raw["reference"])}}
+            "tasks": {name: summarize_task(name, raw) for name in _leaf_tasks(raw["reference"])}}
 
 
 def _leaf_tasks(res: dict) -> list[str]:
@@ -131,7 +131,9 @@ def _leaf_tasks(res: dict) -> list[str]:
     return [t for t in res["results"] if t in (res.get("samples") or {})]
 
 
-def _task(name: str, raw: dict) -> dict:
+def summarize_task(name: str, raw: dict) -> dict:
+    """One task across the rows: version, shots, items, the metric (under its first filter), each row's
+    score and SE, and against the source the paired delta and flips."""
     ref = raw["reference"]
     samples = ref["samples"][name]
     metric = samples[0]["metrics"][0] if samples and samples[0].get("metrics") else None
