@@ -92,6 +92,17 @@ def inspect(model: Model, json_out: Json = False, allow_unverified: Unverified =
         Console().print(result.table())
 
 
+def _plan_tasks(model: str, tasks: str, gpus: int, gpu: str, group_size: int | None, json_out: bool) -> None:
+    from quantkit.inputs.modelspec import is_tiny, resolve
+    from quantkit.planner.taskcost import plan_tasks, render
+
+    costs = plan_tasks(str(resolve(model)) if is_tiny(model) else model, tasks, gpus=gpus, gpu=gpu, group_size=group_size or 128)
+    if json_out:
+        emit_json({"tasks": [c.to_json() for c in costs]})
+    else:
+        Console().print(render(costs), highlight=False)
+
+
 @app.command()
 @user_errors
 def plan(
@@ -113,10 +124,15 @@ def plan(
     nproc: Annotated[int, typer.Option(help="--convert: ranks of an expert-parallel convert (one per GPU; `quantkit convert --nproc`): memory and time per rank.")] = 1,
     disk_gbps: Annotated[Optional[float], typer.Option(help="--convert: the disk's sustained GB/s, reads and writes together (default 2 for a GPU machine, 1 for --gpu cpu).")] = None,
     validation: Annotated[Optional[Path], typer.Option(help="A validation.json (validate --kv-cache-dtype fp8_e4m3): show the measured FP8 KV delta beside its capacity.")] = None,
+    tasks: Annotated[Optional[str], typer.Option(help="What `validate --tasks` would cost (gsm8k, mmlu): passes over the layers, tokens, bytes read, time per checkpoint, on --gpus x --gpu.")] = None,
     json_out: Json = False,
 ):
     """Checkpoint sizes, weight memory per GPU, KV cache per token and capacity, beside the article's figures.
     With --convert: what `quantkit convert` would cost (--gpu cpu for a CPU-only run)."""
+    if tasks:
+        _plan_tasks(model, tasks, gpus, gpu, group_size, json_out)
+        if not convert:
+            return
     if convert:
         from quantkit.conversion.cost import plan_convert_for
 
@@ -238,6 +254,10 @@ def validate(
     max_gpu_memory: Annotated[Optional[str], typer.Option(help="GPU memory budget (default: the device's).")] = None,
     weights: Annotated[str, typer.Option(help="auto: keep as much of the checkpoints (each rank its share) in memory, as stored, as the budget allows, so greedy tokens stop re-reading them; resident: all of it or an error; stream: re-read every layer for every greedy token.")] = "auto",
     nproc: Annotated[Optional[int], typer.Option(help="Ranks on this machine (one per GPU): launches torchrun; each rank runs its share of the routed experts (docs/distributed.md).")] = None,
+    tasks: Annotated[Optional[str], typer.Option(help="lm-eval tasks (comma-separated) to run on the source and every checkpoint: scores, paired deltas, flipped items (needs .[eval]).")] = None,
+    task_dir: Annotated[Optional[Path], typer.Option(help="A folder of local lm-eval task YAMLs for --tasks.")] = None,
+    limit: Annotated[Optional[int], typer.Option(help="--tasks: items per task (default: all).")] = None,
+    num_fewshot: Annotated[Optional[int], typer.Option(help="--tasks: few-shot examples (default: each task's).")] = None,
     json_out: Json = False,
 ):
     """Measure the pair against its source layer by layer; write validation.json/.md/.png and model cards. Exit 3 if a gate fails."""
@@ -246,7 +266,8 @@ def validate(
     _relaunch_under_torchrun(ctx, nproc, folder, resume_hint=False)
     result = run_validate(folder, reference=reference, eval_data=eval_data, num_samples=num_samples, seq_len=seq_len,
                           gen_tokens=gen_tokens, device=device, gates=gate, progress=not json_out, kv_cache_dtype=kv_cache_dtype,
-                          max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory, weights=weights)
+                          max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory, weights=weights,
+                          tasks=tasks, task_dir=task_dir, limit=limit, num_fewshot=num_fewshot)
     from quantkit.runtime.distributed import from_env
 
     if not from_env().leader:  # rank 0 prints and decides the exit status

@@ -117,8 +117,9 @@ def render_card(which: str, report: dict, validation: dict, *, license: dict[str
         lines.append(f"| {cls} | {prec.get(cls, '—')} | {prec_other.get(cls, '—')} |")
     lines.append(f"| **size** | {_size(report['outputs'][which]['bytes'])} | {_size(report['outputs'][other]['bytes'])} |")
     from quantkit.validation.kvrows import card_section
+    from quantkit.validation.tasks import tasks_card
 
-    lines += ["", *_recipe(report), "", *_measured(which, validation), "", *card_section(report, validation), "",
+    lines += ["", *_recipe(report), "", *_measured(which, validation), "", *tasks_card(validation), *card_section(report, validation), "",
               *serving_section(which, report, name, decode_config), ""]
     return "\n".join(lines)
 
