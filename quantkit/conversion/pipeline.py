@@ -46,7 +46,7 @@ from quantkit.conversion.outputs import (
     refuse_existing,
     shard_digits,
 )
-from quantkit.conversion.precision import Decision, decide, predicted_bytes, source_int4_group
+from quantkit.conversion.precision import Decision, decide_all, needs_calibration, predicted_bytes
 from quantkit.conversion.report import ConvertResult, convert_report, source_identity
 from quantkit.conversion.resume import STATE_DIR, fingerprint, load_hidden, open_state, save_state
 from quantkit.conversion.stages import Calibration, Prefetcher, convert_layer, outside_layers, start_calibration
@@ -115,20 +115,20 @@ def convert(
                   seq_len=seq_len, calib=calib, decode_rest=decode_rest)
     group, dev = _join_ranks(device, out, delete_source_after)
     progress = progress and group.leader
-    decisions, needs_calibration = _decide(ckpt, rec)  # every tensor, up front (a dry run of the whole conversion)
+    decisions, calibrate = _decide(ckpt, rec)  # every tensor, up front (a dry run of the whole conversion)
 
     state_dir = out / STATE_DIR
     finished, finishing = _previous_run(out, state_dir, resume, group.leader)
     if finished is not None:  # --resume after a run that had completed: only its validate is left
         return _validated(finished, group, validate, device, progress)
-    tokens = _calibration_tokens(rec, ckpt, trust_remote_code) if needs_calibration else None
+    tokens = _calibration_tokens(rec, ckpt, trust_remote_code) if calibrate else None
     source_files = source_identity(ckpt)
     out.mkdir(parents=True, exist_ok=True)
     state = open_state(state_dir, fingerprint(source_files, rec, tokens), resume, group.leader)
     group.barrier("starting")  # every rank has read the state rank 0 will overwrite, and sees its folder
 
     job = Job(ckpt, rec, decisions, group, dev, dtype, state, state_dir)
-    job.cost = _plan(job, needs_calibration, progress, validate=validate, max_host_memory=max_host_memory,
+    job.cost = _plan(job, calibrate, progress, validate=validate, max_host_memory=max_host_memory,
                      max_gpu_memory=max_gpu_memory, max_shard_bytes=max_shard_bytes, activation_dtype=activation_dtype)
     digits = shard_digits(ckpt)
     pair = open_pair(job, out, digits, resume=resume, finishing=finishing)
@@ -193,10 +193,9 @@ def _previous_run(out: Path, state_dir: Path, resume: bool, leader: bool) -> tup
 
 def _recipe(model, arch, recipe, **overrides):
     """The recipe named, else the model family's; the options given override its fields."""
-    from quantkit.recipe import default_recipe, load_recipe, recipe_overrides
+    from quantkit.recipe import resolve_recipe
 
-    rec = load_recipe(recipe) if recipe is not None else default_recipe(str(model), arch)
-    return recipe_overrides(rec, **overrides)
+    return resolve_recipe(model, arch, recipe, **overrides)
 
 
 def _join_ranks(device: str, out: Path, delete_source_after: bool):
@@ -213,15 +212,9 @@ def _join_ranks(device: str, out: Path, delete_source_after: bool):
 
 
 def _decide(ckpt: Checkpoint, rec) -> tuple[dict[str, Decision], bool]:
-    """Every tensor's storage in both outputs, and whether the run reads calibration data.
-
-    Any method but RTN calibrates: the experts' Hessians need the tokens, and the FP8 KV cache's
-    scales are measured on them too (quantkit.model.kvcache), so a source whose experts are all
-    reused (Kimi's INT4) still gets its pass. An RTN convert reads no data and carries no KV scales
-    (engines then run the cache at 1.0)."""
-    source_group = source_int4_group(ckpt.arch)
-    decisions = {n: decide(st, rec, rec.group_size, source_group) for n, st in ckpt.tensors.items()}
-    return decisions, rec.method != "rtn"
+    """Every tensor's storage in both outputs, and whether the run reads calibration data
+    (quantkit.conversion.precision: the same calls `plan --convert` makes)."""
+    return decide_all(ckpt, rec), needs_calibration(rec)
 
 
 def _calibration_tokens(rec, ckpt: Checkpoint, trust_remote_code: bool):
