@@ -683,3 +683,28 @@ def test_a_kept_int4_shape_stays_on_the_host(tiny_kimi):
     parts = ck.tensors[name].parts
     assert ck._raw(parts["weight_packed"]).device.type == "meta"
     assert ck._raw(parts["weight_shape"]).device.type == "cpu"
+
+
+@pytest.mark.parametrize("with_scale", [False, True], ids=["weight renamed", "weight and scale renamed"])
+def test_a_renamed_fp8_expert_weight_names_the_missing_weight_and_the_unknown_name(tmp_path, with_scale):
+    """Issue 21 item 10: `experts.2.up_proj.weight` renamed `uq_proj` used to be reported as the
+    scale's shape contradicting config.json; the error must name the missing weight and the unknown one."""
+    cfg = small_config("deepseek_v3")
+    folder, _ = write_random(tmp_path / "src", cfg, experts="fp8")
+    old, new = "model.layers.1.mlp.experts.2.up_proj.", "model.layers.1.mlp.experts.2.uq_proj."
+    (shard,) = folder.glob("*.safetensors")
+    with safe_open(str(shard), framework="pt") as h:
+        t = {k: h.get_tensor(k) for k in h.keys()}
+    renamed = ["weight"] + (["weight_scale_inv"] if with_scale else [])
+    for leaf in renamed:
+        t[new + leaf] = t.pop(old + leaf)
+    save_file(t, str(shard), metadata={"format": "pt"})
+    path, idx = _index(folder)
+    for leaf in renamed:
+        idx["weight_map"][new + leaf] = idx["weight_map"].pop(old + leaf)
+    path.write_text(json.dumps(idx))
+    with pytest.raises(CheckpointError) as info:
+        Checkpoint(folder)
+    msg = str(info.value)
+    assert "\n" not in msg and "contradicts" not in msg, msg
+    assert old + "weight" in msg and new + "weight" in msg and str(shard) in msg, msg
