@@ -36,7 +36,7 @@ from quantkit.checkpoint.index import (
 )
 from quantkit.errors import CheckpointError
 from quantkit.formats import fp8, int4
-from quantkit.model.arch import ModelArch, load_arch
+from quantkit.model.arch import ModelArch, load_arch, without_mtp
 from quantkit.model.tensors import QUANT_SUFFIXES, TensorClass, TensorInfo, classify
 
 
@@ -138,6 +138,7 @@ class Checkpoint:
         self._by_layer: dict[int | None, list[str]] = defaultdict(list)
         for name, st in self.tensors.items():
             self._by_layer[st.info.layer].append(name)
+        self.absent_mtp_layers = self._drop_absent_mtp()
         if complete:
             self._check_complete()
 
@@ -219,6 +220,18 @@ class Checkpoint:
             ((leaf, storage),) = p.items()
             return Stored(info, "dense", p, hdr(storage)["dtype"], tuple(hdr(storage)["shape"]))
         raise CheckpointError(f"unexpected storage parts {sorted(p)} for one tensor", file=file, tensor=logical)
+
+    def _drop_absent_mtp(self) -> int:
+        """MTP layers config.json declares but the shards hold no tensor of (transformers'
+        save_pretrained of a DeepSeek-V3 model writes num_nextn_predict_layers: 1 and no MTP
+        tensors): the checkpoint is read without them, and the count is returned for the report
+        and the cards. A layer held in part is still refused (`_check_complete`)."""
+        a = self.arch
+        held = [layer for layer in self._by_layer if layer is not None and layer >= a.num_hidden_layers]
+        if not a.num_mtp_layers or held:
+            return 0
+        self.arch = without_mtp(a)
+        return a.num_mtp_layers
 
     def _check_complete(self) -> None:
         """Every tensor the architecture needs is there (a one-line error here, not a KeyError
