@@ -48,7 +48,7 @@ Method, PlanMethod = _shared(str, "gptq (calibrated), awq, or rtn (data-free bas
 NumSamples, PlanNumSamples = _shared(int, "Calibration samples.", "--convert: calibration samples.")
 SeqLen, PlanSeqLen = _shared(int, "Tokens per calibration sample.", "--convert: tokens per calibration sample.")
 GroupSize, PlanGroupSize = _shared(int, "INT4 group size: 32, 64 or 128.",
-                                   "INT4 group size of the decode checkpoint (default 128; with --convert, the recipe's).")
+                                   "INT4 group size of the decode checkpoint (default: the model's recipe's, as convert writes).")
 HostMemory, PlanHostMemory = _shared(str, "Host RAM budget, e.g. 8GB (default: available memory).",
                                      "--convert: host RAM budget, e.g. 8GB (default: available memory).")
 GpuMemory, PlanGpuMemory = _shared(str, "GPU memory budget, e.g. 120GB (default: the device's).",
@@ -147,8 +147,6 @@ def plan(
     from quantkit.inputs.modelspec import is_tiny, resolve
     from quantkit.planner.capacity import plan as run_plan
     from quantkit.planner.render import render_plan
-
-    group_size = group_size or 128
 
     target = resolve(model) if is_tiny(model) else model
     result = run_plan(target, gpus=gpus, gpu=gpu, tp=tp, context=context, mem_fraction=mem_fraction,

@@ -108,6 +108,15 @@ def convert_report(model, job: Job, tokens, source_files: dict[str, str], out: P
                "distributed": distributed_report(job.group, job.state, used)})
 
 
+def mtp_report(ckpt) -> dict:
+    """The MTP layers converted, and those config.json declared that the shards did not hold
+    (dropped: the outputs' configs say num_nextn_predict_layers 0, and the cards say so)."""
+    from quantkit.model.arch import NO_MTP
+
+    absent = getattr(ckpt, "absent_mtp_layers", 0)
+    return {"layers": ckpt.arch.num_mtp_layers, "declared_absent": absent, "note": NO_MTP if absent else None}
+
+
 def _experts_summary(experts: list[dict]) -> dict:
     """The experts' counts by method, fallback and guard outcome."""
     counts = {m: sum(1 for e in experts if e["method"] == m) for m in ("gptq", "awq", "rtn", "reused")}
@@ -134,6 +143,7 @@ def _pair_report(model, job: Job, tokens, source_files: dict[str, str], out: Pat
                    "commit": ckpt.remote.commit if ckpt.remote else None,
                    "unverified_files": ckpt.remote.unverified if ckpt.remote else [],
                    "files": source_files},
+        "mtp": mtp_report(ckpt),
         "recipe": rec.model_dump(mode="json"),
         "method": rec.method,
         "group_size": G,

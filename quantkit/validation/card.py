@@ -93,6 +93,8 @@ def render_card(which: str, report: dict, validation: dict, *, license: dict[str
         f"| model | `{src['spec']}` |",
         f"| revision | {f'`{revision}`' if revision else 'not recorded (a local folder); see the file hashes below'} |",
         f"| model_type | `{src.get('model_type', '?')}` |",
+        *([f"| MTP | {report['mtp']['note']} (config.json declared {report['mtp']['declared_absent']}; "
+           "the outputs' configs say `num_nextn_predict_layers: 0`) |"] if (report.get("mtp") or {}).get("note") else []),
         f"| config.json sha256 | `{(src.get('files') or {}).get('config.json', '?')}` |",
         f"| this folder's manifest.json sha256 | `{report['outputs'][which].get('manifest_sha256') or 'not recorded'}` "
         "(`quantkit verify` checks every file and tensor against it) |",
