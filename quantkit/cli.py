@@ -22,6 +22,7 @@ app = typer.Typer(
     help="Quantize trillion-parameter MoE checkpoints (Kimi K2.6, GLM 5.2) into a matched FP8-prefill / INT4-decode pair.",
     no_args_is_help=True,
     add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
     pretty_exceptions_enable=False,
 )
 console = Console(stderr=True)
@@ -32,27 +33,44 @@ Device = Annotated[str, typer.Option(help="auto (CUDA when present, else CPU), c
 Unverified = Annotated[bool, typer.Option("--allow-unverified", help="hf:// only: accept files the Hub lists without a checksum (size only; recorded in the report).")]
 
 
-def _shared(kind: type, convert_help: str, plan_help: str):
+def _shared(kind: type, convert_help: str, plan_help: str, shown: str | bool = False):
     """An option both `convert` and `plan --convert` take, declared once so that its name, type and
     default cannot drift apart between a run and its prediction; returned as each command's
     annotation, because each keeps its own help (plan's names its mode, and its GPU default is
-    the --gpu's, not this machine's)."""
-    return (Annotated[Optional[kind], typer.Option(help=convert_help)],
+    the --gpu's, not this machine's). `shown`: the default convert's help shows (the recipe's
+    value, which no number here could state for every model)."""
+    return (Annotated[Optional[kind], typer.Option(help=convert_help, show_default=shown)],
             Annotated[Optional[kind], typer.Option(help=plan_help)])
 
 
 # The options `convert` and `plan --convert` share, each declared once (convert's, then plan's).
 Recipe, PlanRecipe = _shared(str, "Recipe file or name (default: the model family's).",
                              "--convert: recipe file or name (default: the model family's).")
-Method, PlanMethod = _shared(str, "gptq (calibrated), awq, or rtn (data-free baseline).", "--convert: gptq, awq or rtn.")
-NumSamples, PlanNumSamples = _shared(int, "Calibration samples.", "--convert: calibration samples.")
-SeqLen, PlanSeqLen = _shared(int, "Tokens per calibration sample.", "--convert: tokens per calibration sample.")
+RECIPES = "the recipe's"
+Method, PlanMethod = _shared(str, "gptq (calibrated), awq, or rtn (data-free baseline).", "--convert: gptq, awq or rtn.", RECIPES)
+NumSamples, PlanNumSamples = _shared(int, "Calibration samples.", "--convert: calibration samples.", RECIPES)
+SeqLen, PlanSeqLen = _shared(int, "Tokens per calibration sample.", "--convert: tokens per calibration sample.", RECIPES)
 GroupSize, PlanGroupSize = _shared(int, "INT4 group size: 32, 64 or 128.",
-                                   "INT4 group size of the decode checkpoint (default 128; with --convert, the recipe's).")
+                                   "INT4 group size of the decode checkpoint (default 128; with --convert, the recipe's).",
+                                   RECIPES)
 HostMemory, PlanHostMemory = _shared(str, "Host RAM budget, e.g. 8GB (default: available memory).",
                                      "--convert: host RAM budget, e.g. 8GB (default: available memory).")
 GpuMemory, PlanGpuMemory = _shared(str, "GPU memory budget, e.g. 120GB (default: the device's).",
                                    "--convert: GPU memory budget (default: the --gpu's).")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from quantkit import __version__
+
+        sys.stdout.write(f"quantkit {__version__}\n")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                               help="Print quantkit's version and exit.")] = False) -> None:
+    """Quantize trillion-parameter MoE checkpoints (Kimi K2.6, GLM 5.2) into a matched FP8-prefill / INT4-decode pair."""
 
 
 def user_errors(fn):
@@ -132,6 +150,12 @@ def plan(
     from quantkit.planner.capacity import plan as run_plan
     from quantkit.planner.render import render_plan
 
+    from quantkit.planner.gpus import GPUS
+
+    if gpu not in GPUS:  # checked here: the library's message names its own gpu_mem_gib argument, not an option
+        from quantkit.errors import ConfigError
+
+        raise ConfigError(f"--gpu {gpu}: unknown GPU kind; known: {', '.join(GPUS)}")
     group_size = group_size or 128
 
     target = resolve(model) if is_tiny(model) else model
@@ -177,7 +201,7 @@ def convert(
     recipe: Recipe = None,
     preset: Annotated[Optional[str], typer.Option(help="Alias of --recipe: a shipped recipe name (kimi-k2.6, glm-5.2, ...).")] = None,
     method: Method = None,
-    calib: Annotated[Optional[str], typer.Option(help="Calibration data: hf:org/name@split, a .jsonl/.txt/.parquet/.npy/.safetensors file, or synthetic:train.")] = None,
+    calib: Annotated[Optional[str], typer.Option(help="Calibration data: hf:org/name@split, a .jsonl, .txt, .parquet, .npy or .safetensors file, or synthetic:train.", show_default=RECIPES)] = None,
     num_samples: NumSamples = None,
     seq_len: SeqLen = None,
     group_size: GroupSize = None,

@@ -457,7 +457,7 @@ def test_a_second_convert_or_validate_on_one_folder_is_refused(src, whole, tmp_p
         w = whole[0]
         h2 = _holder(w)
         v = runner.invoke(app, ["validate", str(w), "--device", "cpu"])
-        assert v.exit_code == 1 and f"in use by pid {h2.pid}" in v.output
+        assert v.exit_code == 1 and f"in use by pid {h2.pid}" in v.output and "--out" not in v.output  # validate has none
         h2.kill()
         h2.wait()
     finally:
@@ -501,6 +501,56 @@ def full_folder(tmp_path):
         pytest.skip("cannot mount a small tmpfs on this machine (needs root)")
     yield d
     subprocess.run(["umount", str(d)], capture_output=True)
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """A read-only filesystem (a tmpfs mounted ro): every write there is OSError 30, EROFS."""
+    d = tmp_path / "ro"
+    d.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=4k", "tmpfs", str(d)], capture_output=True).returncode:
+        pytest.skip("cannot mount a read-only tmpfs on this machine (needs root)")
+    yield d
+    subprocess.run(["umount", str(d)], capture_output=True)
+
+
+def test_an_out_that_cannot_be_written_is_one_line(src, whole, tmp_path, read_only):
+    """An --out that is a file (FileExistsError) or on a read-only filesystem (EROFS): one line,
+    exit 1, for convert and for validate (whose fix is not "another --out")."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    cases = {"a file": a_file, "read-only, new folder": read_only / "out", "read-only, the folder itself": read_only}
+    bad = []
+    for case, out in cases.items():
+        res = runner.invoke(app, ["convert", str(src), "--out", str(out), "--method", "rtn", "--no-validate", "--json"])
+        line = res.output.strip()
+        if not (res.exit_code == 1 and len(line.splitlines()) == 1 and line.startswith(f"error: {out}: cannot write")
+                and "choose another --out" in line and "Traceback" not in res.output):
+            bad.append(f"{case}: {res.output}")
+    ro_pair = read_only.parent / "ro-pair"
+    shutil.copytree(whole[0], ro_pair)
+    subprocess.run(["mount", "--bind", "-o", "ro", str(ro_pair), str(ro_pair)], check=True)
+    try:
+        v = runner.invoke(app, ["validate", str(ro_pair), "--device", "cpu", "--json"])
+    finally:
+        subprocess.run(["umount", str(ro_pair)], capture_output=True)
+    if not (v.exit_code == 1 and f"{ro_pair}: cannot write" in v.output and "--out" not in v.output
+            and "Traceback" not in v.output):
+        bad.append(f"validate on a read-only pair: {v.output}")
+    record("bad --out", "a file; a read-only filesystem (new folder, the folder itself); validate on a read-only pair",
+           4, not bad, "one line, exit 1")
+    assert not bad, bad
+
+
+def test_outputs_are_readable_per_the_umask(whole):
+    """Every file of a convert output has the mode a plain open() gives (0644 under umask 022), as
+    transformers' own saves do: a server running as another user must read the shards."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    modes = {p.relative_to(whole[0]).as_posix(): p.stat().st_mode & 0o777 for p in whole[0].rglob("*") if p.is_file()}
+    wrong = {f: oct(m) for f, m in modes.items() if m != 0o666 & ~mask}
+    record("output files", f"mode {oct(0o666 & ~mask)} under umask {oct(mask)}, shards included", len(modes), not wrong)
+    assert not wrong, wrong
 
 
 def test_safetensors_enospc_is_recognised(full_folder):

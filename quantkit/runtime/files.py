@@ -31,6 +31,21 @@ def atomic_write_text(path: Path, text: str, *, make_parents: bool = False) -> N
         raise
 
 
+def readable_per_umask(path: Path) -> None:
+    """Give a file the mode a plain open() would have (0644 under umask 022): safetensors writes
+    through a private temporary file (0600), which a server running as another user cannot read."""
+    os.chmod(path, 0o666 & ~_UMASK)
+
+
+def _read_umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it; done once, at import, before any thread
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()
+
+
 def cache_dir() -> Path:
     """quantkit's own cache folder: $QUANTKIT_CACHE, default ~/.cache/quantkit (read at each call)."""
     return Path(os.environ.get("QUANTKIT_CACHE", Path.home() / ".cache" / "quantkit"))
