@@ -148,9 +148,8 @@ def plan(
         return
     from quantkit.inputs.modelspec import is_tiny, resolve
     from quantkit.planner.capacity import plan as run_plan
-    from quantkit.planner.render import render_plan
-
     from quantkit.planner.gpus import GPUS
+    from quantkit.planner.render import render_plan
 
     if gpu not in GPUS:  # checked here: the library's message names its own gpu_mem_gib argument, not an option
         from quantkit.errors import ConfigError
