@@ -439,6 +439,46 @@ def test_existing_and_interrupted_outputs_say_what_to_do(src, whole, tmp_path, m
     assert ok, gone.output
 
 
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUANTKIT_FAULT")}
+    return env | extra
+
+
+def test_unfinished_output_names_itself_and_the_resume_command(src, whole, tmp_path):
+    """verify / validate / check-serving on a convert still running, then killed: "still running",
+    then "interrupted" with the exact command, which (run as printed) completes it byte-identically;
+    never "reconvert it"; check-serving refuses both (exit 1)."""
+    out = tmp_path / "o"
+    args = ["convert", str(src), "--out", str(out), "--method", "rtn", "--no-validate", "--json"]
+    live = subprocess.Popen(_cli(*args), env=_env(QUANTKIT_CONVERT_LAYER_DELAY="30"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while not (out / ".quantkit-convert" / "state.json").is_file() and time.time() < deadline:
+            time.sleep(0.2)
+        running = {c: runner.invoke(app, [c, str(out)] + (["--device", "cpu"] if c == "validate" else []))
+                   for c in ("verify", "validate", "check-serving")}
+    finally:
+        live.send_signal(signal.SIGKILL)  # the same folder is now a killed run's
+        live.wait()
+    killed = {c: runner.invoke(app, [c, str(out)] + (["--device", "cpu"] if c == "validate" else []))
+              for c in ("verify", "validate", "check-serving")}
+    bad = [f"{c} (running): {r.output}" for c, r in running.items()
+           if not (r.exit_code == 1 and ("still running" in r.output or f"in use by pid {live.pid}" in r.output)
+                   and "reconvert" not in r.output)]
+    bad += [f"{c} (killed): {r.output}" for c, r in killed.items()
+            if not (r.exit_code == 1 and "interrupted" in r.output and "reconvert" not in r.output
+                    and "--resume" in r.output and "Traceback" not in r.output)]
+    line = killed["validate"].output.strip().splitlines()[-1]
+    command = line.split("continue it with: ", 1)[1].split()
+    assert command[:2] == ["quantkit", "convert"] and command[-1] == "--resume", line
+    done = subprocess.run(_cli(*command[1:]), env=_env(), capture_output=True, text=True)
+    ok = not bad and done.returncode == 0 and _same_pair(out, whole[0]) and verify(out).ok
+    record("unfinished output", "verify / validate / check-serving on a running, then a killed convert: named as "
+           "such, with the exact --resume command (which completes it)", 6, ok)
+    assert ok, (bad, done.stderr[-2000:])
+
+
 # ---- one owner per output -----------------------------------------------------------------------------------
 def _holder(out: Path) -> subprocess.Popen:
     code = ("import sys, time; from quantkit.checkpoint.outlock import acquire; acquire(sys.argv[1], 'convert'); "

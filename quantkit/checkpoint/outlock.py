@@ -91,6 +91,11 @@ def acquire(out: Path, command: str) -> OutputLock:
     return lk
 
 
+def holds(path: Path) -> bool:
+    """This process holds the lock file `path` (readers then know the live owner is themselves)."""
+    return str(Path(path).resolve()) in _held
+
+
 def unusable(out: Path, e: OSError, command: str) -> OutputError:
     """An OSError on the output folder as one line: what the system said, and the fix."""
     why = e.strerror or str(e)

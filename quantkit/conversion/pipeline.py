@@ -36,6 +36,7 @@ import torch
 
 from quantkit.checkpoint.finish import finish_pair, journal
 from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.unfinished import record_command
 from quantkit.conversion.job import Job
 from quantkit.conversion.outputs import (
     PairWriter,
@@ -109,6 +110,7 @@ def convert(
         >>> res.report["experts_summary"]
     """
     t_start = time.time()
+    argv = _command_line(model, out, locals())  # what verify/validate/check-serving tell a user to rerun
     out = Path(out)
     ckpt = open_checkpoint(model, release_consumed=delete_source_after, allow_unverified=allow_unverified)
     rec = _recipe(model, ckpt.arch, recipe, method=method, group_size=group_size, num_samples=num_samples,
@@ -125,6 +127,9 @@ def convert(
     source_files = source_identity(ckpt)
     out.mkdir(parents=True, exist_ok=True)
     state = open_state(state_dir, fingerprint(source_files, rec, tokens), resume, group.leader)
+    if group.leader:
+        record_command(state_dir, argv + ([f"--nproc={group.world}"] if group.distributed else []),
+                       ckpt.arch.num_layers_with_mtp)
     group.barrier("starting")  # every rank has read the state rank 0 will overwrite, and sees its folder
 
     job = Job(ckpt, rec, decisions, group, dev, dtype, state, state_dir)
@@ -177,6 +182,25 @@ def convert(
 
 
 # ---- the steps ---------------------------------------------------------------------------------
+_FLAGS = {"trust_remote_code": "--trust-remote-code", "delete_source_after": "--delete-source-after",
+          "allow_unverified": "--allow-unverified"}
+_OPTIONS = ("recipe", "method", "calib", "num_samples", "seq_len", "group_size", "decode_rest", "max_host_memory",
+            "max_gpu_memory")
+
+
+def _command_line(model, out, args: dict) -> list[str]:
+    """The `quantkit convert` line for these arguments (the CLI's options; --resume left out), so
+    that a reader of an interrupted folder can print the exact command that continues it."""
+    argv = ["quantkit", "convert", str(model), "--out", str(out)]
+    for name in _OPTIONS:
+        if args.get(name) is not None:
+            argv.append(f"--{name.replace('_', '-')}={args[name]}")
+    if args.get("device", "auto") != "auto":
+        argv.append(f"--device={args['device']}")
+    argv += [flag for name, flag in _FLAGS.items() if args.get(name)]
+    return argv + ([] if args.get("validate", True) else ["--no-validate"])
+
+
 def _previous_run(out: Path, state_dir: Path, resume: bool, leader: bool) -> tuple[ConvertResult | None, bool]:
     """What `out` holds already: with --resume, a run that had completed (its result) or one that
     had reached its finish (True: the layers are done; only the finish is left). A complete output
