@@ -29,6 +29,7 @@ console = Console(stderr=True)
 
 Model = Annotated[str, typer.Argument(help="A model folder, an hf://org/repo@rev id, or tiny:kimi-k2.6 / tiny:glm-5.2.")]
 Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (for scripts).")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress: no bar in a terminal, no line per layer in a log.")]
 Device = Annotated[str, typer.Option(help="auto (CUDA when present, else CPU), cuda or cpu.")]
 Unverified = Annotated[bool, typer.Option("--allow-unverified", help="hf:// only: accept files the Hub lists without a checksum (size only; recorded in the report).")]
 
@@ -214,6 +215,7 @@ def convert(
     max_host_memory: HostMemory = None,
     max_gpu_memory: GpuMemory = None,
     nproc: Annotated[Optional[int], typer.Option(help="Ranks on this machine (one per GPU): launches torchrun, which splits each layer's routed experts across them (docs/distributed.md).")] = None,
+    quiet: Quiet = False,
     json_out: Json = False,
 ):
     """Emit the FP8 prefill and INT4 decode checkpoints from one streaming pass, with calibrated per-expert GPTQ or AWQ."""
@@ -225,7 +227,7 @@ def convert(
     try:
         result = run_convert(model, out, recipe=recipe or preset, method=method, calib=calib, num_samples=num_samples,
                              seq_len=seq_len, group_size=group_size, decode_rest=decode_rest, device=device, resume=resume,
-                             validate=not no_validate, progress=not json_out, trust_remote_code=trust_remote_code,
+                             validate=not no_validate, progress=not (json_out or quiet), trust_remote_code=trust_remote_code,
                              delete_source_after=delete_source_after, allow_unverified=allow_unverified,
                              max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory)
     except KeyboardInterrupt:
@@ -261,6 +263,7 @@ def validate(
     max_gpu_memory: Annotated[Optional[str], typer.Option(help="GPU memory budget (default: the device's).")] = None,
     weights: Annotated[str, typer.Option(help="auto: keep as much of the checkpoints (each rank its share) in memory, as stored, as the budget allows, so greedy tokens stop re-reading them; resident: all of it or an error; stream: re-read every layer for every greedy token.")] = "auto",
     nproc: Annotated[Optional[int], typer.Option(help="Ranks on this machine (one per GPU): launches torchrun; each rank runs its share of the routed experts (docs/distributed.md).")] = None,
+    quiet: Quiet = False,
     json_out: Json = False,
 ):
     """Measure the pair against its source layer by layer; write validation.json/.md/.png and model cards. Exit 3 if a gate fails."""
@@ -268,7 +271,7 @@ def validate(
 
     _relaunch_under_torchrun(ctx, nproc, folder, resume_hint=False)
     result = run_validate(folder, reference=reference, eval_data=eval_data, num_samples=num_samples, seq_len=seq_len,
-                          gen_tokens=gen_tokens, device=device, gates=gate, progress=not json_out, kv_cache_dtype=kv_cache_dtype,
+                          gen_tokens=gen_tokens, device=device, gates=gate, progress=not (json_out or quiet), kv_cache_dtype=kv_cache_dtype,
                           max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory, weights=weights)
     from quantkit.runtime.distributed import from_env
 

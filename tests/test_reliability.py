@@ -479,6 +479,47 @@ def test_unfinished_output_names_itself_and_the_resume_command(src, whole, tmp_p
     assert ok, (bad, done.stderr[-2000:])
 
 
+# ---- logs for jobs nobody watches --------------------------------------------------------------------------
+def test_a_log_fills_while_convert_runs_one_line_per_layer(src, whole, tmp_path):
+    """stdout a pipe (nohup, CI): a flushed line per layer while the run goes on, with the layer,
+    elapsed, ETA and peak memory; --quiet prints none; --resume says where it continues; validate
+    prints a line per pass."""
+    import re
+
+    out = tmp_path / "o"
+    n = json.loads((whole[0] / REPORT).read_text())["layers"][-1]["layer"] + 1
+    args = ["convert", str(src), "--out", str(out), "--method", "rtn"]
+    p = subprocess.Popen(_cli(*args, "--no-validate"), env=_env(QUANTKIT_CONVERT_LAYER_DELAY="1"),
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    seen_running = []
+    for raw in p.stdout:
+        if raw.startswith("layers "):
+            seen_running.append((raw.strip(), p.poll() is None))
+    p.wait()
+    shape = re.compile(r"^layers (\d+)/%d  elapsed \d+:\d\d:\d\d  ETA (\?|\d+:\d\d:\d\d)  peak host \d+\.\d\d GB" % n)
+    lines_ok = (p.returncode == 0 and [int(shape.match(line).group(1)) for line, _ in seen_running] == list(range(n + 1))
+                and all(alive for _, alive in seen_running[:-1]))
+    quiet = subprocess.run(_cli(*args, "--no-validate", "--quiet", "--out", str(tmp_path / "q")), env=_env(),
+                           capture_output=True, text=True)
+    quiet_ok = quiet.returncode == 0 and "layers " not in quiet.stdout and "predicted" not in quiet.stderr
+    killed = tmp_path / "k"
+    subprocess.run(_cli(*args[:2], "--out", str(killed), "--method", "rtn", "--no-validate", "--json"),
+                   env=_env(QUANTKIT_FAULT="state:saved#3"), capture_output=True)
+    resumed = subprocess.run(_cli(*args[:2], "--out", str(killed), "--method", "rtn", "--resume", "--no-validate"),
+                             env=_env(), capture_output=True, text=True)
+    at = re.search(r"resuming \S+ at layer (\d+) of %d" % n, resumed.stderr)
+    validated = subprocess.run(_cli("validate", str(killed), "--device", "cpu", "--num-samples", "1", "--seq-len", "16",
+                                    "--gen-tokens", "2", "--eval-data", "synthetic:heldout"), env=_env(), capture_output=True,
+                               text=True)
+    passes = [line.split("  ")[0] for line in validated.stdout.splitlines() if line.startswith("validate: pass ")]
+    resume_ok = (resumed.returncode == 0 and at is not None and int(at.group(1)) > 0 and validated.returncode in (0, 3)
+                 and passes == ["validate: pass 1/2", "validate: pass 2/2"])
+    ok = lines_ok and quiet_ok and resume_ok
+    record("logs (stdout a pipe)", f"a line per layer while running ({n} layers), none with --quiet, --resume names "
+           "its layer, validate a line per pass", 4, ok)
+    assert ok, (seen_running, quiet.stdout[-500:], resumed.stderr[-1500:], validated.stderr[-1500:], passes)
+
+
 # ---- one owner per output -----------------------------------------------------------------------------------
 def _holder(out: Path) -> subprocess.Popen:
     code = ("import sys, time; from quantkit.checkpoint.outlock import acquire; acquire(sys.argv[1], 'convert'); "

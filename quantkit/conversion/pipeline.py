@@ -139,6 +139,8 @@ def convert(
     pair = open_pair(job, out, digits, resume=resume, finishing=finishing)
     n_layers = ckpt.arch.num_layers_with_mtp
     bar = LayerProgress(progress, n_layers, "layers")
+    if progress and resume and state.next_layer > 0:
+        _say(f"resuming {out} at layer {state.next_layer} of {n_layers} (layers 0-{state.next_layer - 1} are done)")
     calibration = start_calibration(job, tokens)
     state_every = int(os.environ.get("QUANTKIT_STATE_EVERY", job.cost.state_every))  # debug knob: the resume tests
     with bar:
@@ -298,6 +300,14 @@ def _save_progress(job: Job, pair: PairWriter, calibration: Calibration, layer: 
             save_state(job.state_dir, job.state, calibration.store, calibration.topks)
     else:
         group.barrier(f"end of layer {layer}")
+
+
+def _say(text: str) -> None:
+    """One line on stderr, flushed (a log under nohup shows it at once)."""
+    import sys
+
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
 
 
 def _debug_delay() -> None:
