@@ -215,6 +215,11 @@ def convert(
     max_host_memory: HostMemory = None,
     max_gpu_memory: GpuMemory = None,
     nproc: Annotated[Optional[int], typer.Option(help="Ranks on this machine (one per GPU): launches torchrun, which splits each layer's routed experts across them (docs/distributed.md).")] = None,
+    eval_data: Annotated[Optional[str], typer.Option(help="The chained validate's held-out data (default: the recipe's validate.dataset); loaded before the first layer.", show_default=RECIPES)] = None,
+    eval_num_samples: Annotated[Optional[int], typer.Option(help="The chained validate's eval windows.", show_default=RECIPES)] = None,
+    eval_seq_len: Annotated[Optional[int], typer.Option(help="The chained validate's tokens per eval window.", show_default=RECIPES)] = None,
+    gen_tokens: Annotated[Optional[int], typer.Option(help="The chained validate's greedy tokens after each window.", show_default=RECIPES)] = None,
+    gate: Annotated[Optional[Path], typer.Option(help="The chained validate's YAML/JSON gates (kl_max: 0.05, ...).", show_default=RECIPES)] = None,
     quiet: Quiet = False,
     json_out: Json = False,
 ):
@@ -229,7 +234,8 @@ def convert(
                              seq_len=seq_len, group_size=group_size, decode_rest=decode_rest, device=device, resume=resume,
                              validate=not no_validate, progress=not (json_out or quiet), trust_remote_code=trust_remote_code,
                              delete_source_after=delete_source_after, allow_unverified=allow_unverified,
-                             max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory)
+                             max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory, eval_data=eval_data,
+                             eval_num_samples=eval_num_samples, eval_seq_len=eval_seq_len, gen_tokens=gen_tokens, gate=gate)
     except KeyboardInterrupt:
         console.print(f"[red]interrupted:[/red] {out} is not complete; run the same command with --resume to continue "
                       "from the last completed layer", highlight=False, soft_wrap=True)

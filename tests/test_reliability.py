@@ -479,6 +479,39 @@ def test_unfinished_output_names_itself_and_the_resume_command(src, whole, tmp_p
     assert ok, (bad, done.stderr[-2000:])
 
 
+# ---- fail before the work ----------------------------------------------------------------------------------
+def test_a_validate_dataset_that_cannot_load_fails_convert_before_any_layer(tmp_path):
+    """A recipe whose validate.dataset cannot load offline: convert exits 1 naming the dataset
+    before any layer is written (no .partial, no crash point of the layer loop passed); with
+    --eval-data and the other eval options the same recipe converts, and the chained validate
+    uses them."""
+    from importlib.resources import files
+
+    missing = "hf:quantkit-test/no-such-dataset@test"
+    text = (files("quantkit") / "recipes" / "tiny-glm-5.2.yaml").read_text()
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(text.replace("dataset: synthetic:heldout", f"dataset: {missing}"))
+    assert missing in recipe.read_text()
+    out, log = tmp_path / "o", tmp_path / "points.log"
+    env = _env(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", QUANTKIT_FAULT_LOG=str(log))
+    args = ["convert", "tiny:glm-5.2", "--recipe", str(recipe), "--method", "rtn", "--json"]
+    res = subprocess.run(_cli(*args, "--out", str(out)), env=env, capture_output=True, text=True)
+    points = log.read_text().split() if log.exists() else []
+    refused = (res.returncode == 1 and missing in res.stderr and "before converting any layer" in res.stderr
+               and "Traceback" not in res.stderr and not any(p.startswith(("layer:", "flush:")) for p in points)
+               and not list(tmp_path.glob("o/*.partial")))
+    given = tmp_path / "g"
+    ran = subprocess.run(_cli(*args, "--out", str(given), "--eval-data", "synthetic:heldout", "--eval-num-samples", "2",
+                              "--eval-seq-len", "16", "--gen-tokens", "0"), env=env, capture_output=True, text=True)
+    v = json.loads((given / "validation.json").read_text()) if (given / "validation.json").is_file() else {}
+    used = json.dumps(v)
+    passed_on = ran.returncode in (0, 3) and "synthetic:heldout" in used and missing not in used
+    ok = refused and passed_on
+    record("fail before the work", "validate.dataset that cannot load offline: exit 1 naming it, no layer written; "
+           "convert --eval-data ... reaches the chained validate", 2, ok)
+    assert ok, (res.stderr[-1500:], points[:5], ran.stderr[-1500:])
+
+
 # ---- logs for jobs nobody watches --------------------------------------------------------------------------
 def test_a_log_fills_while_convert_runs_one_line_per_layer(src, whole, tmp_path):
     """stdout a pipe (nohup, CI): a flushed line per layer while the run goes on, with the layer,
