@@ -214,7 +214,7 @@ def convert(
     allow_unverified: Unverified = False,
     max_host_memory: HostMemory = None,
     max_gpu_memory: GpuMemory = None,
-    nproc: Annotated[Optional[int], typer.Option(help="Ranks on this machine (one per GPU): launches torchrun, which splits each layer's routed experts across them (docs/distributed.md).")] = None,
+    nproc: Annotated[Optional[int], typer.Option(help="Ranks on this machine (one per GPU): launches torchrun, which splits each layer's routed experts across them (docs/distributed.md). The bytes equal one process's only at the same threads per process (torchrun's ranks run 1; set OMP_NUM_THREADS=1 for the single run), torch/BLAS build and device type: convert-report.json's reproducibility records them.")] = None,
     eval_data: Annotated[Optional[str], typer.Option(help="The chained validate's held-out data (default: the recipe's validate.dataset); loaded before the first layer.", show_default=RECIPES)] = None,
     eval_num_samples: Annotated[Optional[int], typer.Option(help="The chained validate's eval windows.", show_default=RECIPES)] = None,
     eval_seq_len: Annotated[Optional[int], typer.Option(help="The chained validate's tokens per eval window.", show_default=RECIPES)] = None,

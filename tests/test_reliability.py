@@ -512,6 +512,17 @@ def test_a_validate_dataset_that_cannot_load_fails_convert_before_any_layer(tmp_
     assert ok, (res.stderr[-1500:], points[:5], ran.stderr[-1500:])
 
 
+def test_the_report_records_what_the_bytes_depend_on(whole):
+    """convert-report.json names the torch build, its BLAS/LAPACK, the threads per rank and the device:
+    GPTQ's and the KV scales' float sums change with them (the same convert at 2 threads and 1 differs)."""
+    r = json.loads((whole[0] / REPORT).read_text())["reproducibility"]
+    ok = (r["torch"] == torch.__version__ and r["blas"] and r["lapack"] and r["threads"] == torch.get_num_threads()
+          and r["threads_per_rank"] == [r["threads"]] and r["device"] == "cpu" and "threads per rank" in r["must_match"])
+    record("reproducible bytes", "the report records torch, BLAS/LAPACK, threads per rank, device", 1, ok,
+           f"blas {r.get('blas')}, {r.get('threads')} threads")
+    assert ok, r
+
+
 # ---- logs for jobs nobody watches --------------------------------------------------------------------------
 def test_a_log_fills_while_convert_runs_one_line_per_layer(src, whole, tmp_path):
     """stdout a pipe (nohup, CI): a flushed line per layer while the run goes on, with the layer,

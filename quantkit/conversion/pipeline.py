@@ -185,7 +185,8 @@ def convert(
     calibration.close()
     parts = close_pair(pair)
     # every rank has written its parts and is done with the state folder (rank 0 finishes alone)
-    used = group.all_gather_object({"peak_rss": peak_rss(), "parts": pair.written()}, "before the finish")
+    used = group.all_gather_object({"peak_rss": peak_rss(), "parts": pair.written(), "threads": torch.get_num_threads()},
+                                   "before the finish")
     if not group.leader:
         return _other_rank(out, group, validate, device, later)
     report = finish_pair(out, state_dir, parts, digits, configs, carried, set(state.differ),
