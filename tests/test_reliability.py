@@ -864,6 +864,52 @@ def test_validate_verifies_first_and_the_card_states_the_manifest_digest(whole, 
                  device="cpu", progress=False)
 
 
+def _results(out: Path) -> dict[str, object]:
+    """What each of validate's result files says: validation.json's verdict, each card's, the figure's bytes."""
+    def card(which):
+        text = (out / which / "README.md").read_text()
+        return "passed" if "all gates passed" in text else "FAILED" if "gates FAILED" in text else "?"
+    verdict = json.loads((out / "validation.json").read_text())["passed"]
+    md = (out / "validation.md").read_text()
+    return {"json": "passed" if verdict else "FAILED", "prefill": card("prefill"), "decode": card("decode"),
+            "md": "FAILED" if "FAIL" in md else "passed", "png": (out / "validation.png").read_bytes()}
+
+
+def test_results_and_cards_never_disagree_after_a_crash(whole, src, tmp_path, monkeypatch):
+    """A passed folder re-validated with a stricter gate, crashed between the writes: either every
+    file is the old run's, or (crashed mid-rename) the next reader completes the new run's, all of
+    them; never a card saying "all gates passed" beside a validation.json that failed."""
+    from quantkit.validation.pipeline import validate
+
+    out = tmp_path / "o"
+    shutil.copytree(whole[0], out)
+    kw = dict(reference=src, eval_data="synthetic:heldout", num_samples=1, seq_len=16, gen_tokens=0, device="cpu",
+              progress=False)
+    validate(out, gates={"kl_max": 100.0}, **kw)
+    old = _results(out)
+    assert {old[k] for k in ("json", "prefill", "decode", "md")} == {"passed"}
+    rows = []
+    for point in ("validate:staged", "renames:marked", "renames:renamed#1", "renames:renamed#3"):
+        monkeypatch.setenv("QUANTKIT_FAULT", f"{point}:raise")
+        faults.reset()
+        with pytest.raises(faults.InjectedFault):
+            validate(out, gates={"kl_max": 0.0}, **kw)  # fails: KL is never below 0
+        monkeypatch.delenv("QUANTKIT_FAULT")
+        verify(out)  # the next reader: completes an interrupted set of renames
+        now = _results(out)
+        verdicts = {now[k] for k in ("json", "prefill", "decode", "md")}
+        whole_old = now == old
+        whole_new = verdicts == {"FAILED"} and now["png"] != old["png"]
+        rows.append((point, whole_old, whole_new, not (out / ".validation.pending.json").exists()))
+        if whole_new:  # back to a passed folder for the next crash point
+            validate(out, gates={"kl_max": 100.0}, **kw)
+            old = _results(out)
+    ok = [r[0] for r in rows if (r[1] or r[2]) and r[3]] == [r[0] for r in rows] and rows[0][1] and rows[-1][2]
+    record("cards and results agree", "re-validate with a stricter gate, crash before the marker, after it, between "
+           "renames; then verify", len(rows), ok, "all old or all new")
+    assert ok, rows
+
+
 # ---- a malicious Hub ----------------------------------------------------------------------------------------
 HUB_REPO = "evil-org/tiny"
 

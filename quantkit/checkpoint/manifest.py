@@ -28,12 +28,16 @@ from pathlib import Path
 
 from quantkit.checkpoint.unfinished import is_unfinished, resume_command, unfinished
 from quantkit.errors import IntegrityError
-from quantkit.runtime.files import atomic_write_text  # also imported from here (validation, tests)
+from quantkit.runtime.files import (
+    RESULTS_PENDING,
+    atomic_write_text,  # also imported from here (validation, tests)
+    finish_renames,
+)
 
 MANIFEST = "manifest.json"
 FORMAT = "quantkit-manifest/1"
 REPORT = "convert-report.json"
-UNCOVERED = {MANIFEST, "README.md"}  # the card is rewritten by validate and states the manifest digest
+UNCOVERED = {MANIFEST, "README.md", ".README.staged.md"}  # the card (and its staged next version, quantkit.runtime.files.staged) is rewritten by validate and states the manifest digest
 _CHUNK = 16 << 20
 
 
@@ -206,6 +210,7 @@ def verify(dir: str | Path) -> VerifyResult:
     d = Path(dir)
     if not d.is_dir():
         raise IntegrityError(f"{d}: no such folder; pass a `quantkit convert` output or one of its checkpoints")
+    finish_renames(d / RESULTS_PENDING)  # a validate killed while making its results visible: completed
     pair = (d / "prefill").is_dir() or (d / "decode").is_dir() or (d / REPORT).is_file() or is_unfinished(d)
     folders = ["prefill", "decode"] if pair else ["."]
     res = VerifyResult(d, folders)
