@@ -22,37 +22,56 @@ app = typer.Typer(
     help="Quantize trillion-parameter MoE checkpoints (Kimi K2.6, GLM 5.2) into a matched FP8-prefill / INT4-decode pair.",
     no_args_is_help=True,
     add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
     pretty_exceptions_enable=False,
 )
 console = Console(stderr=True)
 
 Model = Annotated[str, typer.Argument(help="A model folder, an hf://org/repo@rev id, or tiny:kimi-k2.6 / tiny:glm-5.2.")]
 Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (for scripts).")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress: no bar in a terminal, no line per layer in a log.")]
 Device = Annotated[str, typer.Option(help="auto (CUDA when present, else CPU), cuda or cpu.")]
 Unverified = Annotated[bool, typer.Option("--allow-unverified", help="hf:// only: accept files the Hub lists without a checksum (size only; recorded in the report).")]
 
 
-def _shared(kind: type, convert_help: str, plan_help: str):
+def _shared(kind: type, convert_help: str, plan_help: str, shown: str | bool = False):
     """An option both `convert` and `plan --convert` take, declared once so that its name, type and
     default cannot drift apart between a run and its prediction; returned as each command's
     annotation, because each keeps its own help (plan's names its mode, and its GPU default is
-    the --gpu's, not this machine's)."""
-    return (Annotated[Optional[kind], typer.Option(help=convert_help)],
+    the --gpu's, not this machine's). `shown`: the default convert's help shows (the recipe's
+    value, which no number here could state for every model)."""
+    return (Annotated[Optional[kind], typer.Option(help=convert_help, show_default=shown)],
             Annotated[Optional[kind], typer.Option(help=plan_help)])
 
 
 # The options `convert` and `plan --convert` share, each declared once (convert's, then plan's).
 Recipe, PlanRecipe = _shared(str, "Recipe file or name (default: the model family's).",
                              "--convert: recipe file or name (default: the model family's).")
-Method, PlanMethod = _shared(str, "gptq (calibrated), awq, or rtn (data-free baseline).", "--convert: gptq, awq or rtn.")
-NumSamples, PlanNumSamples = _shared(int, "Calibration samples.", "--convert: calibration samples.")
-SeqLen, PlanSeqLen = _shared(int, "Tokens per calibration sample.", "--convert: tokens per calibration sample.")
+RECIPES = "the recipe's"
+Method, PlanMethod = _shared(str, "gptq (calibrated), awq, or rtn (data-free baseline).", "--convert: gptq, awq or rtn.", RECIPES)
+NumSamples, PlanNumSamples = _shared(int, "Calibration samples.", "--convert: calibration samples.", RECIPES)
+SeqLen, PlanSeqLen = _shared(int, "Tokens per calibration sample.", "--convert: tokens per calibration sample.", RECIPES)
 GroupSize, PlanGroupSize = _shared(int, "INT4 group size: 32, 64 or 128.",
-                                   "INT4 group size of the decode checkpoint (default: the model's recipe's, as convert writes).")
+                                   "INT4 group size of the decode checkpoint (default: the model's recipe's, as convert writes).",
+                                   RECIPES)
 HostMemory, PlanHostMemory = _shared(str, "Host RAM budget, e.g. 8GB (default: available memory).",
                                      "--convert: host RAM budget, e.g. 8GB (default: available memory).")
 GpuMemory, PlanGpuMemory = _shared(str, "GPU memory budget, e.g. 120GB (default: the device's).",
                                    "--convert: GPU memory budget (default: the --gpu's).")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from quantkit import __version__
+
+        sys.stdout.write(f"quantkit {__version__}\n")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                               help="Print quantkit's version and exit.")] = False) -> None:
+    """Quantize trillion-parameter MoE checkpoints (Kimi K2.6, GLM 5.2) into a matched FP8-prefill / INT4-decode pair."""
 
 
 def user_errors(fn):
@@ -146,7 +165,13 @@ def plan(
         return
     from quantkit.inputs.modelspec import is_tiny, resolve
     from quantkit.planner.capacity import plan as run_plan
+    from quantkit.planner.gpus import GPUS
     from quantkit.planner.render import render_plan
+
+    if gpu not in GPUS:  # checked here: the library's message names its own gpu_mem_gib argument, not an option
+        from quantkit.errors import ConfigError
+
+        raise ConfigError(f"--gpu {gpu}: unknown GPU kind; known: {', '.join(GPUS)}")
 
     target = resolve(model) if is_tiny(model) else model
     result = run_plan(target, gpus=gpus, gpu=gpu, tp=tp, context=context, mem_fraction=mem_fraction,
@@ -191,7 +216,7 @@ def convert(
     recipe: Recipe = None,
     preset: Annotated[Optional[str], typer.Option(help="Alias of --recipe: a shipped recipe name (kimi-k2.6, glm-5.2, ...).")] = None,
     method: Method = None,
-    calib: Annotated[Optional[str], typer.Option(help="Calibration data: hf:org/name@split, a .jsonl/.txt/.parquet/.npy/.safetensors file, or synthetic:train.")] = None,
+    calib: Annotated[Optional[str], typer.Option(help="Calibration data: hf:org/name@split, a .jsonl, .txt, .parquet, .npy or .safetensors file, or synthetic:train.", show_default=RECIPES)] = None,
     num_samples: NumSamples = None,
     seq_len: SeqLen = None,
     group_size: GroupSize = None,
@@ -204,7 +229,13 @@ def convert(
     allow_unverified: Unverified = False,
     max_host_memory: HostMemory = None,
     max_gpu_memory: GpuMemory = None,
-    nproc: Annotated[Optional[int], typer.Option(help="Ranks on this machine (one per GPU): launches torchrun, which splits each layer's routed experts across them (docs/distributed.md).")] = None,
+    nproc: Annotated[Optional[int], typer.Option(help="Ranks on this machine (one per GPU): launches torchrun, which splits each layer's routed experts across them (docs/distributed.md). The bytes equal one process's only at the same threads per process (torchrun's ranks run 1; set OMP_NUM_THREADS=1 for the single run), torch/BLAS build and device type: convert-report.json's reproducibility records them.")] = None,
+    eval_data: Annotated[Optional[str], typer.Option(help="The chained validate's held-out data (default: the recipe's validate.dataset); loaded before the first layer.", show_default=RECIPES)] = None,
+    eval_num_samples: Annotated[Optional[int], typer.Option(help="The chained validate's eval windows.", show_default=RECIPES)] = None,
+    eval_seq_len: Annotated[Optional[int], typer.Option(help="The chained validate's tokens per eval window.", show_default=RECIPES)] = None,
+    gen_tokens: Annotated[Optional[int], typer.Option(help="The chained validate's greedy tokens after each window.", show_default=RECIPES)] = None,
+    gate: Annotated[Optional[Path], typer.Option(help="The chained validate's YAML/JSON gates (kl_max: 0.05, ...).", show_default=RECIPES)] = None,
+    quiet: Quiet = False,
     json_out: Json = False,
 ):
     """Emit the FP8 prefill and INT4 decode checkpoints from one streaming pass, with calibrated per-expert GPTQ or AWQ."""
@@ -216,9 +247,10 @@ def convert(
     try:
         result = run_convert(model, out, recipe=recipe or preset, method=method, calib=calib, num_samples=num_samples,
                              seq_len=seq_len, group_size=group_size, decode_rest=decode_rest, device=device, resume=resume,
-                             validate=not no_validate, progress=not json_out, trust_remote_code=trust_remote_code,
+                             validate=not no_validate, progress=not (json_out or quiet), trust_remote_code=trust_remote_code,
                              delete_source_after=delete_source_after, allow_unverified=allow_unverified,
-                             max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory)
+                             max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory, eval_data=eval_data,
+                             eval_num_samples=eval_num_samples, eval_seq_len=eval_seq_len, gen_tokens=gen_tokens, gate=gate)
     except KeyboardInterrupt:
         console.print(f"[red]interrupted:[/red] {out} is not complete; run the same command with --resume to continue "
                       "from the last completed layer", highlight=False, soft_wrap=True)
@@ -256,6 +288,7 @@ def validate(
     task_dir: Annotated[Optional[Path], typer.Option(help="A folder of local lm-eval task YAMLs for --tasks.")] = None,
     limit: Annotated[Optional[int], typer.Option(help="--tasks: items per task (default: all).")] = None,
     num_fewshot: Annotated[Optional[int], typer.Option(help="--tasks: few-shot examples (default: each task's).")] = None,
+    quiet: Quiet = False,
     json_out: Json = False,
 ):
     """Measure the pair against its source layer by layer; write validation.json/.md/.png and model cards. Exit 3 if a gate fails."""
@@ -263,7 +296,7 @@ def validate(
 
     _relaunch_under_torchrun(ctx, nproc, folder, resume_hint=False)
     result = run_validate(folder, reference=reference, eval_data=eval_data, num_samples=num_samples, seq_len=seq_len,
-                          gen_tokens=gen_tokens, device=device, gates=gate, progress=not json_out, kv_cache_dtype=kv_cache_dtype,
+                          gen_tokens=gen_tokens, device=device, gates=gate, progress=not (json_out or quiet), kv_cache_dtype=kv_cache_dtype,
                           max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory, weights=weights,
                           tasks=tasks, task_dir=task_dir, limit=limit, num_fewshot=num_fewshot)
     from quantkit.runtime.distributed import from_env

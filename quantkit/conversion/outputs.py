@@ -122,7 +122,7 @@ def owned_output(fn):
 
     @functools.wraps(fn)
     def wrapper(model, out, *args, device: str = "auto", **kwargs):
-        from quantkit.checkpoint.outlock import acquire
+        from quantkit.checkpoint.outlock import acquire, unusable
         from quantkit.model.reference import resolve_device
         from quantkit.runtime.distributed import from_env
 
@@ -130,6 +130,7 @@ def owned_output(fn):
         out = Path(out)
         if not from_env().leader:  # a multi-rank convert: rank 0 owns the folder for all
             return fn(model, out, *args, device=device, **kwargs)
+        made = not out.exists()
         lock = acquire(out, "convert")
         if lock.took_over:
             logger.warning("%s: took over the lock of a run that died (pid %s on %s)", out,
@@ -137,6 +138,8 @@ def owned_output(fn):
         try:
             return fn(model, out, *args, device=device, **kwargs)
         except Exception as e:
+            if isinstance(e, OSError) and e.errno in _UNWRITABLE and str(e.filename or "").startswith(str(out)):
+                raise unusable(out, e, "convert") from None
             if not disk_full(e):
                 raise
             free = shutil.disk_usage(out).free
@@ -146,8 +149,20 @@ def owned_output(fn):
                               "rerun with --resume to continue") from None
         finally:
             lock.release()
+            if made:
+                _remove_if_empty(out)  # a run refused before its first write leaves no empty --out behind
 
     return wrapper
+
+
+_UNWRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EEXIST)
+
+
+def _remove_if_empty(out: Path) -> None:
+    try:
+        out.rmdir()  # only succeeds when empty
+    except OSError:
+        pass
 
 
 _NEEDS: dict[str, int] = {}  # out -> bytes the disk precheck predicted (for the disk-full message)

@@ -36,6 +36,7 @@ import torch
 
 from quantkit.checkpoint.finish import finish_pair, journal
 from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.unfinished import record_command
 from quantkit.conversion.job import Job
 from quantkit.conversion.outputs import (
     PairWriter,
@@ -81,6 +82,11 @@ def convert(
     max_host_memory: int | str | None = None,
     max_gpu_memory: int | str | None = None,
     activation_dtype: str | None = None,
+    eval_data: str | None = None,
+    eval_num_samples: int | None = None,
+    eval_seq_len: int | None = None,
+    gen_tokens: int | None = None,
+    gate: str | Path | dict[str, float] | None = None,
 ) -> ConvertResult:
     """Convert `model` into `out/prefill` (FP8) and `out/decode` (INT4 experts), with a report.
 
@@ -103,12 +109,17 @@ def convert(
             refuses to start when even the smallest settings don't fit.
         activation_dtype: force the calibration hidden states' dtype, "float32" or "bfloat16"
             (default: float32 when the budget holds it; docs/benchmarks.md gives bfloat16's KL cost).
+        eval_data, eval_num_samples, eval_seq_len, gen_tokens, gate: the chained validate's
+            `eval_data`, `num_samples`, `seq_len`, `gen_tokens` and `gates` (default: the recipe's
+            `validate:`). With validate on, the eval data is loaded (and the gates read) before
+            the first layer, so a dataset that cannot load fails the run before any work.
 
     Example:
         >>> res = quantkit.convert("tiny:glm-5.2", "out/glm")
         >>> res.report["experts_summary"]
     """
     t_start = time.time()
+    argv = _command_line(model, out, locals())  # what verify/validate/check-serving tell a user to rerun
     out = Path(out)
     ckpt = open_checkpoint(model, release_consumed=delete_source_after, allow_unverified=allow_unverified)
     rec = _recipe(model, ckpt.arch, recipe, method=method, group_size=group_size, num_samples=num_samples,
@@ -120,11 +131,18 @@ def convert(
     state_dir = out / STATE_DIR
     finished, finishing = _previous_run(out, state_dir, resume, group.leader)
     if finished is not None:  # --resume after a run that had completed: only its validate is left
-        return _validated(finished, group, validate, device, progress)
+        return _validated(finished, group, validate, device, progress, _later_options(locals()))
     tokens = _calibration_tokens(rec, ckpt, trust_remote_code) if calibrate else None
+    later = {"max_host_memory": max_host_memory, "max_gpu_memory": max_gpu_memory}  # the chained validate's options
+    if validate:
+        later |= _validation_inputs(rec, ckpt, eval_data=eval_data, num_samples=eval_num_samples, seq_len=eval_seq_len,
+                                    gen_tokens=gen_tokens, gates=gate)
     source_files = source_identity(ckpt)
     out.mkdir(parents=True, exist_ok=True)
     state = open_state(state_dir, fingerprint(source_files, rec, tokens), resume, group.leader)
+    if group.leader:
+        record_command(state_dir, argv + ([f"--nproc={group.world}"] if group.distributed else []),
+                       ckpt.arch.num_layers_with_mtp)
     group.barrier("starting")  # every rank has read the state rank 0 will overwrite, and sees its folder
 
     job = Job(ckpt, rec, decisions, group, dev, dtype, state, state_dir)
@@ -134,6 +152,8 @@ def convert(
     pair = open_pair(job, out, digits, resume=resume, finishing=finishing)
     n_layers = ckpt.arch.num_layers_with_mtp
     bar = LayerProgress(progress, n_layers, "layers")
+    if progress and resume and state.next_layer > 0:
+        _say(f"resuming {out} at layer {state.next_layer} of {n_layers} (layers 0-{state.next_layer - 1} are done)")
     calibration = start_calibration(job, tokens)
     state_every = int(os.environ.get("QUANTKIT_STATE_EVERY", job.cost.state_every))  # debug knob: the resume tests
     with bar:
@@ -165,18 +185,37 @@ def convert(
     calibration.close()
     parts = close_pair(pair)
     # every rank has written its parts and is done with the state folder (rank 0 finishes alone)
-    used = group.all_gather_object({"peak_rss": peak_rss(), "parts": pair.written()}, "before the finish")
-    budgets = {"max_host_memory": max_host_memory, "max_gpu_memory": max_gpu_memory}
+    used = group.all_gather_object({"peak_rss": peak_rss(), "parts": pair.written(), "threads": torch.get_num_threads()},
+                                   "before the finish")
     if not group.leader:
-        return _other_rank(out, group, validate, device, budgets)
+        return _other_rank(out, group, validate, device, later)
     report = finish_pair(out, state_dir, parts, digits, configs, carried, set(state.differ),
                          lambda manifests: convert_report(model, job, tokens, source_files, out, t_start, used, manifests))
     if validate:
         group.barrier("waiting for the other ranks to validate")
-    return _validated(ConvertResult(out, out / "prefill", out / "decode", report), group, validate, device, progress, budgets)
+    return _validated(ConvertResult(out, out / "prefill", out / "decode", report), group, validate, device, progress, later)
 
 
 # ---- the steps ---------------------------------------------------------------------------------
+_FLAGS = {"trust_remote_code": "--trust-remote-code", "delete_source_after": "--delete-source-after",
+          "allow_unverified": "--allow-unverified"}
+_OPTIONS = ("recipe", "method", "calib", "num_samples", "seq_len", "group_size", "decode_rest", "max_host_memory",
+            "max_gpu_memory", "eval_data", "eval_num_samples", "eval_seq_len", "gen_tokens", "gate")
+
+
+def _command_line(model, out, args: dict) -> list[str]:
+    """The `quantkit convert` line for these arguments (the CLI's options; --resume left out), so
+    that a reader of an interrupted folder can print the exact command that continues it."""
+    argv = ["quantkit", "convert", str(model), "--out", str(out)]
+    for name in _OPTIONS:
+        if args.get(name) is not None:
+            argv.append(f"--{name.replace('_', '-')}={args[name]}")
+    if args.get("device", "auto") != "auto":
+        argv.append(f"--device={args['device']}")
+    argv += [flag for name, flag in _FLAGS.items() if args.get(name)]
+    return argv + ([] if args.get("validate", True) else ["--no-validate"])
+
+
 def _previous_run(out: Path, state_dir: Path, resume: bool, leader: bool) -> tuple[ConvertResult | None, bool]:
     """What `out` holds already: with --resume, a run that had completed (its result) or one that
     had reached its finish (True: the layers are done; only the finish is left). A complete output
@@ -215,6 +254,39 @@ def _decide(ckpt: Checkpoint, rec) -> tuple[dict[str, Decision], bool]:
     """Every tensor's storage in both outputs, and whether the run reads calibration data
     (quantkit.conversion.precision: the same calls `plan --convert` makes)."""
     return decide_all(ckpt, rec), needs_calibration(rec)
+
+
+def _later_options(args: dict) -> dict:
+    """The chained validate's options from convert's arguments, unchecked (a finished run's resume)."""
+    names = {"max_host_memory": "max_host_memory", "max_gpu_memory": "max_gpu_memory", "eval_data": "eval_data",
+             "eval_num_samples": "num_samples", "eval_seq_len": "seq_len", "gen_tokens": "gen_tokens", "gate": "gates"}
+    return {v: args[k] for k, v in names.items() if args.get(k) is not None}
+
+
+def _validation_inputs(rec, ckpt: Checkpoint, *, eval_data, num_samples, seq_len, gen_tokens, gates) -> dict:
+    """What the chained validate will read, read now, before the first layer: its eval data must
+    load and yield its windows, its gates must parse. On a real model a dataset that cannot load
+    offline otherwise fails hours later, after every layer. Returns validate's keyword options."""
+    from quantkit.errors import QuantkitError
+    from quantkit.inputs.tokens import load_tokens
+    from quantkit.validation.gates import resolve_gates
+
+    v = rec.validate
+    dataset = eval_data or v.dataset
+    fix = "pass --eval-data (a local .jsonl/.txt file, or synthetic:heldout) or --no-validate"
+    if not dataset:
+        raise ConfigError(f"recipe {rec.name}: no validate.dataset to validate the pair with; {fix}")
+    if eval_data is None and dataset.strip() == (rec.calibration.dataset or "").strip():
+        raise ConfigError(f"recipe {rec.name}: validate.dataset {dataset} is the calibration data; {fix}")
+    try:
+        resolve_gates(gates, v.gates, f"recipe {rec.name}")
+        load_tokens(dataset, tokenizer=ckpt.folder, num_samples=num_samples or v.num_samples,
+                    seq_len=seq_len or v.seq_len)
+    except QuantkitError as e:
+        raise ConfigError(f"validate's eval data {dataset} (checked before converting any layer): {e}; {fix}") from None
+    opts = {"eval_data": eval_data, "num_samples": num_samples, "seq_len": seq_len, "gen_tokens": gen_tokens,
+            "gates": gates}
+    return {k: x for k, x in opts.items() if x is not None}
 
 
 def _calibration_tokens(rec, ckpt: Checkpoint, trust_remote_code: bool):
@@ -269,6 +341,14 @@ def _save_progress(job: Job, pair: PairWriter, calibration: Calibration, layer: 
         group.barrier(f"end of layer {layer}")
 
 
+def _say(text: str) -> None:
+    """One line on stderr, flushed (a log under nohup shows it at once)."""
+    import sys
+
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
 def _debug_delay() -> None:
     """QUANTKIT_CONVERT_LAYER_DELAY: a pause after each layer, a debug knob that widens the window
     for the crash/resume tests."""
@@ -276,20 +356,20 @@ def _debug_delay() -> None:
         time.sleep(delay)
 
 
-def _other_rank(out: Path, group, validate: bool, device, budgets: dict) -> ConvertResult:
+def _other_rank(out: Path, group, validate: bool, device, later: dict) -> ConvertResult:
     """A multi-rank convert's rank > 0: rank 0 finishes the output alone and has the report; this
     rank joins the chained validate (with its share of the experts) once the output is finished."""
     result = ConvertResult(out, out / "prefill", out / "decode", {}, rank=group.rank)
     if validate:
         group.barrier("waiting for rank 0 to finish the output")
-    return _validated(result, group, validate, device, False, budgets)
+    return _validated(result, group, validate, device, False, later)
 
 
-def _validated(result: ConvertResult, group, validate: bool, device, progress, budgets: dict | None = None) -> ConvertResult:
+def _validated(result: ConvertResult, group, validate: bool, device, progress, later: dict | None = None) -> ConvertResult:
     """convert's last step: `quantkit.validate` on the pair (unless validate=False), then the ranks part."""
     if validate:
         from quantkit.validation.pipeline import validate as run_validate
 
-        result.validation = run_validate(result.out, device=device, progress=progress, **(budgets or {}))
+        result.validation = run_validate(result.out, device=device, progress=progress, **(later or {}))
     distributed.close(group)
     return result

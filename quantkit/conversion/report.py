@@ -105,7 +105,36 @@ def convert_report(model, job: Job, tokens, source_files: dict[str, str], out: P
     """convert-report.json: the pair's own part, then the KV cache's scales, the plan and the ranks."""
     return (_pair_report(model, job, tokens, source_files, out, t_start, manifests)
             | {"kv_cache": kv_cache_report(job.state.layers), "cost": job.cost.to_json(),
-               "distributed": distributed_report(job.group, job.state, used)})
+               "distributed": distributed_report(job.group, job.state, used),
+               "reproducibility": reproducibility(job.dev, used)})
+
+
+def reproducibility(dev, used: list[dict]) -> dict:
+    """What the output bytes depend on besides the inputs (GPTQ's Hessians and the KV scales are
+    float sums whose order the BLAS and the thread count decide): the torch build, its BLAS/LAPACK
+    as torch reports them, the threads of each rank, the device. A rerun reproduces the bytes only
+    with all of these equal (docs/reliability.md)."""
+    import platform
+
+    import torch
+
+    config = torch.__config__.show()
+    settings = dict(kv.strip().split("=", 1) for kv in config.split("Build settings:", 1)[-1].split(",") if "=" in kv)
+    libraries = [line.strip()[2:] for line in config.splitlines()
+                 if line.strip().startswith("- ") and any(k in line for k in ("Math Kernel", "OpenBLAS", "BLIS", "MKL-DNN",
+                                                                              "OpenMP", "LAPACK", "CPU capability"))]
+    return {
+        "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+        "blas": settings.get("BLAS_INFO"), "lapack": settings.get("LAPACK_INFO"), "libraries": libraries,
+        "parallel_backend": next((line.split(":", 1)[1].strip() for line in torch.__config__.parallel_info().splitlines()
+                                  if line.startswith("ATen parallel backend")), None),
+        "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
+        "threads_per_rank": [u.get("threads") for u in used],
+        "device": dev.type, "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor(),
+        "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if dev.type == "cuda" else None,
+        "must_match": "torch build (version, BLAS/LAPACK), threads per rank, device type and name, ranks (nproc); "
+                      "with these equal the bytes are reproduced (docs/reliability.md)",
+    }
 
 
 def mtp_report(ckpt) -> dict:

@@ -33,16 +33,25 @@ def write_cards(out: str | Path, report: dict, validation: dict) -> dict[str, Pa
 
     convert carries the source's README.md into both folders; the card replaces it but keeps the
     source card's license fields (a quantized model is still under the source's license)."""
-    out = Path(out)
     paths = {}
+    for which, (path, text) in cards(out, report, validation).items():
+        atomic_write_text(path, text)
+        paths[which] = path
+    return paths
+
+
+def cards(out: str | Path, report: dict, validation: dict) -> dict[str, tuple[Path, str]]:
+    """Each card's path and text, not written (quantkit.validation.report stages them with the
+    results, so that all become visible together)."""
+    out = Path(out)
+    texts = {}
     for which in ("prefill", "decode"):
         path = out / report["outputs"][which]["path"] / "README.md"
         license = _license_fields(path.read_text(encoding="utf-8", errors="replace")) if path.is_file() else {}
         config = out / report["outputs"]["decode"]["path"] / "config.json"
         decode_config = json.loads(config.read_text()) if config.is_file() else None
-        atomic_write_text(path, render_card(which, report, validation, license=license, decode_config=decode_config))
-        paths[which] = path
-    return paths
+        texts[which] = (path, render_card(which, report, validation, license=license, decode_config=decode_config))
+    return texts
 
 
 def _license_fields(text: str) -> dict[str, str]:

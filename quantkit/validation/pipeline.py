@@ -216,7 +216,9 @@ def _measure(inp: _Inputs, dev: torch.device, dtype, progress: bool, kv: dict, k
     """quantkit.validation.measure.measure under a progress bar of every checkpoint layer loaded."""
     L = inp.ckpts["reference"].arch.num_hidden_layers
     loads = len(inp.ckpts) * L * (1 + max(inp.s.gen_tokens - 1, 0))  # a pass loads each checkpoint's layers once
-    with LayerProgress(progress, loads, "validate: layers") as bar, torch.no_grad():
+    # not in a terminal: one line per pass (each checkpoint's layers once), not per layer loaded
+    with LayerProgress(progress, loads, "validate: layers", per_line=len(inp.ckpts) * L, unit="validate: pass") as bar, \
+            torch.no_grad():
         return measure(inp.ckpts, inp.tokens.ids.to(dev), inp.s.gen_tokens, inp.t.pair, dev, dtype, bar, kv,
                        kv_info.get("calibrated", False), plan["chunk"], group, owners)
 

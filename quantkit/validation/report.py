@@ -7,13 +7,14 @@ Everything here reads validation.json's dict; nothing is measured.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from quantkit.runtime import faults
+from quantkit.runtime.files import RESULTS_PENDING
 from quantkit.runtime.progress import rich_html
 from quantkit.validation.gates import KV_ROWS, METRICS, STEP_ROWS
 from quantkit.validation.targets import Target
@@ -228,21 +229,31 @@ def _expert_histogram(ax, report: dict | None) -> None:
 
 
 # ---- the files ---------------------------------------------------------------------------------
+PENDING = RESULTS_PENDING  # the marker of validate's result files being made visible together
+
+
 def write_files(t: Target, data: dict) -> dict[str, Path]:
     """Write validation.json, .md and .png into the target folder and, for a convert output, the model
-    cards; returns {what: path}."""
+    cards; returns {what: path}.
+
+    All of them or none become visible: each is written whole under a staged name first, then
+    quantkit.runtime.files.commit_renames renames them in a fixed order under a marker (PENDING),
+    which the next validate or verify completes after a crash; so a card never says "all gates
+    passed" beside a validation.json that failed (and a full disk leaves no 0-byte file either)."""
+    from quantkit.runtime.files import atomic_write_text, commit_renames, finish_renames, staged
+
     files = {"json": t.out / "validation.json", "md": t.out / "validation.md", "png": t.out / "validation.png"}
-    from quantkit.checkpoint.manifest import atomic_write_text
-
-    # each file whole or not at all (a full disk must not leave a 0-byte validation.json)
-    atomic_write_text(files["json"], json.dumps(data, indent=2) + "\n")
-    atomic_write_text(files["md"], render_markdown(data))
-    png_tmp = files["png"].with_name("validation.tmp.png")
-    plot(data, t.report, png_tmp)
-    os.replace(png_tmp, files["png"])
+    finish_renames(t.out / PENDING)  # a crashed earlier write: completed before this one starts
+    texts = {"json": (files["json"], json.dumps(data, indent=2) + "\n"), "md": (files["md"], render_markdown(data))}
     if t.pair and t.report is not None:
-        from quantkit.validation.card import write_cards
+        from quantkit.validation.card import cards
 
-        for which, path in write_cards(t.out, t.report, data).items():
+        for which, (path, text) in cards(t.out, t.report, data).items():
             files[f"card_{which}"] = path
+            texts[f"card_{which}"] = (path, text)
+    for path, text in texts.values():
+        atomic_write_text(staged(path), text)
+    plot(data, t.report, staged(files["png"]))
+    faults.point("validate:staged")
+    commit_renames(t.out / PENDING, list(files.values()))
     return files
