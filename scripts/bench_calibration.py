@@ -24,6 +24,8 @@ experiment, docs/benchmarks.md "Calibration experiments"); METHOD=awq in the lis
 Classes (each built once, cached under $QUANTKIT_CACHE/bench-calibration):
   tiny-glm              the trained tiny GLM 5.2 (FP8 source, DSA), group 128
   tiny-kimi             the trained tiny Kimi K2.6, requantized to group 128 from its INT4 g32 experts
+  trained-dsv3          transformers' DeepseekV3ForCausalLM trained 300 steps on CPU on a Markov language
+                        unlike the tiny models' (calibrated and evaluated on that language)
   random-dsv3-outliers  random BF16 DeepSeek-V3 layout, 1/64 of each expert Linear's input columns x4
   random-glm-fp8        random GLM-MoE-DSA weights stored FP8 (GLM-5.2-FP8's format), DSA active
 
@@ -98,17 +100,69 @@ def _random_glm(folder: Path) -> None:
     save_glm(init_weights(arch, torch.Generator().manual_seed(0)), arch, cfg, folder)
 
 
+def markov_windows(n: int, seq: int, seed: int, vocab: int = 512):
+    """(n, seq) windows of a language unlike the tiny models': an order-1 Markov chain over ids
+    [6, vocab) whose fixed transition table (4 successors per token, skewed probabilities) is the
+    grammar; each window is a document (BOS, then the chain from a random start), `seed` + i its seed."""
+    import torch
+
+    g = torch.Generator().manual_seed(12345)
+    succ = torch.randint(6, vocab, (vocab, 4), generator=g)
+    probs = torch.tensor([0.55, 0.25, 0.15, 0.05])
+    out = torch.empty(n, seq, dtype=torch.int64)
+    for i in range(n):
+        d = torch.Generator().manual_seed(seed + i)
+        out[i, 0], tok = 1, int(torch.randint(6, vocab, (1,), generator=d))
+        for j in range(1, seq):
+            out[i, j] = tok
+            tok = int(succ[tok, torch.multinomial(probs, 1, generator=d)])
+    return out
+
+
+def _trained_dsv3(folder: Path, steps: int = 300) -> None:
+    """transformers' own DeepseekV3ForCausalLM, trained on CPU on the Markov language (a couple of
+    minutes), saved by save_pretrained (per-expert tensors, BF16)."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from quantkit.synthetic.tiny import tokenizer_files
+
+    torch.manual_seed(0)
+    cfg = DeepseekV3Config(vocab_size=512, hidden_size=128, intermediate_size=384, moe_intermediate_size=128,
+                           num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+                           n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1, n_group=1, topk_group=1,
+                           q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+                           routed_scaling_factor=2.5, norm_topk_prob=True, bos_token_id=1, eos_token_id=2,
+                           pad_token_id=0, tie_word_embeddings=False)
+    model = DeepseekV3ForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    data = markov_windows(16 * steps, 64, 100_000)  # training documents: seeds 100000 and up
+    for step in range(steps):
+        ids = data[16 * step: 16 * (step + 1)]
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.to(torch.bfloat16).save_pretrained(folder)
+    for name, text in tokenizer_files().items():
+        (folder / name).write_text(text)
+    (folder / "train-loss.txt").write_text(f"{loss.item():.4f} after {steps} steps\n")
+
+
 CLASSES = {
-    # name: (build into a folder, or a tiny spec; group size; calibration windows x length)
-    "tiny-glm": ("tiny:glm-5.2", 128, (64, 64)),
-    "tiny-kimi": ("tiny:kimi-k2.6", 128, (64, 64)),
-    "random-dsv3-outliers": (_random_dsv3, 128, (32, 128)),
-    "random-glm-fp8": (_random_glm, 128, (32, 64)),
+    # name: (build into a folder, or a tiny spec; group size; calibration windows x length; corpus)
+    "tiny-glm": ("tiny:glm-5.2", 128, (64, 64), "synthetic"),
+    "tiny-kimi": ("tiny:kimi-k2.6", 128, (64, 64), "synthetic"),
+    "trained-dsv3": (_trained_dsv3, 128, (64, 64), "markov"),
+    "random-dsv3-outliers": (_random_dsv3, 128, (32, 128), "synthetic"),
+    "random-glm-fp8": (_random_glm, 128, (32, 64), "synthetic"),
 }
 
 
 def class_source(name: str) -> Path:
-    """The class's source checkpoint folder, built once (keyed by this file's text)."""
+    """The class's source checkpoint folder, built once (keyed by its builder's source text)."""
+    import inspect
+
     from quantkit.inputs.modelspec import resolve
     from quantkit.runtime.files import cache_dir
     from quantkit.synthetic.tiny import cached_build
@@ -116,19 +170,21 @@ def class_source(name: str) -> Path:
     build = CLASSES[name][0]
     if isinstance(build, str):
         return Path(resolve(build))
-    key = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:10]
+    text = inspect.getsource(build) + inspect.getsource(markov_windows) + inspect.getsource(_outlier_columns)
+    key = hashlib.sha256(text.encode()).hexdigest()[:10]
     return cached_build(cache_dir() / "bench-calibration" / f"{name}-{key}", build)
 
 
-def eval_sets(n: int, seq: int, vocab: int) -> dict:
+def eval_sets(n: int, seq: int, vocab: int, corpus: str = "synthetic") -> dict:
     """Held-out windows: the calibration's language from other documents, and two other kinds."""
     import torch
 
     from quantkit.synthetic.tiny import batches
 
-    rev = batches(n // 2, seq, REVERSED_SEED).flip(-1)
+    make = batches if corpus == "synthetic" else markov_windows
+    rev = make(n // 2, seq, REVERSED_SEED).flip(-1)
     rand = torch.randint(0, vocab, (n // 2, seq), generator=torch.Generator().manual_seed(RANDOM_IDS_SEED))
-    return {"in-dist": batches(n, seq, EVAL_SEED), "reversed": rev, "random-ids": rand}
+    return {"in-dist": make(n, seq, EVAL_SEED), "reversed": rev, "random-ids": rand}
 
 
 # ---- runs --------------------------------------------------------------------------------------------
@@ -151,9 +207,9 @@ def variant_recipe(base: str, fields: dict, path: Path) -> Path:
 
 
 def quantkit_run(src: Path, out: Path, method: str, calib: tuple[int, int], G: int, recipe: Path | str, logs: Path,
-                 env: dict) -> dict:
+                 env: dict, data: str = "synthetic:train") -> dict:
     cmd = [sys.executable, "-m", "quantkit.cli", "convert", str(src), "--out", str(out), "--method", method,
-           "--recipe", str(recipe), "--calib", "synthetic:train", "--num-samples", str(calib[0]),
+           "--recipe", str(recipe), "--calib", data, "--num-samples", str(calib[0]),
            "--seq-len", str(calib[1]), "--group-size", str(G), "--decode-rest", "bf16", "--device", "cpu",
            "--no-validate", "--json"]
     m = bc.measured(cmd, logs / f"{out.name}.log", env=env)
@@ -190,7 +246,7 @@ def run_class(name: str, args, work: Path, env: dict, say) -> dict:
     from quantkit.validation.metrics import paired
 
     src = class_source(name)
-    _, G, calib = CLASSES[name]
+    _, G, calib, corpus = CLASSES[name]
     calib = (args.num_samples or calib[0], args.seq_len or calib[1])
     ck = Checkpoint(src)
     arch = ck.arch
@@ -200,6 +256,12 @@ def run_class(name: str, args, work: Path, env: dict, say) -> dict:
     wd = work / name
     logs = wd / "logs"
     wd.mkdir(parents=True)
+    data = "synthetic:train"
+    if corpus == "markov":  # calibration documents: seeds 0 and up (training: 100000 and up; held out: 2000 and up)
+        import numpy as np
+
+        data = str(wd / "calib.npy")
+        np.save(data, markov_windows(*calib, 0).numpy())
     runs: dict = {}
     plan = [("RTN", "rtn", base), ("GPTQ", "gptq", base), ("AWQ", "awq", base)]
     for spec in args.variant:
@@ -209,8 +271,8 @@ def run_class(name: str, args, work: Path, env: dict, say) -> dict:
         plan.append((vname, method, variant_recipe(base, kv, wd / f"{vname}.yaml")))
     for key, method, recipe in plan:
         say(f"{name}: quantkit {key} ...")
-        runs[key] = quantkit_run(src, wd / key, method, calib, G, recipe, logs, env)
-    tokens = load_tokens("synthetic:train", tokenizer=src, num_samples=calib[0], seq_len=calib[1],
+        runs[key] = quantkit_run(src, wd / key, method, calib, G, recipe, logs, env, data)
+    tokens = load_tokens(data, tokenizer=src, num_samples=calib[0], seq_len=calib[1],
                          seed=rec.calibration.seed)
     if runs["GPTQ"]["sha256"] != tokens.sha256:
         raise RuntimeError(f"{name}: calibration ids differ between quantkit and llm-compressor")
@@ -225,7 +287,7 @@ def run_class(name: str, args, work: Path, env: dict, say) -> dict:
             runs[key] = bc.measured([sys.executable, str(Path(bc.__file__)), "_llmc", json.dumps(spec)],
                                     logs / f"{key}.log", env=env)
     say(f"{name}: quality ...")
-    sets = eval_sets(args.eval_samples, args.eval_seq_len, arch.vocab_size)
+    sets = eval_sets(args.eval_samples, args.eval_seq_len, arch.vocab_size, corpus)
     folders = {k: (wd / k if k.startswith("llmc") else bc.splice_experts(ref, wd / k / "decode", wd / f"{k}-spliced"))
                for k in runs}
     kl = {s: {} for s in sets}
@@ -244,7 +306,7 @@ def run_class(name: str, args, work: Path, env: dict, say) -> dict:
             row["guard"] = guard_summary(m["experts"])
         table[k] = row
     return {"class": name, "source": str(src), "model_type": arch.model_type, "group_size": G,
-            "calibration": f"synthetic:train {calib[0]}x{calib[1]}",
+            "calibration": f"{'synthetic:train' if corpus == 'synthetic' else 'markov'} {calib[0]}x{calib[1]}",
             "eval": {s: list(ids.shape) for s, ids in sets.items()}, "rows": table}
 
 
