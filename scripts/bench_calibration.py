@@ -133,7 +133,7 @@ def _trained_dsv3(folder: Path, steps: int = 300) -> None:
                            n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1, n_group=1, topk_group=1,
                            q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
                            routed_scaling_factor=2.5, norm_topk_prob=True, bos_token_id=1, eos_token_id=2,
-                           pad_token_id=0, tie_word_embeddings=False)
+                           pad_token_id=0, tie_word_embeddings=False, num_nextn_predict_layers=0)
     model = DeepseekV3ForCausalLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     data = markov_windows(16 * steps, 64, 100_000)  # training documents: seeds 100000 and up
