@@ -32,7 +32,8 @@ from typer.testing import CliRunner
 
 from quantkit.checkpoint.manifest import MANIFEST, REPORT, atomic_write_text, verify
 from quantkit.cli import app
-from quantkit.conversion.pipeline import check_disk, convert, disk_full
+from quantkit.conversion.outputs import check_disk, disk_full
+from quantkit.conversion.pipeline import convert
 from quantkit.errors import IntegrityError, OutputError
 from quantkit.runtime import faults
 
@@ -695,21 +696,9 @@ HUB_REPO = "evil-org/tiny"
 @pytest.fixture
 def evil(tmp_path, monkeypatch, src):
     """A loopback Hub serving the small source; tests make it lie. HF_HOME and the quantkit cache are private."""
-    from hub_server import FakeHub
-    from huggingface_hub import constants as hf_constants
+    from hub_server import serve_folder
 
-    home = tmp_path / "hf_home"
-    monkeypatch.setenv("HF_HOME", str(home))
-    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "qk"))
-    for var in ("HF_TOKEN", "HF_HUB_OFFLINE", "HF_ENDPOINT"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(home / "hub"))
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(hf_constants, "HF_HUB_DISABLE_XET", True)
-    server = FakeHub().start()
-    server.content = {p.name: p.read_bytes() for p in sorted(src.iterdir()) if p.is_file()}
-    server.commit_sha = server.add_repo(HUB_REPO).commit(server.content)
-    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    server = serve_folder(monkeypatch, tmp_path, HUB_REPO, src)
     yield server
     server.stop()
 

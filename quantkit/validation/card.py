@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from quantkit.checkpoint.manifest import atomic_write_text
+from quantkit.runtime.units import decimal_bytes
 
 ROLE = {
     "prefill": ("FP8 prefill checkpoint", "the compute-bound prefill pool",
@@ -92,6 +93,8 @@ def render_card(which: str, report: dict, validation: dict, *, license: dict[str
         f"| model | `{src['spec']}` |",
         f"| revision | {f'`{revision}`' if revision else 'not recorded (a local folder); see the file hashes below'} |",
         f"| model_type | `{src.get('model_type', '?')}` |",
+        *([f"| MTP | {report['mtp']['note']} (config.json declared {report['mtp']['declared_absent']}; "
+           "the outputs' configs say `num_nextn_predict_layers: 0`) |"] if (report.get("mtp") or {}).get("note") else []),
         f"| config.json sha256 | `{(src.get('files') or {}).get('config.json', '?')}` |",
         f"| this folder's manifest.json sha256 | `{report['outputs'][which].get('manifest_sha256') or 'not recorded'}` "
         "(`quantkit verify` checks every file and tensor against it) |",
@@ -116,8 +119,9 @@ def render_card(which: str, report: dict, validation: dict, *, license: dict[str
         lines.append(f"| {cls} | {prec.get(cls, '—')} | {prec_other.get(cls, '—')} |")
     lines.append(f"| **size** | {_size(report['outputs'][which]['bytes'])} | {_size(report['outputs'][other]['bytes'])} |")
     from quantkit.validation.kvrows import card_section
+    from quantkit.validation.tasks import tasks_card
 
-    lines += ["", *_recipe(report), "", *_measured(which, validation), "", *card_section(report, validation), "",
+    lines += ["", *_recipe(report), "", *_measured(which, validation), "", *tasks_card(validation), *card_section(report, validation), "",
               *serving_section(which, report, name, decode_config), ""]
     return "\n".join(lines)
 
@@ -300,7 +304,7 @@ def _family(model_type: str) -> str:
 
 
 def _size(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+    return decimal_bytes(n, digits=2)
 
 
 def _f(v, fmt: str) -> str:

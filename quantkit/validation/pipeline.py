@@ -114,6 +114,10 @@ def validate(
     max_host_memory: int | str | None = None,
     max_gpu_memory: int | str | None = None,
     weights: str = "auto",
+    tasks: str | list[str] | None = None,
+    task_dir: str | Path | None = None,
+    limit: int | None = None,
+    num_fewshot: int | None = None,
 ) -> ValidationResult:
     """Measure a converted pair (or one checkpoint) against its reference, layer by layer.
 
@@ -134,6 +138,8 @@ def validate(
             after its first read (this rank's share under torchrun), so greedy tokens re-read only
             the rest; `resident` insists on all of it; `stream` re-reads every layer for every pass
             (quantkit.validation.weights.weights_plan).
+        tasks, task_dir, limit, num_fewshot: lm-eval tasks to run on every checkpoint (local task YAMLs
+            in `task_dir`), items per task and shots: scores, paired deltas, flips (quantkit.validation.tasks).
 
     Under torchrun (`quantkit validate --nproc N`) each rank runs the attention half of every
     layer and the routed experts that convert's partition gives it, and receives the others'
@@ -152,10 +158,15 @@ def validate(
     t0 = time.time()
     if weights not in WEIGHTS:
         raise ConfigError(f"--weights {weights}: one of {', '.join(WEIGHTS)}")
+    from quantkit.validation.tasks import prepare, run_tasks
+
+    spec = prepare(tasks, task_dir, limit, num_fewshot)  # before anything long: lm-eval there, the task names known
     inp = _inputs(dir, reference, eval_data, num_samples, seq_len, gen_tokens, gates)
     joined = distributed.joined()  # convert's ranks validate in the group they converted in
     group, dev = distributed.init(resolve_device(device))
     group = replace(group, after_failure="see the failing rank's log, then rerun the same command")
+    if spec is not None and group.distributed:
+        raise ConfigError("--tasks runs in one process; drop --nproc for the task run")
     notes = target_notes(inp.t, inp.tokens)
 
     arch = inp.ckpts["reference"].arch
@@ -164,6 +175,8 @@ def validate(
                         validate_exchange(arch, inp.tokens.ids.numel(), group.world))
     kv, kv_info = kv_variants(kv_cache_dtype, inp.ckpts, inp.t.pair, inp.s.gen_tokens)
     m = _measure(inp, dev, dtype, progress and group.leader, kv, kv_info, plan, group, owners)
+    if spec is not None:
+        m["tasks"] = run_tasks(spec, inp.ckpts, inp.t.reference_path, kv, dev, dtype, plan)
     ranks = _gather_and_close(inp, plan, group, joined)
 
     gate_results = check_gates(inp.s.gates, m["rows"])
@@ -248,6 +261,7 @@ def _record(inp: _Inputs, dev: torch.device, dtype, ranks: list[dict], group, m:
         "rows": m["rows"],
         "continuations": m["continuations"],
         "kv_cache": kv_info,
+        "tasks": m.get("tasks"),
         "gates_from": inp.s.gates_from,
         "gates": gate_results,
         "passed": all(g["passed"] is not False for g in gate_results),

@@ -54,6 +54,8 @@ class ValidationResult:
     def table(self):
         from rich.table import Table
 
+        from quantkit.validation.tasks import tasks_caption
+
         d = self.data
         failed = {(g["row"], g["metric"]) for g in self.failed_gates}
         t = Table(title=f"quantkit validate: {d['reference']['spec']} vs {d['dir']}")
@@ -83,7 +85,7 @@ class ValidationResult:
                      f"({d['gates_from']}){': ' + fails if fails else ''}\n"
                      f"reference ppl {d['reference_metrics']['ppl']:.3f}; eval {e['spec']} {e['num_samples']}x{e['seq_len']} "
                      f"sha256 {e['sha256'][:12]}; {d['gen_tokens']} greedy tokens; {d['device']} {d['dtype']}; "
-                     f"{d['seconds']:.1f}s" + "".join(f"\nnote: {n}" for n in d["notes"]))
+                     f"{d['seconds']:.1f}s" + tasks_caption(d) + "".join(f"\nnote: {n}" for n in d["notes"]))
         return t
 
     def _repr_html_(self) -> str:
@@ -135,6 +137,9 @@ def render_markdown(d: dict) -> str:
     from quantkit.validation.kvrows import kv_markdown
 
     lines += kv_markdown(d)
+    from quantkit.validation.tasks import tasks_markdown
+
+    lines += tasks_markdown(d)
     for n in d["notes"]:
         lines += ["", f"Note: {n}"]
     lines += ["", "Metrics: " + "; ".join(f"`{k}` {v}" for k, v in METRICS.items()) + ".", ""]

@@ -129,7 +129,7 @@ def target_notes(t: Target, tokens) -> list[str]:
     notes = []
     src = (t.report or {}).get("source") or {}
     recorded = (src.get("files") or {}).get("config.json")
-    if recorded and recorded != config_sha256(t.reference_path):
+    if recorded and recorded != config_sha256(t.reference_path, git_blob=recorded.startswith("git-blob:")):
         notes.append(f"the reference's config.json differs from the source convert recorded ({src.get('spec')})")
     cal = (t.report or {}).get("calibration") or {}
     cal_spec = cal.get("spec") or (((t.report or {}).get("recipe") or {}).get("calibration") or {}).get("dataset")
@@ -138,6 +138,16 @@ def target_notes(t: Target, tokens) -> list[str]:
     return notes
 
 
-def config_sha256(folder: Path) -> str | None:
+def config_sha256(folder: Path, *, git_blob: bool = False) -> str | None:
+    """The config's identity as convert records it: sha256, or for an hf:// source (whose small
+    files the Hub lists by git blob id) `git-blob:<sha1>`; compared with a sha256, every hf://
+    source's config read as "differs"."""
     config = folder / "config.json"
-    return file_sha256(config) if config.is_file() else None
+    if not config.is_file():
+        return None
+    if git_blob:
+        import hashlib
+
+        data = config.read_bytes()
+        return "git-blob:" + hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+    return file_sha256(config)
