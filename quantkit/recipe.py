@@ -60,6 +60,8 @@ class GPTQSettings(_Section):
     actorder: bool = False  # static activation order (group of a column unchanged: same format)
     min_tokens: int = Field(32, ge=0)  # experts routed fewer tokens take `fallback`
     fallback: Literal["all_tokens", "rtn"] = "all_tokens"
+    observer: Literal["minmax", "mse"] = "minmax"  # GPTQ's static group scales: min-max, or a clip search
+    prior_tokens: int = Field(0, ge=0)  # p: H_e = (n_e H_e + p H_all) / (n_e + p) (streamed GPTQ; 0: off)
 
 
 class AWQSettings(_Section):  # method: awq (quantkit.quant.awq)
