@@ -24,10 +24,11 @@ from quantkit.probe.pipeline import probe
 from quantkit.probe.reference import Continuation
 
 # Two prompts (one plain completion, one chat), 6 tokens: the shipped set's shape, small enough for the
-# shared CPU. The prompts were picked because the tiny GLM's source and INT4 decode disagree on them.
+# shared CPU. The prompts were picked because the tiny GLM's source and its RTN INT4 decode disagree on
+# their first greedy token (transformers' own models; most of the tiny language they agree on).
 PROMPTS = {"name": "test", "max_tokens": 6, "top_logprobs": 5, "prompts": [
-    {"id": "recall", "kind": "completion", "prompt": "remember ada has a fox . the calm dog sees a bird . what does ada have ?"},
-    {"id": "chat-sentence", "kind": "chat", "messages": [{"role": "user", "content": "the old bear meets the"}]}]}
+    {"id": "sentence", "kind": "completion", "prompt": "the quick fox sees"},
+    {"id": "chat-sum", "kind": "chat", "messages": [{"role": "user", "content": "5 plus 7"}]}]}
 
 
 @pytest.fixture(scope="module")
