@@ -23,12 +23,14 @@ from quantkit.probe.compare import Observed, score, topk_kl, verdict
 from quantkit.probe.pipeline import probe
 from quantkit.probe.reference import Continuation
 
-# Two prompts (one plain completion, one chat), 6 tokens: the shipped set's shape, small enough for the
-# shared CPU. The prompts were picked because the tiny GLM's source and its RTN INT4 decode disagree on
-# their first greedy token (transformers' own models; most of the tiny language they agree on).
+# Three prompts (a plain completion, two chats), 6 tokens: the shipped set's shape, small enough for the
+# shared CPU. The chats were picked because the tiny GLM's source and its RTN INT4 decode part at their
+# 4th and 5th greedy token (transformers' own models): late enough that the first tokens are confident,
+# not near-ties that any two implementations could flip.
 PROMPTS = {"name": "test", "max_tokens": 6, "top_logprobs": 5, "prompts": [
-    {"id": "sentence", "kind": "completion", "prompt": "the quick fox sees"},
-    {"id": "chat-sum", "kind": "chat", "messages": [{"role": "user", "content": "5 plus 7"}]}]}
+    {"id": "recall", "kind": "completion", "prompt": "remember ada has a fox . the calm dog sees a bird . what does ada have ?"},
+    {"id": "chat-cat", "kind": "chat", "messages": [{"role": "user", "content": "the quick cat chases the"}]},
+    {"id": "chat-owl", "kind": "chat", "messages": [{"role": "user", "content": "the dark owl helps"}]}]}
 
 
 @pytest.fixture(scope="module")
@@ -89,9 +91,9 @@ def test_transformers_serve_source_and_decode_are_told_apart(pair, tmp_path):
         r_dec = probe(srv.url, out, model=srv.folder, **kw).data
     assert not r_src["logprobs"] and not r_dec["logprobs"]  # transformers serve ignores `logprobs`
     assert r_src["verdict"]["match"] == "source", r_src["verdict"]
-    assert r_src["candidates"]["source"]["prompts_exact"] == 2
+    assert r_src["candidates"]["source"]["prompts_exact"] == 3
     assert r_dec["verdict"]["match"] == "decode", r_dec["verdict"]
-    assert r_dec["candidates"]["decode"]["prompts_exact"] == 2
+    assert r_dec["candidates"]["decode"]["prompts_exact"] == 3
     assert r_src["verdict"]["line"] != r_dec["verdict"]["line"]
     assert r_src["candidates"]["decode"]["greedy_agree"] < 1 and r_dec["candidates"]["source"]["greedy_agree"] < 1
 
@@ -190,11 +192,12 @@ def test_logprobs_path_names_decode_with_topk_kl(pair, tmp_path):
     assert d["logprobs"] and d["model"] == "tiny-decode"
     dec = d["candidates"]["decode"]
     assert d["verdict"]["match"] == "decode", d["verdict"]
-    assert dec["prompts_exact"] == 2 and dec["kl_steps"] >= 6
-    assert dec["topk_kl"] < 1e-3 < d["candidates"]["source"]["topk_kl"]
+    assert dec["prompts_exact"] == 3 and dec["kl_steps"] >= 12
+    assert dec["topk_kl"] < 1e-3 and dec["topk_kl"] < d["candidates"]["source"]["topk_kl"]
+    assert d["candidates"]["source"]["greedy_agree"] < 1
     # nothing sent but the recorded prompts, greedy
     assert sorted(b.get("prompt") or b["messages"][0]["content"] for b in sent) == sorted(
-        [PROMPTS["prompts"][0]["prompt"], PROMPTS["prompts"][1]["messages"][0]["content"]])
+        p.get("prompt") or p["messages"][0]["content"] for p in PROMPTS["prompts"])
     assert all(b["temperature"] == 0 and b["max_tokens"] == 6 for b in sent)
     card = (out / "decode" / "README.md").read_text()
     assert f"endpoint {srv.url} (model tiny-decode) probed on {d['date']}: consistent with decode/ INT4" in card

@@ -27,10 +27,10 @@ class ProbeResult:
         out = [f"endpoint {d['endpoint']} (model {d['model']}), prompt set {d['prompt_set']['name']} "
                f"({d['prompt_set']['prompts']} prompts, max_tokens {d['prompt_set']['max_tokens']}); "
                f"logprobs {'returned' if d['logprobs'] else 'not returned (greedy agreement only)'}",
-               f"{'checkpoint':<52} {'greedy agree':>12} {'exact':>7} {'top-k KL':>10}"]
+               f"{'checkpoint':<62} {'greedy agree':>12} {'exact':>7} {'top-k KL':>10}"]
         for k, s in d["candidates"].items():
             kl = "—" if s["topk_kl"] is None else f"{s['topk_kl']:.4f}"
-            out.append(f"{s['label']:<52} {s['greedy_agree']:>12.3f} {s['prompts_exact']:>3}/{s['prompts']:<3} {kl:>10}")
+            out.append(f"{s['label']:<62} {s['greedy_agree']:>12.3f} {s['prompts_exact']:>3}/{s['prompts']:<3} {kl:>10}")
         out += [f"warning: {w}" for w in d["warnings"]]
         out.append(f"verdict: {d['verdict']['line']}")
         return out
