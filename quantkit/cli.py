@@ -355,6 +355,36 @@ def verify(
     result.raise_for_problems()
 
 
+@app.command()
+@user_errors
+def probe(
+    url: Annotated[str, typer.Argument(help="The endpoint's OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1.")],
+    pair: Annotated[Path, typer.Option("--pair", metavar="DIR", help="The convert output (prefill/, decode/) to compare the endpoint with.")],
+    model: Annotated[Optional[str], typer.Option(help="The server's name for the model (default: its only one).")] = None,
+    api_key_env: Annotated[str, typer.Option(help="Environment variable holding the API key (sent as a Bearer token).")] = "OPENAI_API_KEY",
+    timeout: Annotated[float, typer.Option(help="Seconds per request.")] = 60.0,
+    retries: Annotated[int, typer.Option(help="Retries on 429/5xx and dropped connections, with exponential backoff.")] = 4,
+    concurrency: Annotated[int, typer.Option(help="Requests in flight at most.")] = 4,
+    kv_cache_dtype: Annotated[str, typer.Option(help="FP8 KV variants to compare with: auto (the engines' for this model), fp8_e4m3, fp8_ds_mla or bf16 (none).")] = "auto",
+    min_agree: Annotated[float, typer.Option(help="Greedy agreement below which the endpoint matches no checkpoint.")] = 0.9,
+    device: Device = "auto",
+    write_card: Annotated[bool, typer.Option("--write-card", help="Add the verdict to the pair's model cards.")] = False,
+    prompts: Annotated[Optional[Path], typer.Option(help="Another recorded prompt set (JSON like quantkit/probe/prompts.json; default: that one).")] = None,
+    json_out: Json = False,
+):
+    """Check an OpenAI-compatible endpoint against the pair's reference forward; name the checkpoint it behaves like."""
+    from quantkit.probe.pipeline import probe as run_probe
+
+    result = run_probe(url, pair, model=model, api_key_env=api_key_env, timeout=timeout, retries=retries,
+                       concurrency=concurrency, kv_cache_dtype=kv_cache_dtype, min_agree=min_agree, device=device,
+                       write_card=write_card, prompts=prompts)
+    if json_out:
+        emit_json(result.data)
+    else:
+        for line in result.lines():
+            Console().print(line, highlight=False, soft_wrap=True)
+
+
 def _relaunch_under_torchrun(ctx: typer.Context, nproc: Optional[int], out: Path, **launch) -> None:
     """`--nproc N` (N > 1) outside torchrun: run this same command under torchrun, with every
     option as given but --nproc, and exit with its status. Inside torchrun (WORLD_SIZE set, the
