@@ -57,7 +57,9 @@ SIZES = {
     # GLM 5.2's real expert width for the GPTQ study (quantkit/model/presets/glm-5.2.json)
     "full": {"models": ["realshape:glm-5.2", "realshape:kimi-k2.6"], "calib": (4, 256), "validate": (2, 128, 2),
              "gptq": {"hidden": 6144, "inter": 2048, "experts": 64, "chunks": [64, 16, 1], "single": 16, "tokens": 2048},
-             "budget_s": 420, "host_budget": {"device": None, "cpu": "40GB"}},
+             # explicit host budgets: the machine's MemAvailable may start below its 128 GB (a microVM
+             # whose memory grows with use), and the two CPU converts run beside the device steps
+             "budget_s": 420, "host_budget": {"device": "32GB", "cpu": "32GB"}},
     "small": {"models": ["realshape:glm-5.2", "realshape:kimi-k2.6"], "calib": (1, 64), "validate": (1, 32, 1),
               "gptq": {"hidden": 1024, "inter": 256, "experts": 64, "chunks": [64, 16, 1], "single": 16, "tokens": 512},
               "budget_s": 0, "host_budget": {"device": "8GB", "cpu": "8GB"}},
@@ -348,6 +350,10 @@ def step_gptq(a) -> dict:
         return H
 
     Hgu, Hd = hessians(D), hessians(I)
+    # warm-up: the first call loads the solver libraries and kernels (cuSOLVER, cuBLAS; LAPACK), which
+    # would otherwise count against whichever call size runs first
+    for W, H in ((Wgu, Hgu), (Wd, Hd)):
+        gptq(W[:1].clone(), H[:1].clone(), G, consume=True)
     sync()
     setup = time.time() - t0
     runs, hashes = {}, {}
@@ -361,14 +367,12 @@ def step_gptq(a) -> dict:
             sl = slice(start, min(start + chunk, count))
             packed = {}
             for proj, W, H in (("gate_up", Wgu, Hgu), ("down", Wd, Hd)):
-                w, h = W[sl].clone(), H[sl].clone()
                 sync()
                 t = time.perf_counter()
-                q = gptq(w, h, G, consume=True)
+                # as convert calls it: its own float32 copies, consumed (no other reference keeps H alive)
+                packed[proj] = gptq(W[sl].clone(), H[sl].clone(), G, consume=True)
                 sync()
                 secs[proj] += time.perf_counter() - t
-                del w, h
-                packed[proj] = q
             for j in range(sl.stop - sl.start):
                 parts = [v for p in ("gate_up", "down") for v in int4.store(packed[p].q[j], packed[p].scale[j]).values()]
                 hashes[chunk].append(hashlib.sha256(b"".join(bytes.fromhex(_sha(t)) for t in parts)).hexdigest()[:16])
@@ -387,14 +391,53 @@ def step_gptq(a) -> dict:
     for chunk, r in runs.items():
         r["predicted_seconds_per_expert"] = round(per_expert_flops / rate + (D + I) * LAUNCHES_PER_COLUMN * launch / int(chunk), 4)
         r["measured_over_predicted"] = round(r["seconds_per_expert"] / max(r["predicted_seconds_per_expert"], 1e-12), 3)
+    fit = _fit_gptq(runs, per_expert_flops, D + I)
     first = min(len(h) for h in hashes.values())
     ref = hashes[max(s["chunks"])]
     same = {str(c): h == ref[: len(h)] for c, h in hashes.items()}
     differ = {str(c): [j for j, (x, y) in enumerate(zip(h, ref)) if x != y][:8] for c, h in hashes.items()}
     return {"device": str(dev), "hidden": D, "moe_intermediate": I, "experts": E, "tokens_per_hessian": n, "group_size": G,
-            "setup_seconds": round(setup, 2), "per_call": runs, "bytes_independent_of_chunk": all(same.values()),
+            "setup_seconds": round(setup, 2), "per_call": runs, "fit": fit, "matmul_flops": matmul_rate(dev),
+            "cost_model": {"gptq_flops": rate, "launch_s": launch, "launches_per_column": LAUNCHES_PER_COLUMN},
+            "bytes_independent_of_chunk": all(same.values()),
             "bytes_same_as_largest_chunk": same, "differing_experts": differ, "experts_compared_at_every_chunk": first,
             "threads": torch.get_num_threads()}
+
+
+def _fit_gptq(runs: dict, per_expert_flops: float, columns: int) -> dict:
+    """seconds per expert = F + L / (experts per call), least squares over the call sizes: F is the
+    per-expert work (implied GPTQ FLOP/s = its FLOPs / F), L the per-call cost (the column loop's
+    launches: implied seconds per launch = L / (columns x LAUNCHES_PER_COLUMN))."""
+    from quantkit.conversion.cost import LAUNCHES_PER_COLUMN
+
+    xs = [1.0 / int(c) for c in runs]
+    ys = [r["seconds_per_expert"] for r in runs.values()]
+    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    L = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if n > 1 and var else 0.0
+    F = my - L * mx
+    return {"per_expert_s": round(F, 5), "per_call_s": round(L, 5),
+            "implied_gptq_flops": per_expert_flops / F if F > 0 else None,
+            "implied_launch_s": L / (columns * LAUNCHES_PER_COLUMN) if L > 0 else None}
+
+
+def matmul_rate(dev) -> float:
+    """Sustained float32 matmul FLOP/s on `dev` at the Hessians' and experts' shapes (no TF32)."""
+    import torch
+
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    best = 0.0
+    for m, k, n in ((2048, 6144, 2048), (6144, 4096, 6144)):
+        x, y = torch.randn(m, k, device=dev), torch.randn(k, n, device=dev)
+        x @ y
+        sync()
+        reps = 10 if dev.type == "cuda" else 1
+        t = time.perf_counter()
+        for _ in range(reps):
+            x @ y
+        sync()
+        best = max(best, reps * 2 * m * k * n / (time.perf_counter() - t))
+    return best
 
 
 def step_predict(a) -> dict:
@@ -476,8 +519,10 @@ class Run:
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
         self.say(name, "$ " + " ".join(cmd[1:]))
+        # its own process group (killed whole at the time budget), in this session (so that whatever
+        # ends this run ends the steps too)
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                             start_new_session=True)
+                             preexec_fn=os.setpgrp)
         reader = threading.Thread(target=lambda: [self.say(name, ln) for ln in p.stdout], daemon=True)
         reader.start()
         self.steps[name] = {"status": "running"}
@@ -562,7 +607,9 @@ def render(s: dict) -> str:
         elif n.startswith("compare-") and "tensors" in r:
             t = {k: {c: f"{x['same']}/{x['same'] + x['differ']}" for c, x in d["categories"].items()} for k, d in r["tensors"].items()}
             lines.append(f"\n{n}: identical tensors (same/all) {t}; decode KL(cpu || device) "
-                         f"{r['decode_kl_cpu_vs_device']['kl_mean']:.2e}; problems: {r['problems'] or 'none'}")
+                         f"{r['decode_kl_cpu_vs_device']['kl_mean']:.2e} (bound {r['kl_bound']:.2e}; quantization's "
+                         f"KL(source || cpu decode) {r['decode_kl_source_vs_cpu']['kl_mean']:.2e}); "
+                         f"problems: {r['problems'] or 'none'}")
         elif n.startswith(("convert-", "validate-")) and r:
             p = r["predicted_by_convert"] if n.startswith("convert-") else r["predicted_by_plan"]
             pred = p.get("seconds_total", p.get("seconds"))
@@ -576,7 +623,9 @@ def render(s: dict) -> str:
             lines.append(f"\ngptq at hidden {r['hidden']}, moe_intermediate {r['moe_intermediate']} on {r['device']}: "
                          + "; ".join(f"{c} per call: {x['seconds_per_expert']:.3f} s/expert (predicted "
                                      f"{x['predicted_seconds_per_expert']:.3f})" for c, x in r["per_call"].items())
-                         + f"; bytes independent of experts per call: {r['bytes_independent_of_chunk']}")
+                         + f"; bytes independent of experts per call: {r['bytes_independent_of_chunk']}; fit "
+                         f"{r['fit']}; float32 matmul {r['matmul_flops'] / 1e12:.2f} TFLOP/s (the cost model assumes "
+                         f"{r['cost_model']['gptq_flops'] / 1e12:.2f} for GPTQ)")
         elif n == "predict" and r:
             for preset, x in r["models"].items():
                 lines.append(f"\n{preset} full scale ({x['command']}): predicted {x['predicted_total_s'] / 3600:.2f} h; "
@@ -597,6 +646,7 @@ def cmd_run(a) -> None:
     hb = size["host_budget"]
     cores = os.cpu_count() or 1
     builds = [r.start(f"build-{tag(m)}", "build", model=m, device="cpu") for m in models]
+    r.flush()  # a summary from the first second on
     for b in builds:
         r.wait(b)
     ready = [m for m in models if r.steps[f"build-{tag(m)}"]["status"] == "ok"]
@@ -666,6 +716,7 @@ def cmd_imports(a) -> None:
            "cpus": os.cpu_count(), "quantkit": str(here.parent), "versions": versions,
            "absent": {m: importlib.util.find_spec(m) is None for m in ABSENT}, "imported_absent": absent_modules(),
            "torch_threads": torch.get_num_threads(), "cuda_available": torch.cuda.is_available(),
+           "tf32_matmul": torch.backends.cuda.matmul.allow_tf32, "float32_matmul_precision": torch.get_float32_matmul_precision(),
            "cuda": torch.version.cuda, "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
            "pydantic_from": str(Path(importlib.import_module("pydantic").__file__).parent)}
     if os.environ.get("QK_GPU_CHECK_DEVICE", "cuda").startswith("cuda") and not env["cuda_available"]:

@@ -51,12 +51,16 @@ fail() {  # a summary even when the install fails: the folder is all that comes 
   [ -f "$WHEELS/requirements.txt" ] || { echo "no $WHEELS/requirements.txt: run scripts/gpu_wheels.sh first"; exit 3; }
   rm -rf "$SITE" "$ROOT/build"
   "$PY" -m pip --version || exit 3
-  # shellcheck disable=SC2046
-  "$PY" -m pip install --no-deps --no-index --find-links "$WHEELS" --no-cache-dir --no-compile \
-    --target "$SITE" -r "$WHEELS/requirements.txt" || exit 4
+  if grep -q '[^[:space:]]' "$WHEELS/requirements.txt"; then
+    "$PY" -m pip install --no-deps --no-index --find-links "$WHEELS" --no-cache-dir --no-compile \
+      --target "$SITE" -r "$WHEELS/requirements.txt" || exit 4
+  fi
   # the tree, built by pip in an isolated environment whose setuptools comes from $WHEELS
+  # (QK_GPU_CHECK_NO_BUILD_ISOLATION=1: with the interpreter's own setuptools, as the tests do)
+  isolation=()
+  [ "${QK_GPU_CHECK_NO_BUILD_ISOLATION:-0}" = 1 ] && isolation=(--no-build-isolation)
   "$PY" -m pip install --no-deps --no-index --find-links "$WHEELS" --no-cache-dir --no-compile \
-    --target "$SITE" "$ROOT" || exit 5
+    "${isolation[@]}" --target "$SITE" "$ROOT" || exit 5
 ) > "$OUT/install.log" 2>&1
 rc=$?
 case $rc in

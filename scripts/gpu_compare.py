@@ -7,8 +7,14 @@ logits' KL(cpu || cuda). scripts/gpu_check.py calls `compare_pair`; standalone:
 expects OUT/<model>-cpu and OUT/<model>-cuda (convert outputs), prints the verdict as JSON. Exit 1
 when a weight tensor outside the routed experts differs in bytes, when a KV-cache scale (measured
 on the calibration activations, so computed on the device) differs by more than KV_SCALE_RTOL, or
-when the decode logits' KL(cpu || cuda) exceeds KL_MAX. Routed experts may differ: their GPTQ
+when the decode logits' KL(cpu || cuda) exceeds its bound. Routed experts may differ: their GPTQ
 float reductions run in another order on the GPU, and the KL bounds what that costs.
+
+The bound: KL_MAX, or KL_REL of what quantization itself costs on the same ids (KL(source || the
+CPU's decode)), whichever is larger. The float order alone moves the KL by about that much: on
+the CPU, the same tiny Kimi convert with 1 and with 2 torch threads gives decode checkpoints 6e-7
+apart (62 of 432 expert tensors differ), close to KL_MAX, while quantization costs 1.6e-5 there;
+a broken device path costs as much as quantization or more.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import torch
 from safetensors import safe_open
 
 KL_MAX = 1e-6
+KL_REL = 0.05
 KV_SCALE_RTOL = 1e-4
 KV_SCALES = ("self_attn.k_scale", "self_attn.v_scale")  # quantkit.model.kvcache.SCALE_NAMES
 
@@ -103,6 +110,9 @@ def compare_pair(cpu_out: Path, dev_out: Path) -> dict:
     a = logits(cpu_out / "decode", ids, device="cpu")
     b = logits(dev_out / "decode", ids, device="cpu")
     result["decode_kl_cpu_vs_device"] = kl_stats(a, b)
+    source = json.loads((cpu_out / "convert-report.json").read_text())["source"]["path"]
+    result["decode_kl_source_vs_cpu"] = kl_stats(logits(source, ids, device="cpu"), a)  # what quantization costs
+    result["kl_bound"] = max(KL_MAX, KL_REL * result["decode_kl_source_vs_cpu"]["kl_mean"])
     problems = []
     for kind, t in result["tensors"].items():
         w = t["categories"]["weight"]
@@ -112,8 +122,9 @@ def compare_pair(cpu_out: Path, dev_out: Path) -> dict:
         if t["kv_scale_max_rel_diff"] > KV_SCALE_RTOL:
             problems.append(f"{kind}: KV-cache scales differ by {t['kv_scale_max_rel_diff']:.2e} relative (> {KV_SCALE_RTOL:g})")
     kl = result["decode_kl_cpu_vs_device"]["kl_mean"]
-    if not kl <= KL_MAX:
-        problems.append(f"decode KL(cpu || device) {kl:.2e} > {KL_MAX:g}")
+    if not kl <= result["kl_bound"]:
+        problems.append(f"decode KL(cpu || device) {kl:.2e} > {result['kl_bound']:.2e} (the larger of {KL_MAX:g} and "
+                        f"{KL_REL:g} x quantization's {result['decode_kl_source_vs_cpu']['kl_mean']:.2e})")
     result["problems"] = problems
     result["passed"] = not problems
     return result
