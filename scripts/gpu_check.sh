@@ -48,6 +48,11 @@ fail() {  # a summary even when the install fails: the folder is all that comes 
 # ---- 1. install --------------------------------------------------------------------------------
 (
   echo "== $(date -u +%FT%TZ) install into $SITE with $PY ($("$PY" -c 'import sys; print(sys.version.split()[0], sys.executable)'))"
+  df -h "$WORK" "$OUT" 2>/dev/null; free -g 2>/dev/null; nproc
+  # the models and four outputs take about 12 GB at full size (2 GB at tiny)
+  free_gb=$(df -Pk "$WORK" | awk 'NR == 2 {print int($4 / 1048576)}')
+  min_free=${QK_GPU_CHECK_MIN_FREE_GB:-$([ "${QK_GPU_CHECK_SIZE:-full}" = tiny ] && echo 1 || echo 16)}
+  [ "${free_gb:-0}" -ge "$min_free" ] || { echo "only ${free_gb} GB free in $WORK, need $min_free"; exit 6; }
   [ -f "$WHEELS/requirements.txt" ] || { echo "no $WHEELS/requirements.txt: run scripts/gpu_wheels.sh first"; exit 3; }
   rm -rf "$SITE" "$ROOT/build"
   "$PY" -m pip --version || exit 3
@@ -66,6 +71,7 @@ rc=$?
 case $rc in
   0) ;;
   3) fail "no pip or no wheels (.gpu-wheels/requirements.txt): run scripts/gpu_wheels.sh here and carry .gpu-wheels" ;;
+  6) fail "too little free disk in $WORK (QK_GPU_CHECK_WORK; see install.log)" ;;
   4) fail "pip could not install the wheels in $WHEELS (see install.log)" ;;
   *) fail "pip could not build and install quantkit from $ROOT (see install.log)" ;;
 esac
@@ -74,7 +80,7 @@ export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 # from $WORK, so that `import quantkit` finds the installed copy and not the tree
 cd "$WORK"
 "$PY" "$ROOT/scripts/gpu_check.py" imports --site "$SITE" --out "$OUT/env.json" >> "$OUT/install.log" 2>&1 \
-  || fail "the installed quantkit does not import everything the check runs (see install.log)"
+  || fail "the import check failed: $(tail -1 "$OUT/install.log" | tr -d '"\\')"
 echo "gpu_check: installed in $(( $(date +%s) - t0 )) s; $(tail -1 "$OUT/install.log")"
 
 # ---- 2. the measurements -----------------------------------------------------------------------

@@ -93,6 +93,18 @@ def test_wheel_script_ships_what_the_gpu_machine_lacks():
     assert ".gpu-wheels/" in (ROOT / ".gitignore").read_text().splitlines()
 
 
+def test_install_failure_still_leaves_a_summary(tmp_path):
+    """No wheels folder (gpu_wheels.sh not run, or .gpu-wheels not carried): exit 2 at once, and
+    OUT says why (it is all that comes back from the GPU machine)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {
+        "PY": sys.executable, "QK_GPU_WHEELS": str(tmp_path / "none"), "QK_GPU_CHECK_WORK": str(tmp_path / "work"),
+        "QK_GPU_CHECK_SIZE": "tiny"}
+    r = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert s["passed"] is False and s["stage"] == "install" and "gpu_wheels.sh" in s["error"]
+
+
 # ---- result collection ---------------------------------------------------------------------------
 def test_phase_timer_is_exclusive(check):
     t = check.PhaseTimer("cpu")
