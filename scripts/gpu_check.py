@@ -31,8 +31,9 @@ run stopped at any point still leaves what it measured:
 
 Environment: QK_GPU_CHECK_DEVICE (cuda; cpu for the rehearsal: every device step on the CPU),
 QK_GPU_CHECK_SIZE (full; small: less data and a narrower GPTQ study on the same models; tiny: the
-tiny models), QK_GPU_CHECK_BUDGET_S (seconds for all steps; a step that would start later is
-skipped and recorded so). OUT receives summary.json (everything measured), summary.md (the same
+tiny models), QK_GPU_CHECK_MODELS (a space-separated subset of the size's models),
+QK_GPU_CHECK_BUDGET_S (seconds for all steps; a step that would start later is skipped and
+recorded so). OUT receives summary.json (everything measured), summary.md (the same
 for a person), reports.json (convert and validate reports), log.txt (every step's output).
 """
 
@@ -448,7 +449,7 @@ def step_predict(a) -> dict:
     device = a.device
     gpu = "h200" if device.startswith("cuda") else "cpu"
     out = {}
-    for model in SIZES[a.size]["models"]:
+    for model in os.environ.get("QK_GPU_CHECK_MODELS", "").split() or SIZES[a.size]["models"]:
         preset = PRESET.get(family(model))
         f = results / f"convert-{tag(model)}.json"
         if preset is None or not f.is_file():
@@ -642,7 +643,7 @@ def cmd_run(a) -> None:
     work, out = Path(a.work), Path(a.out)
     os.environ.setdefault("QUANTKIT_CACHE", str(work / "cache"))  # built here, never an old cache's models
     r = Run(out, work, device, a.size, budget, parallel, a.install_seconds)
-    models = size["models"]
+    models = os.environ.get("QK_GPU_CHECK_MODELS", "").split() or size["models"]  # e.g. "realshape:glm-5.2" alone
     hb = size["host_budget"]
     cores = os.cpu_count() or 1
     builds = [r.start(f"build-{tag(m)}", "build", model=m, device="cpu") for m in models]

@@ -19,6 +19,7 @@
 #   QK_GPU_CHECK_DEVICE=cuda  cpu: the same run with every CUDA step on the CPU (the rehearsal)
 #   QK_GPU_CHECK_SIZE=full    small: the real-shape models with less data and a narrower GPTQ
 #                             study; tiny: the tiny models (tests/test_gpu_check.py)
+#   QK_GPU_CHECK_MODELS       a subset of the size's models, e.g. "realshape:glm-5.2"
 #   QK_GPU_CHECK_WORK=/tmp/quantkit-gpu-check   work folder (models, outputs: ~12 GB at full size)
 #   QK_GPU_CHECK_BUDGET_S     seconds for step 2 (default 420 at full size); steps not started by
 #                             then are recorded as skipped, so the folder always has a summary
