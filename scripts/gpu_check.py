@@ -666,8 +666,10 @@ def cmd_run(a) -> None:
     for m in ready:
         if m in cpu_jobs:
             r.wait(cpu_jobs[m])
-        else:
+        elif r.steps[f"convert-{tag(m)}"]["status"] == "ok":  # nothing to compare with otherwise
             r.run(f"cpu-{tag(m)}", "convert", model=m, device="cpu", host_budget=hb["cpu"], which="cpu", need=20)
+        else:
+            r.steps[f"cpu-{tag(m)}"] = {"status": "skipped: the device convert failed"}
         if r.steps[f"cpu-{tag(m)}"]["status"] == "ok" and r.steps[f"convert-{tag(m)}"]["status"] == "ok":
             r.run(f"compare-{tag(m)}", "compare", model=m, device="cpu", need=10)
         else:
