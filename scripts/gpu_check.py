@@ -150,19 +150,19 @@ class PhaseTimer:
 def convert_timers(device: str) -> PhaseTimer:
     """Timers around convert's phases, by patching the module attributes it calls through."""
     import quantkit.quant.experts as experts
-    from quantkit.checkpoint import finish, shards
-    from quantkit.conversion import layerpass, pipeline
+    from quantkit.checkpoint import shards
+    from quantkit.conversion import layerpass, pipeline, stages
     from quantkit.formats import fp8, int4
 
     t = PhaseTimer(device)
-    t.patch(pipeline, "attention_pass", "attention")
+    t.patch(stages, "attention_pass", "attention")
     t.patch(layerpass, "expert_hessians", "hessians")
     t.patch(layerpass, "run_gptq", "gptq")
     t.patch(experts, "guard_against_rtn", "guard")  # imported inside layerpass.gptq_experts at each call
     t.patch(layerpass, "add_expert_outputs", "experts_out")
     t.patch(fp8, "quantize", "fp8")
     t.patch(int4, "store", "pack")
-    t.patch(finish, "finish_pair", "finish")  # imported inside convert at each call
+    t.patch(pipeline, "finish_pair", "finish")
     for name in ("get", "raw"):
         t.patch(shards.Checkpoint, name, "read")
     for name in ("flush", "drain"):
@@ -177,7 +177,7 @@ def validate_timers(device: str) -> PhaseTimer:
     t = PhaseTimer(device)
     t.patch(tokens, "load_tokens", "tokens")  # imported inside validate at each call
     t.patch(pipeline, "measure", "forward")
-    t.patch(pipeline, "_write", "write_files")
+    t.patch(pipeline, "write_files", "write_files")
     t.patch(pipeline, "check_gates", "gates")
     return t
 

@@ -29,6 +29,7 @@ def test_wheel_installs_and_converts(tmp_path):
                     str(src)], check=True, capture_output=True, text=True)
     (wheel,) = dist.glob("quantkit-*.whl")
 
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing may point back at a source tree
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)  # ensurepip: offline
     py = env_dir / "bin" / "python"
@@ -38,11 +39,10 @@ def test_wheel_installs_and_converts(tmp_path):
     # added without running the .pth files inside it, so this environment's editable quantkit stays out
     (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     subprocess.run([str(py), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)],
-                   check=True, capture_output=True, text=True)
+                   check=True, capture_output=True, text=True, env=env)
 
     run = tmp_path / "elsewhere"
     run.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     where = subprocess.run([str(py), "-c", "import quantkit; print(quantkit.__file__)"], cwd=run, env=env,
                            check=True, capture_output=True, text=True).stdout.strip()
     assert Path(where).is_relative_to(site), where
