@@ -218,4 +218,7 @@ def test_gpu_check_script_on_cpu(tmp_path):
     g = steps["gptq"]["result"]
     assert g["bytes_independent_of_chunk"] and set(g["per_call"]) == {"16", "4", "1"}
     assert set(steps["predict"]["result"]["models"]) == {"glm-5.2", "kimi-k2.6"}
-    assert len(json.loads((out / "reports.json").read_text())) == 4  # two convert reports, two validations
+    # per model: the device convert's report, the CPU reference's, the device validation
+    assert sorted(json.loads((out / "reports.json").read_text())) == sorted(
+        f"tiny-{m}-{r}" for m in ("glm-5.2", "kimi-k2.6") for r in ("cpu.report.json", "device.report.json",
+                                                                     "device.validation.json"))
