@@ -10,6 +10,19 @@ reference forward pass.
     qk.plan("glm-5.2")
     qk.logits("tiny:glm-5.2", input_ids)
 
+The public API (each also a `quantkit` command; help(qk.<name>) for its arguments):
+
+    inspect(model)            family, layers, parameters and bytes by tensor class, shard count
+    plan(model)               checkpoint sizes, weight memory per GPU, KV cache and capacity
+    pull(repo, out)           download a Hub repo at one pinned commit, every file checksum-verified
+    convert(model, out)       the FP8 prefill and INT4 decode checkpoints from one streaming pass
+    validate(dir)             measure a converted pair against its source; writes validation.json and cards
+    verify(dir)               re-hash an output against its manifest.json
+    check_serving(folder)     ask vLLM's and SGLang's own code whether they would load a checkpoint
+    logits(model, input_ids)  quantkit's reference forward pass, one layer at a time
+    Checkpoint(folder)        read a sharded safetensors checkpoint tensor by tensor
+    QuantkitError             the base of every user-facing error (one line naming the file and the fix)
+
 Heavy modules load on first use, so `import quantkit` is cheap.
 """
 
@@ -33,6 +46,10 @@ _API = {
 }
 
 __all__ = sorted(_API)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_API))
 
 
 def __getattr__(name: str):

@@ -22,14 +22,56 @@ app = typer.Typer(
     help="Quantize trillion-parameter MoE checkpoints (Kimi K2.6, GLM 5.2) into a matched FP8-prefill / INT4-decode pair.",
     no_args_is_help=True,
     add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
     pretty_exceptions_enable=False,
 )
 console = Console(stderr=True)
 
 Model = Annotated[str, typer.Argument(help="A model folder, an hf://org/repo@rev id, or tiny:kimi-k2.6 / tiny:glm-5.2.")]
 Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (for scripts).")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress: no bar in a terminal, no line per layer in a log.")]
 Device = Annotated[str, typer.Option(help="auto (CUDA when present, else CPU), cuda or cpu.")]
 Unverified = Annotated[bool, typer.Option("--allow-unverified", help="hf:// only: accept files the Hub lists without a checksum (size only; recorded in the report).")]
+
+
+def _shared(kind: type, convert_help: str, plan_help: str, shown: str | bool = False):
+    """An option both `convert` and `plan --convert` take, declared once so that its name, type and
+    default cannot drift apart between a run and its prediction; returned as each command's
+    annotation, because each keeps its own help (plan's names its mode, and its GPU default is
+    the --gpu's, not this machine's). `shown`: the default convert's help shows (the recipe's
+    value, which no number here could state for every model)."""
+    return (Annotated[Optional[kind], typer.Option(help=convert_help, show_default=shown)],
+            Annotated[Optional[kind], typer.Option(help=plan_help)])
+
+
+# The options `convert` and `plan --convert` share, each declared once (convert's, then plan's).
+Recipe, PlanRecipe = _shared(str, "Recipe file or name (default: the model family's).",
+                             "--convert: recipe file or name (default: the model family's).")
+RECIPES = "the recipe's"
+Method, PlanMethod = _shared(str, "gptq (calibrated), awq, or rtn (data-free baseline).", "--convert: gptq, awq or rtn.", RECIPES)
+NumSamples, PlanNumSamples = _shared(int, "Calibration samples.", "--convert: calibration samples.", RECIPES)
+SeqLen, PlanSeqLen = _shared(int, "Tokens per calibration sample.", "--convert: tokens per calibration sample.", RECIPES)
+GroupSize, PlanGroupSize = _shared(int, "INT4 group size: 32, 64 or 128.",
+                                   "INT4 group size of the decode checkpoint (default: the model's recipe's, as convert writes).",
+                                   RECIPES)
+HostMemory, PlanHostMemory = _shared(str, "Host RAM budget, e.g. 8GB (default: available memory).",
+                                     "--convert: host RAM budget, e.g. 8GB (default: available memory).")
+GpuMemory, PlanGpuMemory = _shared(str, "GPU memory budget, e.g. 120GB (default: the device's).",
+                                   "--convert: GPU memory budget (default: the --gpu's).")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from quantkit import __version__
+
+        sys.stdout.write(f"quantkit {__version__}\n")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                               help="Print quantkit's version and exit.")] = False) -> None:
+    """Quantize trillion-parameter MoE checkpoints (Kimi K2.6, GLM 5.2) into a matched FP8-prefill / INT4-decode pair."""
 
 
 def user_errors(fn):
@@ -69,6 +111,17 @@ def inspect(model: Model, json_out: Json = False, allow_unverified: Unverified =
         Console().print(result.table())
 
 
+def _plan_tasks(model: str, tasks: str, gpus: int, gpu: str, group_size: int | None, json_out: bool) -> None:
+    from quantkit.inputs.modelspec import is_tiny, resolve
+    from quantkit.planner.taskcost import plan_tasks, render
+
+    costs = plan_tasks(str(resolve(model)) if is_tiny(model) else model, tasks, gpus=gpus, gpu=gpu, group_size=group_size or 128)
+    if json_out:
+        emit_json({"tasks": [c.to_json() for c in costs]})
+    else:
+        Console().print(render(costs), highlight=False)
+
+
 @app.command()
 @user_errors
 def plan(
@@ -79,21 +132,26 @@ def plan(
     context: Annotated[int, typer.Option(help="Tokens per request for the concurrency figure.")] = 21_400,
     mem_fraction: Annotated[float, typer.Option(help="Share of GPU memory for weights + KV cache.")] = 0.90,
     overhead_gib: Annotated[float, typer.Option(help="Per-GPU runtime overhead (activations, graphs, NCCL).")] = 12.0,
-    group_size: Annotated[Optional[int], typer.Option(help="INT4 group size of the decode checkpoint (default 128; with --convert, the recipe's).")] = None,
+    group_size: PlanGroupSize = None,
     convert: Annotated[bool, typer.Option("--convert", help="Predict a conversion instead: peak memory, disk, time per phase, validate's time.")] = False,
-    recipe: Annotated[Optional[str], typer.Option(help="--convert: recipe file or name (default: the model family's).")] = None,
-    method: Annotated[Optional[str], typer.Option(help="--convert: gptq, awq or rtn.")] = None,
-    num_samples: Annotated[Optional[int], typer.Option(help="--convert: calibration samples.")] = None,
-    seq_len: Annotated[Optional[int], typer.Option(help="--convert: tokens per calibration sample.")] = None,
-    max_host_memory: Annotated[Optional[str], typer.Option(help="--convert: host RAM budget, e.g. 8GB (default: available memory).")] = None,
-    max_gpu_memory: Annotated[Optional[str], typer.Option(help="--convert: GPU memory budget (default: the --gpu's).")] = None,
+    recipe: PlanRecipe = None,
+    method: PlanMethod = None,
+    num_samples: PlanNumSamples = None,
+    seq_len: PlanSeqLen = None,
+    max_host_memory: PlanHostMemory = None,
+    max_gpu_memory: PlanGpuMemory = None,
     nproc: Annotated[int, typer.Option(help="--convert: ranks of an expert-parallel convert (one per GPU; `quantkit convert --nproc`): memory and time per rank.")] = 1,
     disk_gbps: Annotated[Optional[float], typer.Option(help="--convert: the disk's sustained GB/s, reads and writes together (default 2 for a GPU machine, 1 for --gpu cpu).")] = None,
     validation: Annotated[Optional[Path], typer.Option(help="A validation.json (validate --kv-cache-dtype fp8_e4m3): show the measured FP8 KV delta beside its capacity.")] = None,
+    tasks: Annotated[Optional[str], typer.Option(help="What `validate --tasks` would cost (gsm8k, mmlu): passes over the layers, tokens, bytes read, time per checkpoint, on --gpus x --gpu.")] = None,
     json_out: Json = False,
 ):
     """Checkpoint sizes, weight memory per GPU, KV cache per token and capacity, beside the article's figures.
     With --convert: what `quantkit convert` would cost (--gpu cpu for a CPU-only run)."""
+    if tasks:
+        _plan_tasks(model, tasks, gpus, gpu, group_size, json_out)
+        if not convert:
+            return
     if convert:
         from quantkit.conversion.cost import plan_convert_for
 
@@ -107,24 +165,22 @@ def plan(
         return
     from quantkit.inputs.modelspec import is_tiny, resolve
     from quantkit.planner.capacity import plan as run_plan
+    from quantkit.planner.gpus import GPUS
     from quantkit.planner.render import render_plan
 
-    group_size = group_size or 128
+    if gpu not in GPUS:  # checked here: the library's message names its own gpu_mem_gib argument, not an option
+        from quantkit.errors import ConfigError
+
+        raise ConfigError(f"--gpu {gpu}: unknown GPU kind; known: {', '.join(GPUS)}")
 
     target = resolve(model) if is_tiny(model) else model
     result = run_plan(target, gpus=gpus, gpu=gpu, tp=tp, context=context, mem_fraction=mem_fraction,
                       overhead_gib=overhead_gib, group_size=group_size)
     if validation is not None:
-        import json
-
-        from quantkit.errors import ConfigError
+        from quantkit.inputs.results import load_validation
         from quantkit.planner.render import capacity_beside_delta
 
-        try:
-            measured = json.loads(validation.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{validation}: cannot read a validation.json ({e}); pass the file `quantkit validate` wrote") from None
-        result.notes[:0] = capacity_beside_delta(result, measured)
+        result.notes[:0] = capacity_beside_delta(result, load_validation(validation))
     if json_out:
         emit_json(result.to_json())
     else:
@@ -154,15 +210,16 @@ def pull(
 @app.command()
 @user_errors
 def convert(
+    ctx: typer.Context,
     model: Model,
     out: Annotated[Path, typer.Option("--out", help="Output folder: prefill/, decode/ and convert-report.json appear when complete.")],
-    recipe: Annotated[Optional[str], typer.Option(help="Recipe file or name (default: the model family's).")] = None,
+    recipe: Recipe = None,
     preset: Annotated[Optional[str], typer.Option(help="Alias of --recipe: a shipped recipe name (kimi-k2.6, glm-5.2, ...).")] = None,
-    method: Annotated[Optional[str], typer.Option(help="gptq (calibrated), awq, or rtn (data-free baseline).")] = None,
-    calib: Annotated[Optional[str], typer.Option(help="Calibration data: hf:org/name@split, a .jsonl/.txt/.parquet/.npy/.safetensors file, or synthetic:train.")] = None,
-    num_samples: Annotated[Optional[int], typer.Option(help="Calibration samples.")] = None,
-    seq_len: Annotated[Optional[int], typer.Option(help="Tokens per calibration sample.")] = None,
-    group_size: Annotated[Optional[int], typer.Option(help="INT4 group size: 32, 64 or 128.")] = None,
+    method: Method = None,
+    calib: Annotated[Optional[str], typer.Option(help="Calibration data: hf:org/name@split, a .jsonl, .txt, .parquet, .npy or .safetensors file, or synthetic:train.", show_default=RECIPES)] = None,
+    num_samples: NumSamples = None,
+    seq_len: SeqLen = None,
+    group_size: GroupSize = None,
     decode_rest: Annotated[Optional[str], typer.Option(help="Decode's non-expert weights: prefill (same bytes as prefill, default) or bf16 (Kimi's official look).")] = None,
     device: Device = "auto",
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from its last completed layer.")] = False,
@@ -170,9 +227,15 @@ def convert(
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow the tokenizer's own code to run.")] = False,
     delete_source_after: Annotated[bool, typer.Option("--delete-source-after", help="hf:// sources: delete each shard once consumed.")] = False,
     allow_unverified: Unverified = False,
-    max_host_memory: Annotated[Optional[str], typer.Option(help="Host RAM budget, e.g. 8GB (default: available memory).")] = None,
-    max_gpu_memory: Annotated[Optional[str], typer.Option(help="GPU memory budget, e.g. 120GB (default: the device's).")] = None,
-    nproc: Annotated[Optional[int], typer.Option(help="Ranks on this machine (one per GPU): launches torchrun, which splits each layer's routed experts across them (docs/distributed.md).")] = None,
+    max_host_memory: HostMemory = None,
+    max_gpu_memory: GpuMemory = None,
+    nproc: Annotated[Optional[int], typer.Option(help="Ranks on this machine (one per GPU): launches torchrun, which splits each layer's routed experts across them (docs/distributed.md). The bytes equal one process's only at the same threads per process (torchrun's ranks run 1; set OMP_NUM_THREADS=1 for the single run), torch/BLAS build and device type: convert-report.json's reproducibility records them.")] = None,
+    eval_data: Annotated[Optional[str], typer.Option(help="The chained validate's held-out data (default: the recipe's validate.dataset); loaded before the first layer.", show_default=RECIPES)] = None,
+    eval_num_samples: Annotated[Optional[int], typer.Option(help="The chained validate's eval windows.", show_default=RECIPES)] = None,
+    eval_seq_len: Annotated[Optional[int], typer.Option(help="The chained validate's tokens per eval window.", show_default=RECIPES)] = None,
+    gen_tokens: Annotated[Optional[int], typer.Option(help="The chained validate's greedy tokens after each window.", show_default=RECIPES)] = None,
+    gate: Annotated[Optional[Path], typer.Option(help="The chained validate's YAML/JSON gates (kl_max: 0.05, ...).", show_default=RECIPES)] = None,
+    quiet: Quiet = False,
     json_out: Json = False,
 ):
     """Emit the FP8 prefill and INT4 decode checkpoints from one streaming pass, with calibrated per-expert GPTQ or AWQ."""
@@ -180,21 +243,14 @@ def convert(
 
     if recipe and preset:
         raise typer.BadParameter("give --recipe or --preset, not both")
-    if nproc is not None and nproc > 1 and "WORLD_SIZE" not in os.environ:
-        args = {"--out": out, "--recipe": recipe, "--preset": preset, "--method": method, "--calib": calib,
-                "--num-samples": num_samples, "--seq-len": seq_len, "--group-size": group_size,
-                "--decode-rest": decode_rest, "--device": device, "--max-host-memory": max_host_memory,
-                "--max-gpu-memory": max_gpu_memory}
-        flags = {"--resume": resume, "--no-validate": no_validate, "--trust-remote-code": trust_remote_code,
-                 "--delete-source-after": delete_source_after, "--allow-unverified": allow_unverified, "--json": json_out}
-        argv = [model] + [str(a) for k, v in args.items() if v is not None for a in (k, v)] + [k for k, v in flags.items() if v]
-        raise typer.Exit(_torchrun(nproc, ["convert", *argv], out))
+    _relaunch_under_torchrun(ctx, nproc, out)
     try:
         result = run_convert(model, out, recipe=recipe or preset, method=method, calib=calib, num_samples=num_samples,
                              seq_len=seq_len, group_size=group_size, decode_rest=decode_rest, device=device, resume=resume,
-                             validate=not no_validate, progress=not json_out, trust_remote_code=trust_remote_code,
+                             validate=not no_validate, progress=not (json_out or quiet), trust_remote_code=trust_remote_code,
                              delete_source_after=delete_source_after, allow_unverified=allow_unverified,
-                             max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory)
+                             max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory, eval_data=eval_data,
+                             eval_num_samples=eval_num_samples, eval_seq_len=eval_seq_len, gen_tokens=gen_tokens, gate=gate)
     except KeyboardInterrupt:
         console.print(f"[red]interrupted:[/red] {out} is not complete; run the same command with --resume to continue "
                       "from the last completed layer", highlight=False, soft_wrap=True)
@@ -214,6 +270,7 @@ def convert(
 @app.command()
 @user_errors
 def validate(
+    ctx: typer.Context,
     folder: Annotated[Path, typer.Argument(metavar="DIR", help="A convert output (prefill/, decode/, convert-report.json) or one checkpoint folder.")],
     reference: Annotated[Optional[str], typer.Option(help="Model to compare with (default: the source in convert-report.json).")] = None,
     eval_data: Annotated[Optional[str], typer.Option(help="Held-out data spec (default: the recipe's validate.dataset).")] = None,
@@ -223,24 +280,25 @@ def validate(
     device: Device = "auto",
     gate: Annotated[Optional[Path], typer.Option(help="YAML/JSON gates (kl_max: 0.05, top1_min: 0.9, ...); default: the recipe's.")] = None,
     kv_cache_dtype: Annotated[str, typer.Option(help="KV cache to simulate: bf16, fp8_e4m3 (static per-layer scales) or fp8_ds_mla (vLLM's DSA layout).")] = "bf16",
-    max_host_memory: Annotated[Optional[str], typer.Option(help="Host RAM budget, e.g. 8GB (default: available memory).")] = None,
+    max_host_memory: HostMemory = None,
     max_gpu_memory: Annotated[Optional[str], typer.Option(help="GPU memory budget (default: the device's).")] = None,
     weights: Annotated[str, typer.Option(help="auto: keep as much of the checkpoints (each rank its share) in memory, as stored, as the budget allows, so greedy tokens stop re-reading them; resident: all of it or an error; stream: re-read every layer for every greedy token.")] = "auto",
     nproc: Annotated[Optional[int], typer.Option(help="Ranks on this machine (one per GPU): launches torchrun; each rank runs its share of the routed experts (docs/distributed.md).")] = None,
+    tasks: Annotated[Optional[str], typer.Option(help="lm-eval tasks (comma-separated) to run on the source and every checkpoint: scores, paired deltas, flipped items (needs .[eval]).")] = None,
+    task_dir: Annotated[Optional[Path], typer.Option(help="A folder of local lm-eval task YAMLs for --tasks.")] = None,
+    limit: Annotated[Optional[int], typer.Option(help="--tasks: items per task (default: all).")] = None,
+    num_fewshot: Annotated[Optional[int], typer.Option(help="--tasks: few-shot examples (default: each task's).")] = None,
+    quiet: Quiet = False,
     json_out: Json = False,
 ):
     """Measure the pair against its source layer by layer; write validation.json/.md/.png and model cards. Exit 3 if a gate fails."""
     from quantkit.validation.pipeline import validate as run_validate
 
-    if nproc is not None and nproc > 1 and "WORLD_SIZE" not in os.environ:
-        args = {"--reference": reference, "--eval-data": eval_data, "--num-samples": num_samples, "--seq-len": seq_len,
-                "--gen-tokens": gen_tokens, "--device": device, "--gate": gate, "--kv-cache-dtype": kv_cache_dtype,
-                "--max-host-memory": max_host_memory, "--max-gpu-memory": max_gpu_memory, "--weights": weights}
-        argv = [str(folder)] + [str(a) for k, v in args.items() if v is not None for a in (k, v)] + (["--json"] if json_out else [])
-        raise typer.Exit(_torchrun(nproc, ["validate", *argv], folder, resume_hint=False))
+    _relaunch_under_torchrun(ctx, nproc, folder, resume_hint=False)
     result = run_validate(folder, reference=reference, eval_data=eval_data, num_samples=num_samples, seq_len=seq_len,
-                          gen_tokens=gen_tokens, device=device, gates=gate, progress=not json_out, kv_cache_dtype=kv_cache_dtype,
-                          max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory, weights=weights)
+                          gen_tokens=gen_tokens, device=device, gates=gate, progress=not (json_out or quiet), kv_cache_dtype=kv_cache_dtype,
+                          max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory, weights=weights,
+                          tasks=tasks, task_dir=task_dir, limit=limit, num_fewshot=num_fewshot)
     from quantkit.runtime.distributed import from_env
 
     if not from_env().leader:  # rank 0 prints and decides the exit status
@@ -297,6 +355,64 @@ def verify(
     result.raise_for_problems()
 
 
+@app.command()
+@user_errors
+def probe(
+    url: Annotated[str, typer.Argument(help="The endpoint's OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1.")],
+    pair: Annotated[Path, typer.Option("--pair", metavar="DIR", help="The convert output (prefill/, decode/) to compare the endpoint with.")],
+    model: Annotated[Optional[str], typer.Option(help="The server's name for the model (default: its only one).")] = None,
+    api_key_env: Annotated[str, typer.Option(help="Environment variable holding the API key (sent as a Bearer token).")] = "OPENAI_API_KEY",
+    timeout: Annotated[float, typer.Option(help="Seconds per request.")] = 60.0,
+    retries: Annotated[int, typer.Option(help="Retries on 429/5xx and dropped connections, with exponential backoff.")] = 4,
+    concurrency: Annotated[int, typer.Option(help="Requests in flight at most.")] = 4,
+    kv_cache_dtype: Annotated[str, typer.Option(help="FP8 KV variants to compare with: auto (the engines' for this model), fp8_e4m3, fp8_ds_mla or bf16 (none).")] = "auto",
+    min_agree: Annotated[float, typer.Option(help="Greedy agreement below which the endpoint matches no checkpoint.")] = 0.9,
+    device: Device = "auto",
+    write_card: Annotated[bool, typer.Option("--write-card", help="Add the verdict to the pair's model cards.")] = False,
+    prompts: Annotated[Optional[Path], typer.Option(help="Another recorded prompt set (JSON like quantkit/probe/prompts.json; default: that one).")] = None,
+    json_out: Json = False,
+):
+    """Check an OpenAI-compatible endpoint against the pair's reference forward; name the checkpoint it behaves like."""
+    from quantkit.probe.pipeline import probe as run_probe
+
+    result = run_probe(url, pair, model=model, api_key_env=api_key_env, timeout=timeout, retries=retries,
+                       concurrency=concurrency, kv_cache_dtype=kv_cache_dtype, min_agree=min_agree, device=device,
+                       write_card=write_card, prompts=prompts)
+    if json_out:
+        emit_json(result.data)
+    else:
+        for line in result.lines():
+            Console().print(line, highlight=False, soft_wrap=True)
+
+
+def _relaunch_under_torchrun(ctx: typer.Context, nproc: Optional[int], out: Path, **launch) -> None:
+    """`--nproc N` (N > 1) outside torchrun: run this same command under torchrun, with every
+    option as given but --nproc, and exit with its status. Inside torchrun (WORLD_SIZE set, the
+    ranks themselves) or with one rank: nothing, the command runs here."""
+    if nproc is None or nproc <= 1 or "WORLD_SIZE" in os.environ:
+        return
+    raise typer.Exit(_torchrun(nproc, [ctx.command.name, *_command_line(ctx)], out, **launch))
+
+
+def _command_line(ctx: typer.Context) -> list[str]:
+    """The arguments that give this command the values it runs with: its arguments, then each
+    option that has a value (in declaration order), then the flags that are set; --nproc left out."""
+    args: list[str] = []
+    options: list[str] = []
+    flags: list[str] = []
+    for p in ctx.command.params:
+        value = ctx.params.get(p.name)
+        if p.name == "nproc" or value is None or value is False:
+            continue
+        if p.param_type_name == "argument":
+            args.append(str(value))
+        elif p.is_flag:
+            flags.append(p.opts[0])
+        else:
+            options += [p.opts[0], str(value)]
+    return args + options + flags
+
+
 def _torchrun(nproc: int, argv: list[str], out: Path, resume_hint: bool = True) -> int:
     """`quantkit ... --nproc N`: run `python -m torch.distributed.run --standalone --nproc-per-node N
     -m quantkit ARGV` (one machine, a free rendezvous port) and return its exit status. torchrun
@@ -305,13 +421,14 @@ def _torchrun(nproc: int, argv: list[str], out: Path, resume_hint: bool = True) 
     import subprocess
     import time
 
+    from quantkit.inputs.results import gates_failed_since
+
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "quantkit", *argv]
     console.print(f"launching {nproc} ranks: {' '.join(cmd[2:])}", highlight=False, soft_wrap=True)
     t0 = time.time()
     rc = subprocess.run(cmd).returncode
-    verdict = out / "validation.json"
-    if rc and verdict.is_file() and verdict.stat().st_mtime >= t0 and not json.loads(verdict.read_text()).get("passed", True):
+    if rc and gates_failed_since(out / "validation.json", t0):
         from quantkit.validation.pipeline import GATES_FAILED_EXIT
 
         return GATES_FAILED_EXIT  # rank 0 printed which gate failed

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from quantkit.errors import ConfigError
 
-__all__ = ["Recipe", "load_recipe", "default_recipe", "recipe_overrides", "recipe_dirs", "available_recipes"]
+__all__ = ["Recipe", "load_recipe", "default_recipe", "recipe_overrides", "resolve_recipe", "recipe_dirs", "available_recipes"]
 
 # Projections `prefill.keep_bf16` may name (the last component of the module name).
 ATTENTION_PROJECTIONS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "wq_b", "wk")
@@ -60,6 +60,8 @@ class GPTQSettings(_Section):
     actorder: bool = False  # static activation order (group of a column unchanged: same format)
     min_tokens: int = Field(32, ge=0)  # experts routed fewer tokens take `fallback`
     fallback: Literal["all_tokens", "rtn"] = "all_tokens"
+    observer: Literal["minmax", "mse"] = "minmax"  # GPTQ's static group scales: min-max, or a clip search
+    prior_tokens: int = Field(0, ge=0)  # p: H_e = (n_e H_e + p H_all) / (n_e + p) (streamed GPTQ; 0: off)
 
 
 class AWQSettings(_Section):  # method: awq (quantkit.quant.awq)
@@ -215,6 +217,13 @@ def default_recipe(model_spec: str, arch) -> Recipe:
         raise ConfigError(f"{spec}: no default recipe for the {family} family; pass one with --recipe "
                           f"(start from {' or '.join(by_family.values())})")
     return load_recipe(by_family[family])
+
+
+def resolve_recipe(model_spec, arch, recipe: str | Path | None = None, **cli_options: Any) -> Recipe:
+    """The recipe convert and `plan --convert` run with: the one named, else the model family's
+    (`default_recipe`), with the options given overriding its fields (`recipe_overrides`)."""
+    rec = load_recipe(recipe) if recipe is not None else default_recipe(str(model_spec), arch)
+    return recipe_overrides(rec, **cli_options)
 
 
 def recipe_overrides(recipe: Recipe, **cli_options: Any) -> Recipe:

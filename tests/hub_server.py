@@ -422,3 +422,24 @@ class _Handler(BaseHTTPRequestHandler):
                     self.connection.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+
+
+def serve_folder(monkeypatch, tmp_path, repo_id: str, folder) -> FakeHub:
+    """A started FakeHub serving every file of `folder` as `repo_id` at one commit, with HF_HOME, the
+    Hub cache and the quantkit cache private to the test and HF_ENDPOINT pointing at it (the caller
+    stops it). The one set-up the hub tests share."""
+    from huggingface_hub import constants as hf_constants
+
+    home = tmp_path / "hf_home"
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "qk"))
+    for var in ("HF_TOKEN", "HF_HUB_OFFLINE", "HF_ENDPOINT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hf_constants, "HF_HUB_DISABLE_XET", True)
+    server = FakeHub().start()
+    server.content = {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+    server.commit_sha = server.add_repo(repo_id).commit(server.content)
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    return server

@@ -278,3 +278,34 @@ def test_buffer_shuffle_is_a_seeded_permutation():
     out = list(calib._buffer_shuffle(iter(range(50)), 8, random.Random(0)))
     assert sorted(out) == list(range(50)) and out != list(range(50))
     assert out == list(calib._buffer_shuffle(iter(range(50)), 8, random.Random(0)))
+
+
+# ---- not text (issue 21 item 9) -----------------------------------------------------------------
+def test_binary_junk_is_refused_with_the_fraction_found(tmp_path, tiny_kimi):
+    """300 KB of random bytes in a .txt used to calibrate with exit 0 (most experts starved)."""
+    junk = np.random.default_rng(0).integers(0, 256, 300_000, dtype=np.uint8).tobytes()
+    kw = dict(tokenizer=tiny_kimi, num_samples=2, seq_len=16)
+    for name in ("junk.txt", "junk.jsonl"):
+        f = tmp_path / name
+        high = bytes(b | 0x80 for b in junk)  # no quote, backslash or control byte: valid JSON around it
+        f.write_bytes(junk if name.endswith(".txt") else b'{"text": "' + high + b'"}\n')
+        with pytest.raises(ConfigError, match=r"\d+\.\d% of its [\d,]+ bytes are not valid UTF-8 .*re-encode it") as e:
+            load_tokens(str(f), **kw)
+        assert "\n" not in str(e.value) and str(f.resolve()) in str(e.value)
+
+
+def test_text_of_mostly_unknown_tokens_is_refused(tmp_path, tiny_kimi):
+    """Valid UTF-8, but words the tokenizer does not know: the fraction is named."""
+    f = tmp_path / "other.txt"
+    f.write_text("\n\n".join("Zwölf Boxkämpfer jagen Viktor quer über den großen Sylter Deich." for _ in range(20)))
+    with pytest.raises(ConfigError, match=r"\d+\.\d% of its first 32 tokens are the tokenizer's unknown token '<unk>'"):
+        load_tokens(str(f), tokenizer=tiny_kimi, num_samples=2, seq_len=16)
+
+
+def test_real_text_with_a_stray_byte_still_works(tmp_path, tiny_kimi):
+    texts = docs(6)
+    f = tmp_path / "c.txt"
+    f.write_bytes(("\n\n".join(texts)).encode() + b"\n\n\xff\n")  # one non-UTF-8 byte: replaced, not refused
+    d = load_tokens(str(f), tokenizer=tiny_kimi, num_samples=2, seq_len=16)
+    assert d.ids.shape == (2, 16)
+    assert float((d.ids == 3).float().mean()) < 0.1  # <unk> is id 3 in the tiny vocabulary

@@ -62,3 +62,31 @@ def test_streamed_gptq_equals_whole_layer_gptq(micro_batch):
             else:  # Hessians summed per micro-batch: rounding order differs; codes agree but for ties
                 assert torch.equal(a.scale, b.scale)
                 assert (a.q != b.q).float().mean() < 1e-3, (e, p)
+
+
+@pytest.mark.parametrize("micro_batch", [N, 1])
+def test_all_token_prior_mixes_the_layer_hessian_by_token_counts(micro_batch):
+    """gptq.prior_tokens = p: H_e = (n_e H_e + p H_all) / (n_e + p) over fit tokens, streamed."""
+    from quantkit.conversion.layerpass import expert_hessians
+    from quantkit.quant.experts import split_heldout
+
+    w, x, idx, weight = _layer()
+    store = ActivationStore(N, T, D, StorePlan(micro_batch=micro_batch), "cpu")
+    xs = store.open_x()
+    per = micro_batch * T
+    for sl in store.slices():
+        xs.write(sl, x.view(N, T, D)[sl])
+    n_b = len(list(store.slices()))
+    routing = LayerRouting([idx[i * per:(i + 1) * per] for i in range(n_b)],
+                           [weight[i * per:(i + 1) * per] for i in range(n_b)],
+                           [min(per, N * T - i * per) for i in range(n_b)], E)
+    p = 50
+    H = expert_hessians(store, routing, [0, 1], set(), prior=p)
+    x_all = x[split_heldout(torch.arange(N * T))[0]]
+    H_all = 2 * x_all.T @ x_all / len(x_all)
+    for j, e in enumerate([0, 1]):
+        x_e = x[split_heldout((idx == e).any(-1).nonzero(as_tuple=True)[0])[0]]
+        H_e = 2 * x_e.T @ x_e / len(x_e)
+        want = (len(x_e) * H_e + p * H_all) / (len(x_e) + p)
+        torch.testing.assert_close(H[j], want, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(H[j], H_e, rtol=1e-3, atol=1e-3)  # the prior moved it

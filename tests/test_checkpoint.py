@@ -683,3 +683,50 @@ def test_a_kept_int4_shape_stays_on_the_host(tiny_kimi):
     parts = ck.tensors[name].parts
     assert ck._raw(parts["weight_packed"]).device.type == "meta"
     assert ck._raw(parts["weight_shape"]).device.type == "cpu"
+
+
+@pytest.mark.parametrize("with_scale", [False, True], ids=["weight renamed", "weight and scale renamed"])
+def test_a_renamed_fp8_expert_weight_names_the_missing_weight_and_the_unknown_name(tmp_path, with_scale):
+    """Issue 21 item 10: `experts.2.up_proj.weight` renamed `uq_proj` used to be reported as the
+    scale's shape contradicting config.json; the error must name the missing weight and the unknown one."""
+    cfg = small_config("deepseek_v3")
+    folder, _ = write_random(tmp_path / "src", cfg, experts="fp8")
+    old, new = "model.layers.1.mlp.experts.2.up_proj.", "model.layers.1.mlp.experts.2.uq_proj."
+    (shard,) = folder.glob("*.safetensors")
+    with safe_open(str(shard), framework="pt") as h:
+        t = {k: h.get_tensor(k) for k in h.keys()}
+    renamed = ["weight"] + (["weight_scale_inv"] if with_scale else [])
+    for leaf in renamed:
+        t[new + leaf] = t.pop(old + leaf)
+    save_file(t, str(shard), metadata={"format": "pt"})
+    path, idx = _index(folder)
+    for leaf in renamed:
+        idx["weight_map"][new + leaf] = idx["weight_map"].pop(old + leaf)
+    path.write_text(json.dumps(idx))
+    with pytest.raises(CheckpointError) as info:
+        Checkpoint(folder)
+    msg = str(info.value)
+    assert "\n" not in msg and "contradicts" not in msg, msg
+    assert old + "weight" in msg and new + "weight" in msg and str(shard) in msg, msg
+
+
+@pytest.mark.parametrize("family", ["glm", "kimi_k25"])
+def test_declared_mtp_layers_the_shards_lack_are_dropped_from_the_arch_and_its_config(tmp_path, family):
+    """Issue 21 item 1 for the other families: GLM (its own model_type) and Kimi K2.6 (the field
+    inside text_config). The layer is dropped and the carried config says 0."""
+    from quantkit.model.arch import without_mtp
+
+    if family == "glm":
+        cfg = small_config("glm", num_nextn_predict_layers=0)
+        folder, _ = write_random(tmp_path / "m", cfg)
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg["num_nextn_predict_layers"] = 1
+        (folder / "config.json").write_text(json.dumps(cfg))
+        ckpt = Checkpoint(folder)
+        assert ckpt.absent_mtp_layers == 1 and ckpt.arch.num_mtp_layers == 0
+        assert ckpt.arch.raw["num_nextn_predict_layers"] == 0
+    else:
+        kimi = arch_from_config(json.loads((Path(__file__).parents[1] / "quantkit/model/presets/kimi-k2.6.json").read_text()))
+        kimi.raw["text_config"]["num_nextn_predict_layers"] = 1
+        dropped = without_mtp(arch_from_config(kimi.raw))
+        assert dropped.num_mtp_layers == 0 and dropped.raw["text_config"]["num_nextn_predict_layers"] == 0

@@ -99,3 +99,47 @@ def test_debug_env_shows_the_traceback(tmp_path, monkeypatch):
     monkeypatch.setenv("QUANTKIT_DEBUG", "1")
     r = runner.invoke(app, ["inspect", str(tmp_path)])
     assert r.exit_code != 0 and type(r.exception).__name__ == "ConfigError"
+
+
+# ---- what a new user tries first (issue 21, item 12) ----------------------------------------------------
+def test_version_and_short_help():
+    from quantkit import __version__
+
+    v = runner.invoke(app, ["--version"])
+    assert v.exit_code == 0 and v.stdout.strip() == f"quantkit {__version__}"
+    for args in (["-h"], ["convert", "-h"], ["validate", "-h"]):
+        r = runner.invoke(app, args)
+        assert r.exit_code == 0 and "Usage" in r.output, (args, r.output)
+
+
+def test_help_of_the_package_lists_the_public_functions():
+    import pydoc
+
+    import quantkit as qk
+
+    text = pydoc.render_doc(qk, renderer=pydoc.plaintext)
+    for name in qk.__all__:
+        assert f"{name}" in qk.__doc__, name  # each public name has its line in the docstring
+    assert "convert(model, out)" in text and "validate(dir)" in text
+
+
+def test_convert_help_shows_the_recipes_defaults_and_the_whole_calib_text(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    out = runner.invoke(app, ["convert", "--help"], terminal_width=80).output
+    flat = " ".join(out.replace("│", " ").split())
+    assert "…" not in out, out
+    assert ".safetensors file, or synthetic:train" in flat
+    for opt in ("--method", "--num-samples", "--seq-len", "--group-size"):
+        after = flat.split(opt, 1)[1].split(" --", 1)[0]
+        assert "[default: (the recipe's)]" in after, (opt, after)
+
+
+def test_no_message_borrowed_from_another_api():
+    r = runner.invoke(app, ["plan", "glm-5.2", "--gpu", "h900"])
+    assert r.exit_code == 1 and "--gpu h900" in r.output and "gpu_mem_gib" not in r.output, r.output
+
+
+def test_a_rejected_option_leaves_no_empty_out(tmp_path):
+    out = tmp_path / "never"
+    r = runner.invoke(app, ["convert", "tiny:glm-5.2", "--out", str(out), "--method", "bogus", "--no-validate"])
+    assert r.exit_code == 1 and "--method" in r.output and not out.exists(), r.output

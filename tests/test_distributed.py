@@ -1,6 +1,11 @@
 """Expert-parallel convert (quantkit.runtime.distributed): 2 ranks under torchrun (gloo, CPU) write the
 bytes 1 rank does; a killed or hung rank stops the job within a bounded time and --resume completes
-it; the partition balances routed tokens; the planner divides what is split and says what is not."""
+it; the partition balances routed tokens; the planner divides what is split and says what is not.
+
+Threads: every process here, the single-process references included, runs torch on ONE thread
+(OMP_NUM_THREADS=1 in _env; the in-process ones through the one_thread fixture): the bytes are
+equal at equal threads per process, which is what the reports' reproducibility.threads_per_rank
+records (docs/reliability.md, "Reproducing the bytes")."""
 
 from __future__ import annotations
 
@@ -167,6 +172,9 @@ def test_two_ranks_equal_one_glm_via_nproc(single, tmp_path):
     assert sum(d["experts_per_rank"]) == len(calibrated) == sum("rank" in e for e in report["experts"]) == 64
     assert {e["rank"] for e in report["experts"] if "rank" in e} == {0, 1}
     assert json.loads(done.stdout)["distributed"]["world"] == 2  # one JSON document: rank 0's
+    # the threads these equal bytes were made at, as both reports record them
+    assert report["reproducibility"]["threads_per_rank"] == [1, 1]
+    assert json.loads((single["glm"] / "convert-report.json").read_text())["reproducibility"]["threads_per_rank"] == [1]
 
 
 @pytest.mark.slow
@@ -355,7 +363,7 @@ def test_ranks_that_do_not_share_the_output_folder_are_refused(tmp_path):
     script = tmp_path / "check.py"
     script.write_text(
         "import os, sys, torch\n"
-        "from quantkit import distributed\n"
+        "from quantkit.runtime import distributed\n"
         "g, _ = distributed.init(torch.device('cpu'))\n"
         "folder = sys.argv[1] if g.rank == 0 else sys.argv[2]\n"
         "try:\n"

@@ -249,3 +249,21 @@ def test_consume_factors_h_in_place():
     got = gptq(W2, H2, 16, consume=True)
     assert torch.equal(want.q, got.q) and torch.equal(want.scale, got.scale)
     assert not torch.equal(H2, H)  # damped in place: the caller's copy was used, not duplicated
+
+
+def test_mse_observer_never_worse_than_minmax_and_clips_an_outlier():
+    from quantkit.quant.gptq import QuantizedWeight, group_scales, mse_group_scales
+
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(16, 256, generator=g)
+    W[:, 3] *= 6  # one heavy input column: min-max spends the group's grid on it
+
+    def err(scale):
+        q = torch.clamp(torch.round(W.unflatten(-1, (-1, 128)) / scale.float().unsqueeze(-1)), -8, 7)
+        return (QuantizedWeight(q.flatten(-2).to(torch.int8), scale).dequantize() - W).abs().pow(2.4).unflatten(-1, (-1, 128)).sum(-1)
+
+    mm, mse = group_scales(W, 128), mse_group_scales(W, 128)
+    assert bool((err(mse) <= err(mm) + 1e-6).all())
+    assert bool((mse[:, 0] < mm[:, 0]).all()) and err(mse)[:, 0].sum() < 0.9 * err(mm)[:, 0].sum()
+    q = gptq(W, torch.eye(256) * 2, 128, observer="mse")  # GPTQ stores the observer's scales
+    assert torch.equal(q.scale, mse)

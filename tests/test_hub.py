@@ -383,3 +383,66 @@ def test_token_used_but_never_printed(env, monkeypatch, capsys, caplog):
     for text in (captured.out, captured.err, caplog.text):
         assert FAKE_TOKEN not in text and bad not in text
     assert REPO in captured.out  # we did capture something
+
+
+# issue 21 item 2 -----------------------------------------------------------------------------------------------
+def _hf_cache_snapshot(cache, repo_id: str, folder) -> str:
+    """The HF cache layout as `hf download` / transformers leave it: blobs named by sha256 (LFS files)
+    or git blob sha1 (small files), snapshots/<commit>/<file> -> ../../blobs/<blob>, refs/main."""
+    import os
+
+    repo_dir = cache / ("models--" + repo_id.replace("/", "--"))
+    commit = hashlib.sha1(repo_id.encode()).hexdigest()
+    snap = repo_dir / "snapshots" / commit
+    (repo_dir / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for p in sorted(folder.iterdir()):
+        if not p.is_file():
+            continue
+        data = p.read_bytes()
+        blob = (hashlib.sha256(data).hexdigest() if p.suffix == ".safetensors"
+                else hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest())
+        (repo_dir / "blobs" / blob).write_bytes(data)
+        os.symlink(f"../../blobs/{blob}", snap / p.name)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(commit)
+    return commit
+
+
+def test_hf_cache_snapshot_converts_offline_end_to_end(env, monkeypatch, tiny_glm):
+    """An hf:// source found only in the HF cache (offline): every file, config.json included, is read
+    from where it was found. config.json used to be looked for in quantkit's own cache folder ("not found")."""
+    from typer.testing import CliRunner
+
+    from quantkit.cli import app
+
+    repo = "zai-org/GLM-Cache-Tiny"
+    cache = env / "hf_home" / "hub"
+    commit = _hf_cache_snapshot(cache, repo, tiny_glm)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("QUANTKIT_CACHE", str(env / "qk"))
+    runner = CliRunner()
+    res = runner.invoke(app, ["inspect", f"hf://{repo}@main", "--json"])
+    assert res.exit_code == 0, res.output
+    out = env / "out"
+    res = runner.invoke(app, ["convert", f"hf://{repo}@main", "--out", str(out), "--recipe", "tiny-glm-5.2",
+                              "--num-samples", "16", "--device", "cpu", "--no-validate", "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads((out / "convert-report.json").read_text())
+    assert report["source"]["commit"] == commit and report["source"]["repo"] == repo
+    res = runner.invoke(app, ["validate", str(out), "--num-samples", "2", "--seq-len", "32", "--gen-tokens", "1",
+                              "--device", "cpu", "--json"])  # the reference: the recorded hf:// source, offline
+    assert res.exit_code == 0, res.output
+    validation = json.loads((out / "validation.json").read_text())
+    assert validation["passed"] and not any("differs from the source" in n for n in validation.get("notes", [])), validation.get("notes")
+    # the bytes are those of a convert from the folder itself, and the HF cache is untouched
+    from quantkit.conversion.pipeline import convert
+
+    local = convert(tiny_glm, env / "local", recipe="tiny-glm-5.2", num_samples=16, validate=False, progress=False,
+                    device="cpu")
+    for which in ("prefill", "decode"):
+        for p in sorted((local.out / which).glob("*.safetensors")):
+            assert (out / which / p.name).read_bytes() == p.read_bytes(), (which, p.name)
+    blobs = cache / ("models--" + repo.replace("/", "--")) / "blobs"
+    assert len(list(blobs.iterdir())) == len([p for p in tiny_glm.iterdir() if p.is_file()])

@@ -173,3 +173,26 @@ def test_renderings_show_everything(kimi):
     md, page = kimi._repr_markdown_(), kimi._repr_html_()
     assert "| kind |" in md and "overhead_gib" in md
     assert "<table>" in page and "does not fit" in page
+
+
+# ----------------------------------------------------------------------------- group size (issue 21 item 7)
+
+
+def test_group_size_follows_the_models_recipe(kimi, glm):
+    """`plan kimi-k2.6` used group 128 while Kimi's recipe (and what convert writes) is group 32:
+    decode 539.3 GB instead of 586.9 GB. The plan's default is the recipe's; --group-size still wins."""
+    from typer.testing import CliRunner
+
+    from quantkit.cli import app
+    from quantkit.recipe import default_recipe
+
+    assert kimi.assumptions["group_size"]["value"] == default_recipe("kimi-k2.6", "kimi").group_size == 32
+    assert glm.assumptions["group_size"]["value"] == default_recipe("glm-5.2", "glm").group_size == 128
+    assert kimi.checkpoints["decode"].total_bytes == plan("kimi-k2.6", group_size=32).checkpoints["decode"].total_bytes
+    assert round(kimi.checkpoints["decode"].total_bytes / GB, 1) == 586.9
+    runner = CliRunner()
+    for args, G in ((["kimi-k2.6"], 32), (["kimi-k2.6", "--group-size", "128"], 128), (["tiny:kimi-k2.6"], 32),
+                    (["glm-5.2"], 128)):
+        res = runner.invoke(app, ["plan", *args, "--json"])
+        assert res.exit_code == 0, res.output
+        assert json.loads(res.output)["assumptions"]["group_size"]["value"] == G, args

@@ -32,7 +32,8 @@ from typer.testing import CliRunner
 
 from quantkit.checkpoint.manifest import MANIFEST, REPORT, atomic_write_text, verify
 from quantkit.cli import app
-from quantkit.conversion.pipeline import check_disk, convert, disk_full
+from quantkit.conversion.outputs import check_disk, disk_full
+from quantkit.conversion.pipeline import convert
 from quantkit.errors import IntegrityError, OutputError
 from quantkit.runtime import faults
 
@@ -438,6 +439,131 @@ def test_existing_and_interrupted_outputs_say_what_to_do(src, whole, tmp_path, m
     assert ok, gone.output
 
 
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUANTKIT_FAULT")}
+    return env | extra
+
+
+def test_unfinished_output_names_itself_and_the_resume_command(src, whole, tmp_path):
+    """verify / validate / check-serving on a convert still running, then killed: "still running",
+    then "interrupted" with the exact command, which (run as printed) completes it byte-identically;
+    never "reconvert it"; check-serving refuses both (exit 1)."""
+    out = tmp_path / "o"
+    args = ["convert", str(src), "--out", str(out), "--method", "rtn", "--no-validate", "--json"]
+    live = subprocess.Popen(_cli(*args), env=_env(QUANTKIT_CONVERT_LAYER_DELAY="30"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while not (out / ".quantkit-convert" / "state.json").is_file() and time.time() < deadline:
+            time.sleep(0.2)
+        running = {c: runner.invoke(app, [c, str(out)] + (["--device", "cpu"] if c == "validate" else []))
+                   for c in ("verify", "validate", "check-serving")}
+    finally:
+        live.send_signal(signal.SIGKILL)  # the same folder is now a killed run's
+        live.wait()
+    killed = {c: runner.invoke(app, [c, str(out)] + (["--device", "cpu"] if c == "validate" else []))
+              for c in ("verify", "validate", "check-serving")}
+    bad = [f"{c} (running): {r.output}" for c, r in running.items()
+           if not (r.exit_code == 1 and ("still running" in r.output or f"in use by pid {live.pid}" in r.output)
+                   and "reconvert" not in r.output)]
+    bad += [f"{c} (killed): {r.output}" for c, r in killed.items()
+            if not (r.exit_code == 1 and "interrupted" in r.output and "reconvert" not in r.output
+                    and "--resume" in r.output and "Traceback" not in r.output)]
+    line = killed["validate"].output.strip().splitlines()[-1]
+    command = line.split("continue it with: ", 1)[1].split()
+    assert command[:2] == ["quantkit", "convert"] and command[-1] == "--resume", line
+    done = subprocess.run(_cli(*command[1:]), env=_env(), capture_output=True, text=True)
+    ok = not bad and done.returncode == 0 and _same_pair(out, whole[0]) and verify(out).ok
+    record("unfinished output", "verify / validate / check-serving on a running, then a killed convert: named as "
+           "such, with the exact --resume command (which completes it)", 6, ok)
+    assert ok, (bad, done.stderr[-2000:])
+
+
+# ---- fail before the work ----------------------------------------------------------------------------------
+def test_a_validate_dataset_that_cannot_load_fails_convert_before_any_layer(tmp_path):
+    """A recipe whose validate.dataset cannot load offline: convert exits 1 naming the dataset
+    before any layer is written (no .partial, no crash point of the layer loop passed); with
+    --eval-data and the other eval options the same recipe converts, and the chained validate
+    uses them."""
+    from importlib.resources import files
+
+    missing = "hf:quantkit-test/no-such-dataset@test"
+    text = (files("quantkit") / "recipes" / "tiny-glm-5.2.yaml").read_text()
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(text.replace("dataset: synthetic:heldout", f"dataset: {missing}"))
+    assert missing in recipe.read_text()
+    out, log = tmp_path / "o", tmp_path / "points.log"
+    env = _env(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", QUANTKIT_FAULT_LOG=str(log))
+    args = ["convert", "tiny:glm-5.2", "--recipe", str(recipe), "--method", "rtn", "--json"]
+    res = subprocess.run(_cli(*args, "--out", str(out)), env=env, capture_output=True, text=True)
+    points = log.read_text().split() if log.exists() else []
+    refused = (res.returncode == 1 and missing in res.stderr and "before converting any layer" in res.stderr
+               and "Traceback" not in res.stderr and not any(p.startswith(("layer:", "flush:")) for p in points)
+               and not list(tmp_path.glob("o/*.partial")))
+    given = tmp_path / "g"
+    ran = subprocess.run(_cli(*args, "--out", str(given), "--eval-data", "synthetic:heldout", "--eval-num-samples", "2",
+                              "--eval-seq-len", "16", "--gen-tokens", "0"), env=env, capture_output=True, text=True)
+    v = json.loads((given / "validation.json").read_text()) if (given / "validation.json").is_file() else {}
+    used = json.dumps(v)
+    passed_on = ran.returncode in (0, 3) and "synthetic:heldout" in used and missing not in used
+    ok = refused and passed_on
+    record("fail before the work", "validate.dataset that cannot load offline: exit 1 naming it, no layer written; "
+           "convert --eval-data ... reaches the chained validate", 2, ok)
+    assert ok, (res.stderr[-1500:], points[:5], ran.stderr[-1500:])
+
+
+def test_the_report_records_what_the_bytes_depend_on(whole):
+    """convert-report.json names the torch build, its BLAS/LAPACK, the threads per rank and the device:
+    GPTQ's and the KV scales' float sums change with them (the same convert at 2 threads and 1 differs)."""
+    r = json.loads((whole[0] / REPORT).read_text())["reproducibility"]
+    ok = (r["torch"] == torch.__version__ and r["blas"] and r["lapack"] and r["threads"] == torch.get_num_threads()
+          and r["threads_per_rank"] == [r["threads"]] and r["device"] == "cpu" and "threads per rank" in r["must_match"])
+    record("reproducible bytes", "the report records torch, BLAS/LAPACK, threads per rank, device", 1, ok,
+           f"blas {r.get('blas')}, {r.get('threads')} threads")
+    assert ok, r
+
+
+# ---- logs for jobs nobody watches --------------------------------------------------------------------------
+def test_a_log_fills_while_convert_runs_one_line_per_layer(src, whole, tmp_path):
+    """stdout a pipe (nohup, CI): a flushed line per layer while the run goes on, with the layer,
+    elapsed, ETA and peak memory; --quiet prints none; --resume says where it continues; validate
+    prints a line per pass."""
+    import re
+
+    out = tmp_path / "o"
+    n = json.loads((whole[0] / REPORT).read_text())["layers"][-1]["layer"] + 1
+    args = ["convert", str(src), "--out", str(out), "--method", "rtn"]
+    p = subprocess.Popen(_cli(*args, "--no-validate"), env=_env(QUANTKIT_CONVERT_LAYER_DELAY="1"),
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    seen_running = []
+    for raw in p.stdout:
+        if raw.startswith("layers "):
+            seen_running.append((raw.strip(), p.poll() is None))
+    p.wait()
+    shape = re.compile(r"^layers (\d+)/%d  elapsed \d+:\d\d:\d\d  ETA (\?|\d+:\d\d:\d\d)  peak host \d+\.\d\d GB" % n)
+    lines_ok = (p.returncode == 0 and [int(shape.match(line).group(1)) for line, _ in seen_running] == list(range(n + 1))
+                and all(alive for _, alive in seen_running[:-1]))
+    quiet = subprocess.run(_cli(*args, "--no-validate", "--quiet", "--out", str(tmp_path / "q")), env=_env(),
+                           capture_output=True, text=True)
+    quiet_ok = quiet.returncode == 0 and "layers " not in quiet.stdout and "predicted" not in quiet.stderr
+    killed = tmp_path / "k"
+    subprocess.run(_cli(*args[:2], "--out", str(killed), "--method", "rtn", "--no-validate", "--json"),
+                   env=_env(QUANTKIT_FAULT="state:saved#3"), capture_output=True)
+    resumed = subprocess.run(_cli(*args[:2], "--out", str(killed), "--method", "rtn", "--resume", "--no-validate"),
+                             env=_env(), capture_output=True, text=True)
+    at = re.search(r"resuming \S+ at layer (\d+) of %d" % n, resumed.stderr)
+    validated = subprocess.run(_cli("validate", str(killed), "--device", "cpu", "--num-samples", "1", "--seq-len", "16",
+                                    "--gen-tokens", "2", "--eval-data", "synthetic:heldout"), env=_env(), capture_output=True,
+                               text=True)
+    passes = [line.split("  ")[0] for line in validated.stdout.splitlines() if line.startswith("validate: pass ")]
+    resume_ok = (resumed.returncode == 0 and at is not None and int(at.group(1)) > 0 and validated.returncode in (0, 3)
+                 and passes == ["validate: pass 1/2", "validate: pass 2/2"])
+    ok = lines_ok and quiet_ok and resume_ok
+    record("logs (stdout a pipe)", f"a line per layer while running ({n} layers), none with --quiet, --resume names "
+           "its layer, validate a line per pass", 4, ok)
+    assert ok, (seen_running, quiet.stdout[-500:], resumed.stderr[-1500:], validated.stderr[-1500:], passes)
+
+
 # ---- one owner per output -----------------------------------------------------------------------------------
 def _holder(out: Path) -> subprocess.Popen:
     code = ("import sys, time; from quantkit.checkpoint.outlock import acquire; acquire(sys.argv[1], 'convert'); "
@@ -456,7 +582,7 @@ def test_a_second_convert_or_validate_on_one_folder_is_refused(src, whole, tmp_p
         w = whole[0]
         h2 = _holder(w)
         v = runner.invoke(app, ["validate", str(w), "--device", "cpu"])
-        assert v.exit_code == 1 and f"in use by pid {h2.pid}" in v.output
+        assert v.exit_code == 1 and f"in use by pid {h2.pid}" in v.output and "--out" not in v.output  # validate has none
         h2.kill()
         h2.wait()
     finally:
@@ -489,13 +615,75 @@ def test_disk_full_is_one_line_naming_the_folder_and_resume_completes(src, whole
     assert ok, res.output
 
 
-@pytest.mark.skipif(not Path("/dev/full").is_char_device(), reason="no /dev/full on this machine")
-def test_safetensors_enospc_is_recognised():
-    """/dev/full answers every write with ENOSPC; safetensors reports it in its own exception type."""
+@pytest.fixture
+def full_folder(tmp_path):
+    """A folder on a 4 KB tmpfs: every write past it fails with ENOSPC. (/dev/full no longer serves:
+    safetensors 0.8 writes a temporary file beside the target and renames it, so a save "to"
+    /dev/full fills /dev's tmpfs instead and then replaces the device node with a regular file.)"""
+    d = tmp_path / "full"
+    d.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(d)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs on this machine (needs root)")
+    yield d
+    subprocess.run(["umount", str(d)], capture_output=True)
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """A read-only filesystem (a tmpfs mounted ro): every write there is OSError 30, EROFS."""
+    d = tmp_path / "ro"
+    d.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=4k", "tmpfs", str(d)], capture_output=True).returncode:
+        pytest.skip("cannot mount a read-only tmpfs on this machine (needs root)")
+    yield d
+    subprocess.run(["umount", str(d)], capture_output=True)
+
+
+def test_an_out_that_cannot_be_written_is_one_line(src, whole, tmp_path, read_only):
+    """An --out that is a file (FileExistsError) or on a read-only filesystem (EROFS): one line,
+    exit 1, for convert and for validate (whose fix is not "another --out")."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    cases = {"a file": a_file, "read-only, new folder": read_only / "out", "read-only, the folder itself": read_only}
+    bad = []
+    for case, out in cases.items():
+        res = runner.invoke(app, ["convert", str(src), "--out", str(out), "--method", "rtn", "--no-validate", "--json"])
+        line = res.output.strip()
+        if not (res.exit_code == 1 and len(line.splitlines()) == 1 and line.startswith(f"error: {out}: cannot write")
+                and "choose another --out" in line and "Traceback" not in res.output):
+            bad.append(f"{case}: {res.output}")
+    ro_pair = read_only.parent / "ro-pair"
+    shutil.copytree(whole[0], ro_pair)
+    subprocess.run(["mount", "--bind", "-o", "ro", str(ro_pair), str(ro_pair)], check=True)
+    try:
+        v = runner.invoke(app, ["validate", str(ro_pair), "--device", "cpu", "--json"])
+    finally:
+        subprocess.run(["umount", str(ro_pair)], capture_output=True)
+    if not (v.exit_code == 1 and f"{ro_pair}: cannot write" in v.output and "--out" not in v.output
+            and "Traceback" not in v.output):
+        bad.append(f"validate on a read-only pair: {v.output}")
+    record("bad --out", "a file; a read-only filesystem (new folder, the folder itself); validate on a read-only pair",
+           4, not bad, "one line, exit 1")
+    assert not bad, bad
+
+
+def test_outputs_are_readable_per_the_umask(whole):
+    """Every file of a convert output has the mode a plain open() gives (0644 under umask 022), as
+    transformers' own saves do: a server running as another user must read the shards."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    modes = {p.relative_to(whole[0]).as_posix(): p.stat().st_mode & 0o777 for p in whole[0].rglob("*") if p.is_file()}
+    wrong = {f: oct(m) for f, m in modes.items() if m != 0o666 & ~mask}
+    record("output files", f"mode {oct(0o666 & ~mask)} under umask {oct(mask)}, shards included", len(modes), not wrong)
+    assert not wrong, wrong
+
+
+def test_safetensors_enospc_is_recognised(full_folder):
+    """A full filesystem answers every write with ENOSPC; safetensors reports it in its own exception type."""
     from safetensors import SafetensorError
 
     with pytest.raises(SafetensorError) as e:
-        save_file({"x": torch.zeros(1 << 16)}, "/dev/full")
+        save_file({"x": torch.zeros(1 << 16)}, str(full_folder / "x.safetensors"))
     assert disk_full(e.value)
 
 
@@ -676,6 +864,52 @@ def test_validate_verifies_first_and_the_card_states_the_manifest_digest(whole, 
                  device="cpu", progress=False)
 
 
+def _results(out: Path) -> dict[str, object]:
+    """What each of validate's result files says: validation.json's verdict, each card's, the figure's bytes."""
+    def card(which):
+        text = (out / which / "README.md").read_text()
+        return "passed" if "all gates passed" in text else "FAILED" if "gates FAILED" in text else "?"
+    verdict = json.loads((out / "validation.json").read_text())["passed"]
+    md = (out / "validation.md").read_text()
+    return {"json": "passed" if verdict else "FAILED", "prefill": card("prefill"), "decode": card("decode"),
+            "md": "FAILED" if "FAIL" in md else "passed", "png": (out / "validation.png").read_bytes()}
+
+
+def test_results_and_cards_never_disagree_after_a_crash(whole, src, tmp_path, monkeypatch):
+    """A passed folder re-validated with a stricter gate, crashed between the writes: either every
+    file is the old run's, or (crashed mid-rename) the next reader completes the new run's, all of
+    them; never a card saying "all gates passed" beside a validation.json that failed."""
+    from quantkit.validation.pipeline import validate
+
+    out = tmp_path / "o"
+    shutil.copytree(whole[0], out)
+    kw = dict(reference=src, eval_data="synthetic:heldout", num_samples=1, seq_len=16, gen_tokens=0, device="cpu",
+              progress=False)
+    validate(out, gates={"kl_max": 100.0}, **kw)
+    old = _results(out)
+    assert {old[k] for k in ("json", "prefill", "decode", "md")} == {"passed"}
+    rows = []
+    for point in ("validate:staged", "renames:marked", "renames:renamed#1", "renames:renamed#3"):
+        monkeypatch.setenv("QUANTKIT_FAULT", f"{point}:raise")
+        faults.reset()
+        with pytest.raises(faults.InjectedFault):
+            validate(out, gates={"kl_max": 0.0}, **kw)  # fails: KL is never below 0
+        monkeypatch.delenv("QUANTKIT_FAULT")
+        verify(out)  # the next reader: completes an interrupted set of renames
+        now = _results(out)
+        verdicts = {now[k] for k in ("json", "prefill", "decode", "md")}
+        whole_old = now == old
+        whole_new = verdicts == {"FAILED"} and now["png"] != old["png"]
+        rows.append((point, whole_old, whole_new, not (out / ".validation.pending.json").exists()))
+        if whole_new:  # back to a passed folder for the next crash point
+            validate(out, gates={"kl_max": 100.0}, **kw)
+            old = _results(out)
+    ok = [r[0] for r in rows if (r[1] or r[2]) and r[3]] == [r[0] for r in rows] and rows[0][1] and rows[-1][2]
+    record("cards and results agree", "re-validate with a stricter gate, crash before the marker, after it, between "
+           "renames; then verify", len(rows), ok, "all old or all new")
+    assert ok, rows
+
+
 # ---- a malicious Hub ----------------------------------------------------------------------------------------
 HUB_REPO = "evil-org/tiny"
 
@@ -683,21 +917,9 @@ HUB_REPO = "evil-org/tiny"
 @pytest.fixture
 def evil(tmp_path, monkeypatch, src):
     """A loopback Hub serving the small source; tests make it lie. HF_HOME and the quantkit cache are private."""
-    from hub_server import FakeHub
-    from huggingface_hub import constants as hf_constants
+    from hub_server import serve_folder
 
-    home = tmp_path / "hf_home"
-    monkeypatch.setenv("HF_HOME", str(home))
-    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "qk"))
-    for var in ("HF_TOKEN", "HF_HUB_OFFLINE", "HF_ENDPOINT"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(home / "hub"))
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(hf_constants, "HF_HUB_DISABLE_XET", True)
-    server = FakeHub().start()
-    server.content = {p.name: p.read_bytes() for p in sorted(src.iterdir()) if p.is_file()}
-    server.commit_sha = server.add_repo(HUB_REPO).commit(server.content)
-    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    server = serve_folder(monkeypatch, tmp_path, HUB_REPO, src)
     yield server
     server.stop()
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 import struct
 
 import pytest
-from hub_server import FakeHub
-from huggingface_hub import constants as hf_constants
+from hub_server import serve_folder
 
 from quantkit.conversion.pipeline import convert
 from quantkit.inputs.modelspec import hub_source, open_checkpoint
@@ -17,19 +16,7 @@ REPO = "zai-org/GLM-5.2-tiny"
 
 @pytest.fixture
 def hub(tmp_path, monkeypatch, tiny_glm):
-    home = tmp_path / "hf_home"
-    monkeypatch.setenv("HF_HOME", str(home))
-    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "qk"))
-    for var in ("HF_TOKEN", "HF_HUB_OFFLINE", "HF_ENDPOINT"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(home / "hub"))
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(hf_constants, "HF_HUB_DISABLE_XET", True)
-    server = FakeHub().start()
-    repo = server.add_repo(REPO)
-    server.content = {p.name: p.read_bytes() for p in sorted(tiny_glm.iterdir()) if p.is_file()}
-    server.commit_sha = repo.commit(server.content)
-    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    server = serve_folder(monkeypatch, tmp_path, REPO, tiny_glm)
     yield server
     server.stop()
 

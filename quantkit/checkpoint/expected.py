@@ -64,3 +64,20 @@ def expected_shape(info: TensorInfo, a: ModelArch) -> tuple[int, ...] | None:
     if info.klass == TensorClass.EMBEDDING or info.klass == TensorClass.HEAD:
         return (a.vocab_size, h)
     return None
+
+
+def missing_beside(a: ModelArch, unknown: str, present: set[str]) -> list[str]:
+    """The required tensors of `unknown`'s layer (full names) that `present` lacks: what a name no
+    rule covers most likely was before it was renamed. Expert-level names come first when the
+    unknown one sits in an expert (`experts.2.uq_proj` -> `experts.2.up_proj`), so the error names
+    the weight that matters rather than the first missing tensor of the layer."""
+    head = f"{a.prefix}layers."
+    if not unknown.startswith(head) or not unknown[len(head):].split(".", 1)[0].isdigit():
+        return []
+    layer = int(unknown[len(head):].split(".", 1)[0])
+    if layer >= a.num_layers_with_mtp:
+        return []
+    pre = a.layer_prefix(layer)
+    missing = [pre + rel for rel in required_layer_tensors(a, layer) if pre + rel not in present]
+    owner = unknown.rsplit(".", 2)[0] + "."  # ...experts.2. for ...experts.2.uq_proj.weight
+    return sorted(missing, key=lambda n: not n.startswith(owner))

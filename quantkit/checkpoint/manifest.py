@@ -26,13 +26,18 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from quantkit.checkpoint.unfinished import is_unfinished, resume_command, unfinished
 from quantkit.errors import IntegrityError
-from quantkit.runtime.files import atomic_write_text  # also imported from here (validation, tests)
+from quantkit.runtime.files import (
+    RESULTS_PENDING,
+    atomic_write_text,  # also imported from here (validation, tests)
+    finish_renames,
+)
 
 MANIFEST = "manifest.json"
 FORMAT = "quantkit-manifest/1"
 REPORT = "convert-report.json"
-UNCOVERED = {MANIFEST, "README.md"}  # the card is rewritten by validate and states the manifest digest
+UNCOVERED = {MANIFEST, "README.md", ".README.staged.md"}  # the card (and its staged next version, quantkit.runtime.files.staged) is rewritten by validate and states the manifest digest
 _CHUNK = 16 << 20
 
 
@@ -159,6 +164,7 @@ class VerifyResult:
     shared_checked: int = 0
     problems: list[str] = field(default_factory=list)
     manifest_sha256: dict[str, str] = field(default_factory=dict)
+    unfinished: str | None = None  # a convert still running or interrupted (quantkit.checkpoint.unfinished)
 
     @property
     def ok(self) -> bool:
@@ -170,6 +176,8 @@ class VerifyResult:
                 "manifest_sha256": self.manifest_sha256, "problems": self.problems}
 
     def raise_for_problems(self) -> "VerifyResult":
+        if self.unfinished:  # not damage: a convert still running or interrupted (never "reconvert it")
+            raise IntegrityError(self.unfinished)
         if self.problems:
             more = f" (+{len(self.problems) - 1} more; `quantkit verify {self.dir}` lists them)" if len(self.problems) > 1 else ""
             raise IntegrityError(f"{self.problems[0]}{more}; the output was changed or damaged after convert: "
@@ -202,9 +210,11 @@ def verify(dir: str | Path) -> VerifyResult:
     d = Path(dir)
     if not d.is_dir():
         raise IntegrityError(f"{d}: no such folder; pass a `quantkit convert` output or one of its checkpoints")
-    pair = (d / "prefill").is_dir() or (d / "decode").is_dir() or (d / REPORT).is_file()
+    finish_renames(d / RESULTS_PENDING)  # a validate killed while making its results visible: completed
+    pair = (d / "prefill").is_dir() or (d / "decode").is_dir() or (d / REPORT).is_file() or is_unfinished(d)
     folders = ["prefill", "decode"] if pair else ["."]
     res = VerifyResult(d, folders)
+    res.unfinished = unfinished(d)
     if pair:
         _check_complete(d, res)
     actual: dict[str, dict[str, dict]] = {}
@@ -225,15 +235,17 @@ def verify(dir: str | Path) -> VerifyResult:
 
 
 def _check_complete(d: Path, res: VerifyResult) -> None:
-    if (d / ".quantkit-convert").exists():
+    if res.unfinished:
+        res.problems.append(res.unfinished)
+    elif (d / ".quantkit-convert").exists():
         res.problems.append(f"{d}: a convert into this folder did not finish (.quantkit-convert/ is there); "
-                            "run the same `quantkit convert ... --resume` to complete it")
+                            f"continue it with: {resume_command(d)}")
     for which in ("prefill", "decode"):
         if not (d / which).is_dir():
-            res.problems.append(f"{d / which}: missing; the convert did not finish, run it again with --resume")
+            res.problems.append(f"{d / which}: missing; the convert did not finish, continue it with --resume")
     if not (d / REPORT).is_file():
         res.problems.append(f"{d / REPORT}: missing (convert writes it last, so the convert did not finish); "
-                            "run it again with --resume")
+                            "continue it with --resume")
         return
     try:
         report = json.loads((d / REPORT).read_text())

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from quantkit.errors import LockedError
+from quantkit.errors import LockedError, OutputError
 
 LOCK = ".quantkit.lock"
 _held: dict[str, "OutputLock"] = {}
@@ -50,23 +50,32 @@ class OutputLock:
 
 
 def acquire(out: Path, command: str) -> OutputLock:
-    """Own `out` (created if needed) or raise LockedError naming the live owner."""
+    """Own `out` (created if needed) or raise LockedError naming the live owner; a folder that
+    cannot be made or written (a file in its place, a read-only filesystem, no permission) is one
+    OutputError naming it, before any work."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise unusable(out, e, command) from None
     path = (out / LOCK).resolve()
     if str(path) in _held:
         lk = _held[str(path)]
         lk.depth += 1
         return lk
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise unusable(out, e, command) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             owner = _read(fd)
             os.close(fd)
             who = f"pid {owner.get('pid', '?')} on {owner.get('host', '?')} ({owner.get('command', '?')})" if owner else "another process"
-            raise LockedError(f"{out}: in use by {who}; wait for it to finish, or choose another --out") from None
+            other = ", or choose another --out" if command == "convert" else ""
+            raise LockedError(f"{out}: in use by {who}; wait for it to finish{other}") from None
         try:
             same = os.fstat(fd).st_ino == os.stat(path).st_ino
         except FileNotFoundError:
@@ -80,6 +89,21 @@ def acquire(out: Path, command: str) -> OutputLock:
     os.pwrite(fd, json.dumps(record).encode(), 0)
     lk = _held[str(path)] = OutputLock(path, fd, took_over=stale)
     return lk
+
+
+def holds(path: Path) -> bool:
+    """This process holds the lock file `path` (readers then know the live owner is themselves)."""
+    return str(Path(path).resolve()) in _held
+
+
+def unusable(out: Path, e: OSError, command: str) -> OutputError:
+    """An OSError on the output folder as one line: what the system said, and the fix."""
+    why = e.strerror or str(e)
+    if isinstance(e, (FileExistsError, NotADirectoryError)) or (out.exists() and not out.is_dir()):
+        why = "a file is there, not a folder"
+    where = f"{e.filename}: " if e.filename and Path(e.filename) != out else ""
+    fix = "choose another --out" if command == "convert" else "make it writable"
+    return OutputError(f"{out}: cannot write the output folder ({where}{why}, errno {e.errno}); {fix}")
 
 
 def _read(fd: int) -> dict:

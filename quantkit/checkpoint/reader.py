@@ -22,7 +22,7 @@ from typing import Iterator
 
 import torch
 
-from quantkit.checkpoint.expected import expected_shape, required_layer_tensors
+from quantkit.checkpoint.expected import expected_shape, missing_beside, required_layer_tensors
 from quantkit.checkpoint.index import (
     DTYPES,
     INDEX,
@@ -36,7 +36,7 @@ from quantkit.checkpoint.index import (
 )
 from quantkit.errors import CheckpointError
 from quantkit.formats import fp8, int4
-from quantkit.model.arch import ModelArch, load_arch
+from quantkit.model.arch import ModelArch, load_arch, without_mtp
 from quantkit.model.tensors import QUANT_SUFFIXES, TensorClass, TensorInfo, classify
 
 
@@ -138,6 +138,7 @@ class Checkpoint:
         self._by_layer: dict[int | None, list[str]] = defaultdict(list)
         for name, st in self.tensors.items():
             self._by_layer[st.info.layer].append(name)
+        self.absent_mtp_layers = self._drop_absent_mtp()
         if complete:
             self._check_complete()
 
@@ -151,6 +152,7 @@ class Checkpoint:
                 parts[f"{head}.weight"][leaf] = name
             else:
                 parts[name][leaf] = name
+        self._refuse_renamed(parts)
         out = {}
         for logical, p in sorted(parts.items()):
             file = str(self._file(next(iter(p.values()))))
@@ -167,6 +169,33 @@ class Checkpoint:
                     f"shape {out[logical].shape} contradicts config.json (expected {expected})", file=file, tensor=logical
                 )
         return out
+
+    def _refuse_renamed(self, parts: dict[str, dict[str, str]]) -> None:
+        """A renamed tensor (`experts.2.up_proj.weight` saved as `uq_proj.weight`) is named as what
+        it is: a required weight missing beside a name no rule covers. Left to the later checks, a
+        scale without its weight read as a dense tensor of the scale's shape ("shape (1, 1)
+        contradicts config.json"), which sends the user after the wrong tensor."""
+        weights = {"weight", "weight_packed"}
+        orphans = sorted(n for n, p in parts.items() if not weights & p.keys() and set(p) <= set(QUANT_SUFFIXES))
+        unknown = []
+        for n in sorted(parts):
+            try:
+                classify(n, self.arch)
+            except CheckpointError:
+                unknown.append(n)
+        present = {n for n, p in parts.items() if weights & p.keys() or not set(p) <= set(QUANT_SUFFIXES)}
+        for n in unknown:
+            missing = missing_beside(self.arch, n, present)
+            if missing:
+                raise CheckpointError(
+                    f"{missing[0]} is missing, and the shards hold {n}, a name no rule covers, instead: the tensor "
+                    "was renamed; restore its name (or re-download the shard)",
+                    file=str(self._file(next(iter(parts[n].values())))), tensor=missing[0])
+        if orphans:
+            n = orphans[0]
+            raise CheckpointError(
+                f"the shards hold {sorted(parts[n])} of {n} but not the weight itself: the checkpoint is incomplete "
+                "or the weight was renamed; re-download it", file=str(self._file(next(iter(parts[n].values())))), tensor=n)
 
     def _entry(self, storage: str) -> dict:
         """The header entry {dtype, shape, data_offsets} of one stored tensor."""
@@ -191,6 +220,18 @@ class Checkpoint:
             ((leaf, storage),) = p.items()
             return Stored(info, "dense", p, hdr(storage)["dtype"], tuple(hdr(storage)["shape"]))
         raise CheckpointError(f"unexpected storage parts {sorted(p)} for one tensor", file=file, tensor=logical)
+
+    def _drop_absent_mtp(self) -> int:
+        """MTP layers config.json declares but the shards hold no tensor of (transformers'
+        save_pretrained of a DeepSeek-V3 model writes num_nextn_predict_layers: 1 and no MTP
+        tensors): the checkpoint is read without them, and the count is returned for the report
+        and the cards. A layer held in part is still refused (`_check_complete`)."""
+        a = self.arch
+        held = [layer for layer in self._by_layer if layer is not None and layer >= a.num_hidden_layers]
+        if not a.num_mtp_layers or held:
+            return 0
+        self.arch = without_mtp(a)
+        return a.num_mtp_layers
 
     def _check_complete(self) -> None:
         """Every tensor the architecture needs is there (a one-line error here, not a KeyError

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from quantkit.checkpoint.index import INDEX, read_header
 from quantkit.errors import OutputError
 from quantkit.runtime import faults
+from quantkit.runtime.files import readable_per_umask
 
 
 class CheckpointWriter:
@@ -89,6 +90,7 @@ class CheckpointWriter:
     def _save(self, tensors: dict[str, torch.Tensor], name: str) -> None:
         tmp = self.tmp / (name + ".tmp")
         save_file(tensors, str(tmp), metadata={"format": "pt"})
+        readable_per_umask(tmp)
         faults.point("flush:tmp")
         os.replace(tmp, self.tmp / name)
 

@@ -681,12 +681,11 @@ def _preset_sizes(model: str, arch, rec) -> tuple[int, tuple[int, int], int, flo
 
 def _checkpoint_sizes(ckpt, rec) -> tuple[int, tuple[int, int], int, float]:
     """The same as `_preset_sizes` for a checkpoint, from convert's own per-tensor decisions."""
-    from quantkit.conversion.precision import decide, predicted_bytes, source_int4_group
+    from quantkit.conversion.precision import decide_all, predicted_bytes
     from quantkit.model.tensors import TensorClass
 
     G = rec.group_size
-    sg = source_int4_group(ckpt.arch)
-    decisions = {n: decide(st, rec, G, sg) for n, st in ckpt.tensors.items()}
+    decisions = decide_all(ckpt, rec)
     source_bytes = sum(ckpt.storage_bytes(n) for n in ckpt.tensors)
     out = predicted_bytes(ckpt, decisions, G)
     routed = {n: d for n, d in decisions.items() if ckpt.tensors[n].info.klass == TensorClass.ROUTED_EXPERT}
@@ -712,17 +711,16 @@ def plan_convert_for(
     """`quantkit plan MODEL --convert`: the cost `convert` would predict for MODEL (a preset, a
     folder, a tiny:/realshape: id or hf://org/repo@rev, headers only) with the recipe and overrides,
     on `gpu` (h200, h100, b200) or on the CPU (`cpu`); `nproc` ranks (one per GPU) split the experts."""
-    from quantkit.recipe import default_recipe, load_recipe, recipe_overrides
+    from quantkit.conversion.precision import needs_calibration
+    from quantkit.recipe import resolve_recipe
 
     if gpu != "cpu" and gpu not in GPU_SPECS:
         raise ConfigError(f"--gpu {gpu!r}: choose one of {', '.join([*GPU_SPECS, 'cpu'])}")
     arch, ckpt = _model_for(model)
-    rec = load_recipe(recipe) if recipe is not None else default_recipe(str(model), arch)
-    rec = recipe_overrides(rec, method=method, group_size=group_size, num_samples=num_samples, seq_len=seq_len)
+    rec = resolve_recipe(model, arch, recipe, method=method, group_size=group_size, num_samples=num_samples,
+                         seq_len=seq_len)
     source_bytes, out, expert_bytes, quantized = _preset_sizes(model, arch, rec) if ckpt is None else _checkpoint_sizes(ckpt, rec)
-    # as convert: any calibrated method runs the calibration pass, even when every expert is reused,
-    # because the FP8 KV-cache scales are measured on it (quantkit.model.kvcache)
-    calibrate = rec.method != "rtn"
+    calibrate = needs_calibration(rec)  # as convert: the KV scales need the pass even when experts are reused
     return plan_convert(arch, method=rec.method, group_size=rec.group_size, num_samples=rec.calibration.num_samples,
                         seq_len=rec.calibration.seq_len, calibrate=calibrate, device="cpu" if gpu == "cpu" else "cuda",
                         gpu=None if gpu == "cpu" else gpu, max_host_memory=max_host_memory,

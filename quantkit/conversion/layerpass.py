@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from quantkit.conversion.activations import ActivationStore
 from quantkit.model.kvcache import KVAbsmax
 from quantkit.model.reference import mla_attention, rms_norm, route, swiglu
-from quantkit.quant.experts import is_heldout, run_gptq, starved
+from quantkit.quant.experts import HOLDOUT, is_heldout, run_gptq, starved
 from quantkit.quant.gptq import QuantizedWeight
 
 
@@ -145,13 +145,20 @@ def _rows(idx_b: torch.Tensor, e: int, seen: int, start: int, use_all: bool) -> 
 
 
 def expert_hessians(store: ActivationStore, routing: LayerRouting, run: list[int], all_tokens: set[int],
-                    inputs=None, held: dict | None = None) -> torch.Tensor:
+                    inputs=None, held: dict | None = None, prior: int = 0) -> torch.Tensor:
     """H_e = 2/n_e sum x x^T [len(run), in, in] over each expert's fit tokens (the layer's fit
     tokens for the experts in `all_tokens`), accumulated one micro-batch at a time; held-out tokens
     never enter. `inputs(j, x_e)` maps an expert's input rows to the rows of the Linear whose Hessian
     this is (default: x itself). `held`, when a dict, receives each expert's held-out input rows
-    (the guard's data: 1/HOLDOUT of its routed tokens)."""
+    (the guard's data: 1/HOLDOUT of its routed tokens).
+
+    prior = p > 0 (gptq.prior_tokens): H_e = (n_e H_e + p H_all) / (n_e + p), H_all the Hessian of
+    the same Linear over every fit token of the layer: an expert with few routed tokens is pulled
+    towards the layer's statistics, one with many keeps its own. Accumulated in place (the layer's
+    fit-token count is known up front), so no second (C, in, in) array."""
     H = None
+    n_all = routing.starts[-1] - routing.starts[-1] // HOLDOUT if prior else 0
+    w_all = prior / max(n_all, 1)
     n = torch.zeros(len(run), dtype=torch.float64)
     seen = {e: 0 for e in run}
     parts: dict[int, list] = {e: [] for e in run}
@@ -172,9 +179,13 @@ def expert_hessians(store: ActivationStore, routing: LayerRouting, run: list[int
             if len(xe):
                 H[j].addmm_(xe.T, xe)
             n[j] += len(xe)
+            if prior and e not in all_tokens:
+                xa = xb[_rows(idx_b, e, seen[e], start, True)[0]]
+                xa = inputs(j, xa) if inputs is not None else xa
+                H[j].addmm_(xa.T, xa, alpha=w_all)
         del xb
-    for j in range(len(run)):
-        H[j] *= 2.0 / max(float(n[j]), 1.0)
+    for j, e in enumerate(run):
+        H[j] *= 2.0 / max(float(n[j]) + (prior if e not in all_tokens else 0), 1.0)
     if held is not None:
         for e in run:
             held[e] = torch.cat(parts[e]) if parts[e] else None
@@ -215,7 +226,7 @@ def gptq_experts(store: ActivationStore, routing: LayerRouting, ew: dict[str, to
         I = ew[f"mlp.experts.{run[0]}.gate_proj.weight"].shape[0]
         # gate and up: one Hessian per expert, shared; the weights stacked by rows [C, 2I, D]
         held: dict = {}
-        H = expert_hessians(store, routing, run, all_tokens, held=held)
+        H = expert_hessians(store, routing, run, all_tokens, held=held, prior=g.prior_tokens)
         Wgu = torch.stack([torch.cat([ew[f"mlp.experts.{e}.gate_proj.weight"],
                                       ew[f"mlp.experts.{e}.up_proj.weight"]]) for e in run]).float()
         box = [H]
@@ -227,7 +238,7 @@ def gptq_experts(store: ActivationStore, routing: LayerRouting, ew: dict[str, to
         def z(j, xe):  # down's input under the quantized gate/up
             return F.silu(xe @ gu_hat[j, :I].T) * (xe @ gu_hat[j, I:].T)
 
-        Hd = expert_hessians(store, routing, run, all_tokens, inputs=z)
+        Hd = expert_hessians(store, routing, run, all_tokens, inputs=z, prior=g.prior_tokens)
         del gu_hat
         Wd = torch.stack([ew[f"mlp.experts.{e}.down_proj.weight"] for e in run]).float()  # [C, D, I]
         box = [Hd]

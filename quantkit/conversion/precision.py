@@ -297,3 +297,18 @@ def layer_experts(ckpt: Checkpoint, decisions: dict[str, Decision], layer: int) 
         by_expert.setdefault(ckpt.tensors[name].info.expert, []).append(name)
     pre = ckpt.arch.layer_prefix(layer)
     return by_expert, {e for e in by_expert if decisions[f"{pre}mlp.experts.{e}.down_proj.weight"].decode == INT4}
+
+
+def decide_all(ckpt: Checkpoint, rec) -> dict[str, Decision]:
+    """Every tensor's storage in both outputs under `rec`: what convert does, and what
+    `plan --convert` sizes (one call, so the plan is the engine's own accounting)."""
+    source_group = source_int4_group(ckpt.arch)
+    return {n: decide(st, rec, rec.group_size, source_group) for n, st in ckpt.tensors.items()}
+
+
+def needs_calibration(rec) -> bool:
+    """Any method but RTN calibrates: the experts' Hessians need the tokens, and the FP8 KV cache's
+    scales are measured on them too (quantkit.model.kvcache), so a source whose experts are all
+    reused (Kimi's INT4) still gets its pass. An RTN convert reads no data and carries no KV scales
+    (engines then run the cache at 1.0)."""
+    return rec.method != "rtn"

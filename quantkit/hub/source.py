@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from pathlib import Path
 from urllib.parse import quote
@@ -115,17 +116,34 @@ class HubSource:
                 ) from None
             if source == "hf-cache":
                 self._borrowed.add(filename)
+                self._link(rf.name, path)  # the file stays where it was found; fetch returns that path
             else:
                 self._borrowed.discard(filename)
             if n:
                 logger.info("%s: fetched %s (%s)", self._repo.label, filename, human_bytes(n))
             return path
 
+    def _link(self, name: str, found: Path) -> None:
+        """Make a file used in place from the HF cache appear under its name in this snapshot (a
+        symlink to where it was found), so that the snapshot folder holds every file of the repo,
+        wherever each was found: the reader opens config.json, the index and the shards there.
+        Without it, config.json found in the HF cache was looked for in quantkit's folder ("not found")."""
+        final = self._layout.final(name)
+        if final.is_symlink() and os.path.realpath(final) == os.path.realpath(found):
+            return
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.with_name(f".{final.name}.link-{os.getpid()}")
+        tmp.unlink(missing_ok=True)
+        os.symlink(os.path.realpath(found), tmp)
+        os.replace(tmp, final)  # atomic: a reader sees no file or the whole link
+
     def read_range(self, filename: str, start: int, length: int) -> bytes:
         """``length`` bytes of ``filename`` from ``start`` (a local complete copy if there is one, else one
         ranged GET): how a streamed conversion reads every shard's safetensors header before fetching it."""
         rf = self._file(filename)
         local = self._layout.final(rf.name)
+        if not (local.is_file() and local.stat().st_size == rf.size):
+            local = self._repo.from_hf_cache(rf) or local  # offline, a shard's header from the HF cache's copy
         if local.is_file() and local.stat().st_size == rf.size:
             with open(local, "rb") as f:
                 f.seek(start)

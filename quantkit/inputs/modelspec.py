@@ -58,5 +58,23 @@ def hub_source(spec: str, **kwargs):
 def open_checkpoint(spec: str | Path, *, release_consumed: bool = False, allow_unverified: bool = False) -> Checkpoint:
     """`allow_unverified`: accept Hub files that the listing gives no checksum for (size only)."""
     if is_hub(spec):
-        return Checkpoint(None, remote=hub_source(spec, allow_unverified=allow_unverified), release_consumed=release_consumed)
-    return Checkpoint(resolve(spec))
+        ckpt = Checkpoint(None, remote=hub_source(spec, allow_unverified=allow_unverified), release_consumed=release_consumed)
+    else:
+        ckpt = Checkpoint(resolve(spec))
+    warn_absent_mtp(ckpt)
+    return ckpt
+
+
+def warn_absent_mtp(ckpt: Checkpoint) -> None:
+    """One warning line when config.json declares MTP layers the shards do not hold (the reader
+    converts without them; quantkit.checkpoint.reader.Checkpoint._drop_absent_mtp)."""
+    import sys
+
+    from quantkit.model.arch import NO_MTP
+
+    n = ckpt.absent_mtp_layers
+    if n:
+        print(f"warning: {Path(ckpt.folder) / 'config.json'}: num_nextn_predict_layers is {n} but the shards hold no "
+              f"tensor of layer{'s' if n > 1 else ''} {ckpt.arch.num_hidden_layers}"
+              f"{f'..{ckpt.arch.num_hidden_layers + n - 1}' if n > 1 else ''} (as transformers' save_pretrained leaves "
+              f"it); reading it without: {NO_MTP}", file=sys.stderr)

@@ -163,6 +163,7 @@ def load_tokens(
             random.Random(seed).shuffle(docs)
         texts = (t for t in (_render(d, tok, chat_template, s.normalized) for d in docs) if t)
         ids, used = _pack(_tokenize(tok, texts), tok, num_samples, seq_len, s.normalized)
+        _check_known(ids, tok, s.normalized)
         source.update(documents=used, chat_template=chat_template)
     ids = ids.to(torch.int64).contiguous()
     if tokenizer is not None:
@@ -237,12 +238,15 @@ def _text_file(s: Spec) -> tuple[list, dict]:
     path = s.path
     suffix = path.suffix.lower()
     if suffix == ".txt":
-        text = path.read_text(encoding="utf-8", errors="replace")
+        utf8 = _Utf8(path)
+        text = utf8.decode(path.read_bytes())
+        utf8.check()
         docs: list = [{"text": d.strip()} for d in re.split(r"\n\s*\n", text) if d.strip()]
     elif suffix == ".jsonl":
-        docs = []
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
+        docs, utf8 = [], _Utf8(path)
+        with path.open("rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                line = utf8.decode(raw)
                 if not line.strip():
                     continue
                 try:
@@ -250,6 +254,7 @@ def _text_file(s: Spec) -> tuple[list, dict]:
                 except json.JSONDecodeError as e:
                     raise ConfigError(f"{path}:{lineno}: not valid JSON ({e.msg}); write one JSON object per line") from None
                 docs.append(_document(row, f"{path}:{lineno}"))
+        utf8.check()
     else:
         try:
             import pyarrow.parquet as pq
@@ -353,6 +358,37 @@ def _buffer_shuffle(rows: Iterator, size: int, rng: random.Random) -> Iterator:
     yield from buf
 
 
+class _Utf8:
+    """Decodes a text file's bytes, counting those that are not UTF-8. A few stray bytes in real
+    text become U+FFFD; a file where more than MAX_BAD of the bytes are not UTF-8 is not text
+    (300 KB of random bytes used to calibrate with exit 0 and most experts starved), so it is
+    refused with the fraction found."""
+
+    MAX_BAD = 0.01
+    _SURROGATE = re.compile("[\udc80-\udcff]")  # what errors="surrogateescape" makes of a bad byte
+
+    def __init__(self, path: Path):
+        self.path, self.total, self.bad, self.first = path, 0, 0, None
+
+    def decode(self, raw: bytes) -> str:
+        text = raw.decode("utf-8", errors="surrogateescape")
+        hits = self._SURROGATE.findall(text)
+        if hits:
+            if self.first is None:
+                self.first = self.total + len(text[:self._SURROGATE.search(text).start()].encode("utf-8", "surrogateescape"))
+            self.bad += len(hits)
+            text = self._SURROGATE.sub("\ufffd", text)
+        self.total += len(raw)
+        return text
+
+    def check(self) -> None:
+        if self.total and self.bad > self.MAX_BAD * self.total:
+            raise ConfigError(
+                f"{self.path}: {self.bad / self.total:.1%} of its {self.total:,} bytes are not valid UTF-8 (the first "
+                f"at byte {self.first}); calibration text must be UTF-8 text: re-encode it (iconv -t utf-8) or use "
+                "another file")
+
+
 # ---- tokenization and packing --------------------------------------------------------------------
 @lru_cache(maxsize=4)
 def _load_tokenizer(folder: str, trust_remote_code: bool):
@@ -401,6 +437,23 @@ def _pack(docs: Iterable[list[int]], tok, n: int, L: int, spec: str) -> tuple[to
     raise ConfigError(
         f"{spec}: only {len(stream)} tokens in {used} documents, need {n}x{L} = {need}; "
         f"lower num_samples or seq_len, or use a larger dataset")
+
+
+MAX_UNKNOWN = 0.5  # share of the tokens that may be the tokenizer's unknown token
+
+
+def _check_known(ids: torch.Tensor, tok, spec: str) -> None:
+    """Text that tokenizes to mostly the unknown token is not in the model's language (binary
+    data, or text for another vocabulary): calibrating on it starves the experts real text uses."""
+    unk = getattr(tok, "unk_token_id", None)
+    if unk is None or not ids.numel():
+        return
+    frac = float((ids == unk).float().mean())
+    if frac > MAX_UNKNOWN:
+        raise ConfigError(
+            f"{spec}: {frac:.1%} of its first {ids.numel():,} tokens are the tokenizer's unknown token "
+            f"{tok.unk_token!r}; this is not text the model's tokenizer knows (binary data, or another "
+            "language or vocabulary): use real text")
 
 
 def _check_vocab(ids: torch.Tensor, folder: Path, spec: str) -> None:

@@ -13,7 +13,7 @@ Everything downstream reads these explicit fields; nothing infers a feature from
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -257,6 +257,24 @@ def arch_from_config(cfg: dict[str, Any], *, source: str = "config.json") -> Mod
     if is_glm and not arch.indexer_layers[0]:
         raise ConfigError(f"{source}: layer 0 must own a DSA indexer (IndexShare reuses the previous layer's)")
     return arch
+
+
+NO_MTP = "no MTP layer in the source: speculative decoding unavailable"
+
+
+def without_mtp(arch: ModelArch) -> ModelArch:
+    """The architecture with its MTP layers dropped, config included (`num_nextn_predict_layers: 0`,
+    where the text config keeps it), for a checkpoint whose config declares MTP layers its shards do
+    not hold: transformers' `save_pretrained` writes DeepSeek-V3's default of 1 and no MTP tensor,
+    and so does every fine-tune saved that way. The outputs' configs then say 0, so that engines
+    do not look for the layer."""
+    import copy
+
+    raw = copy.deepcopy(arch.raw)
+    text = raw.get("text_config") if arch.model_type == "kimi_k25" else raw
+    if isinstance(text, dict) and "num_nextn_predict_layers" in text:
+        text["num_nextn_predict_layers"] = 0
+    return replace(arch, num_mtp_layers=0, raw=raw)
 
 
 def load_config(folder: Path) -> dict[str, Any]:

@@ -231,6 +231,18 @@ class Plan:
 # ----------------------------------------------------------------------------- plan()
 
 
+def recipe_group_size(name: str, arch: ModelArch) -> int:
+    """The group size `quantkit convert` would write for this model (its family's recipe), so that a
+    plan's decode figure is the checkpoint convert produces: a fixed 128 planned Kimi's decode at
+    539 GB while convert writes group 32 (587 GB)."""
+    from quantkit.recipe import default_recipe
+
+    try:
+        return default_recipe(name if name.startswith("tiny:") else "", arch).group_size
+    except ConfigError:  # a family with no shipped recipe: the Marlin default
+        return 128
+
+
 def _resolve_model(model: str | Path | dict) -> tuple[str, ModelArch]:
     if isinstance(model, dict):
         return "config", arch_from_config(model, source="config dict")
@@ -411,7 +423,7 @@ def plan(
     context: int = 21_400,
     mem_fraction: float = 0.90,
     overhead_gib: float = 12.0,
-    group_size: int = 128,
+    group_size: int | None = None,
     kv_dtypes: tuple[str, ...] = ("bf16", "fp8"),
     gpu_mem_gib: float | None = None,
     weight_split: str = "even",
@@ -432,7 +444,8 @@ def plan(
         context: tokens per request for the concurrency figure (21,400: the article's 686K / 32).
         mem_fraction: share of GPU memory the engine may use for weights + KV (SGLang mem_fraction_static).
         overhead_gib: activations, CUDA graphs, NCCL buffers per GPU.
-        group_size: INT4 group for the decode and int4-bf16 kinds (Kimi's published experts use 32).
+        group_size: INT4 group for the decode and int4-bf16 kinds; None means the model's recipe's
+            (what `quantkit convert` writes: Kimi 32, GLM and DeepSeek 128).
         kv_dtypes: KV cache dtypes to size ("bf16", "fp8").
         weight_split: "even" divides every byte by tp; "replicate-small" keeps norms, router,
             q_a/kv_a, the indexer, MTP eh_proj and vision whole on every rank.
@@ -455,6 +468,8 @@ def plan(
         88
     """
     name, arch = _resolve_model(model)
+    if group_size is None:
+        group_size = recipe_group_size(name, arch)
     if gpu not in GPUS and gpu_mem_gib is None:
         raise ConfigError(f"unknown gpu {gpu!r}; known: {', '.join(GPUS)} (or pass gpu_mem_gib)")
     mem = float(gpu_mem_gib if gpu_mem_gib is not None else GPUS[gpu].mem_gib)

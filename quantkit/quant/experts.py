@@ -116,7 +116,7 @@ def run_gptq(W: torch.Tensor, H: torch.Tensor, group_size: int, g, layer: int, e
     del H  # no reference left here, so that a consumed H is freed inside gptq
     try:
         return gptq(W, box.pop(), group_size, block_size=g.block_size, dampening=g.dampening, actorder=g.actorder,
-                    consume=consume)
+                    consume=consume, observer=getattr(g, "observer", "minmax"))
     except HessianError as e:
         raise OutputError(f"layer {layer}, experts {experts}: {e}; raise gptq.dampening in the recipe") from None
 

@@ -51,6 +51,7 @@ __all__ = [
     "HessianError",
     "QuantizedWeight",
     "group_scales",
+    "mse_group_scales",
     "quantize_rtn",
     "gptq",
     "gptq_shared_h",
@@ -107,6 +108,32 @@ def group_scales(
     return torch.where(scale == 0, eps, scale)
 
 
+def mse_group_scales(
+    W: torch.Tensor, group_size: int, num_bits: int = 4, scale_dtype: torch.dtype = torch.bfloat16,
+    grid: int = 100, max_shrink: float = 0.2, norm: float = 2.4,
+) -> torch.Tensor:
+    """Per-group scales from a clip-ratio search, as llm-compressor's MSE observer: for each group,
+    the range max|w| x r with r in 1, 1 - 1/grid, ... > 1 - max_shrink that minimises
+    sum |w - Q(w)|^norm. Distribution-free (no Hessian): it trades one saturated outlier against a
+    finer grid for the rest of the group, the same way on any input. Ties keep r = 1 (min-max)."""
+    _check_groups(W, group_size)
+    Wg = W.float().unflatten(-1, (-1, group_size))  # [..., out, G, gs]
+    amax = Wg.abs().amax(dim=-1)  # [..., out, G]
+    half = (2.0 ** num_bits - 1) / 2  # 7.5 for 4 bits, as group_scales
+    finfo = torch.finfo(scale_dtype)
+    best = best_err = None
+    for i in range(max(1, int(max_shrink * grid))):
+        s = (amax * (1 - i / grid) / half).clamp(finfo.min, finfo.max).to(scale_dtype)
+        s = torch.where(s == 0, torch.tensor(finfo.eps, dtype=scale_dtype, device=W.device), s)
+        err = ((_round(Wg, s.float().unsqueeze(-1), num_bits) * s.float().unsqueeze(-1) - Wg).abs() ** norm).sum(-1)
+        if best is None:
+            best, best_err = s, err
+            continue
+        better = err < best_err
+        best, best_err = torch.where(better, s, best), torch.where(better, err, best_err)
+    return best
+
+
 def _round(W: torch.Tensor, scale: torch.Tensor, num_bits: int) -> torch.Tensor:
     """clamp(round(W / scale)) with torch's own type promotion (bf16 W stays bf16), as a float."""
     qmin, qmax = _qrange(num_bits)
@@ -135,6 +162,7 @@ def gptq(
     scale_dtype: torch.dtype = torch.bfloat16,
     static_groups: bool = True,
     consume: bool = False,
+    observer: str = "minmax",
 ) -> QuantizedWeight:
     """GPTQ-quantize W [..., out, in] given H [..., in, in] (any positive multiple of sum x x^T).
 
@@ -145,6 +173,7 @@ def gptq(
     consume=True lets gptq work on the caller's float32 W and H in place instead of copying them
     (the caller must not use either afterwards, and should hold no other reference, so that H is
     freed once factored): at real width H and W are the largest things here.
+    observer="mse": static group scales from `mse_group_scales` (a clip search) instead of min-max.
     Raises HessianError naming the batch indices whose damped H is not positive definite.
     """
     _check_groups(W, group_size)
@@ -161,7 +190,10 @@ def gptq(
     E = W.shape[0]
 
     # Group scales from the original weights (llm-compressor's observer runs before GPTQ).
-    scale = group_scales(W, group_size, num_bits, scale_dtype)  # [E, out, G]
+    if observer == "mse":
+        scale = mse_group_scales(W, group_size, num_bits, scale_dtype)  # [E, out, G]
+    else:
+        scale = group_scales(W, group_size, num_bits, scale_dtype)  # [E, out, G]
     # g_idx [E, in]: the group of each column
     g_idx = torch.arange(columns, device=device).expand(E, -1) // group_size
 

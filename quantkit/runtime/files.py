@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import threading
 from pathlib import Path
@@ -29,6 +30,62 @@ def atomic_write_text(path: Path, text: str, *, make_parents: bool = False) -> N
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def readable_per_umask(path: Path) -> None:
+    """Give a file the mode a plain open() would have (0644 under umask 022): safetensors writes
+    through a private temporary file (0600), which a server running as another user cannot read."""
+    os.chmod(path, 0o666 & ~_UMASK)
+
+
+def _read_umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it; done once, at import, before any thread
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()
+
+
+RESULTS_PENDING = ".validation.pending.json"  # validate's marker: its result files being made visible together
+
+
+def staged(path: Path) -> Path:
+    """Where `commit_renames` stages the new content of `path`: a hidden name beside it, same suffix
+    (matplotlib picks the format from it)."""
+    path = Path(path)
+    return path.with_name(f".{path.stem}.staged{path.suffix}")
+
+
+def commit_renames(marker: Path, finals: list[Path]) -> None:
+    """Make several files' new contents, already written at `staged(final)`, visible all together:
+    the list is written to `marker` (atomically), then each staged file is renamed over its final
+    name, in the given order, then the marker is removed. A crash before the marker leaves every
+    old file; after it, `finish_renames(marker)` (run by the next reader or writer) completes them,
+    so no two of the files ever stay from different writes."""
+    from quantkit.runtime import faults
+
+    atomic_write_text(marker, json.dumps([str(f) for f in finals]) + "\n")
+    faults.point("renames:marked")
+    finish_renames(marker)
+
+
+def finish_renames(marker: Path) -> bool:
+    """Complete an interrupted `commit_renames` (True if one was); with no marker, a no-op."""
+    from quantkit.runtime import faults
+
+    try:
+        finals = [Path(f) for f in json.loads(Path(marker).read_text())]
+    except FileNotFoundError:
+        return False
+    for final in finals:
+        try:
+            os.replace(staged(final), final)
+        except FileNotFoundError:  # renamed already, by a previous finish or one running beside this
+            continue
+        faults.point("renames:renamed")
+    Path(marker).unlink(missing_ok=True)
+    return True
 
 
 def cache_dir() -> Path:

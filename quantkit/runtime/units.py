@@ -1,4 +1,4 @@
-"""Quantities as people read them."""
+"""Quantities as people read them: the one place a byte count becomes text."""
 
 from __future__ import annotations
 
@@ -10,3 +10,11 @@ def human_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def decimal_bytes(n: float, *, digits: int = 2, gb_from: float = 1e8, bytes_below: float = 0.0) -> str:
+    """A byte count in decimal GB, or MB below `gb_from`, or plain bytes below `bytes_below`:
+    reports and cards print sizes the way disks and the Hub state them (10**9 bytes a GB)."""
+    if n < bytes_below:
+        return f"{int(n)} bytes"
+    return f"{n / 1e9:.{digits}f} GB" if n >= gb_from else f"{n / 1e6:.{min(digits, 2)}f} MB"

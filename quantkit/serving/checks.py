@@ -473,8 +473,16 @@ def check_serving_many(folders: list[str | Path], engines: tuple[str, ...] = ENG
 
 
 def serving_folders(path: str | Path) -> list[Path]:
-    """A checkpoint folder itself, or a convert output's prefill/ and decode/."""
+    """A checkpoint folder itself, or a convert output's prefill/ and decode/; an unfinished convert
+    output (or one of its folders) is refused, with the command that finishes it: a pair whose
+    convert did not finish is not one to serve."""
+    from quantkit.checkpoint.unfinished import unfinished
+    from quantkit.errors import IntegrityError
+
     path = Path(path)
+    for folder in (path, path.parent):
+        if why := unfinished(folder):
+            raise IntegrityError(why)
     if (path / "config.json").is_file():
         return [path]
     pair = [path / "prefill", path / "decode"]

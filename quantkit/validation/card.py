@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from quantkit.checkpoint.manifest import atomic_write_text
+from quantkit.runtime.units import decimal_bytes
 
 ROLE = {
     "prefill": ("FP8 prefill checkpoint", "the compute-bound prefill pool",
@@ -32,16 +33,25 @@ def write_cards(out: str | Path, report: dict, validation: dict) -> dict[str, Pa
 
     convert carries the source's README.md into both folders; the card replaces it but keeps the
     source card's license fields (a quantized model is still under the source's license)."""
-    out = Path(out)
     paths = {}
+    for which, (path, text) in cards(out, report, validation).items():
+        atomic_write_text(path, text)
+        paths[which] = path
+    return paths
+
+
+def cards(out: str | Path, report: dict, validation: dict) -> dict[str, tuple[Path, str]]:
+    """Each card's path and text, not written (quantkit.validation.report stages them with the
+    results, so that all become visible together)."""
+    out = Path(out)
+    texts = {}
     for which in ("prefill", "decode"):
         path = out / report["outputs"][which]["path"] / "README.md"
         license = _license_fields(path.read_text(encoding="utf-8", errors="replace")) if path.is_file() else {}
         config = out / report["outputs"]["decode"]["path"] / "config.json"
         decode_config = json.loads(config.read_text()) if config.is_file() else None
-        atomic_write_text(path, render_card(which, report, validation, license=license, decode_config=decode_config))
-        paths[which] = path
-    return paths
+        texts[which] = (path, render_card(which, report, validation, license=license, decode_config=decode_config))
+    return texts
 
 
 def _license_fields(text: str) -> dict[str, str]:
@@ -92,6 +102,8 @@ def render_card(which: str, report: dict, validation: dict, *, license: dict[str
         f"| model | `{src['spec']}` |",
         f"| revision | {f'`{revision}`' if revision else 'not recorded (a local folder); see the file hashes below'} |",
         f"| model_type | `{src.get('model_type', '?')}` |",
+        *([f"| MTP | {report['mtp']['note']} (config.json declared {report['mtp']['declared_absent']}; "
+           "the outputs' configs say `num_nextn_predict_layers: 0`) |"] if (report.get("mtp") or {}).get("note") else []),
         f"| config.json sha256 | `{(src.get('files') or {}).get('config.json', '?')}` |",
         f"| this folder's manifest.json sha256 | `{report['outputs'][which].get('manifest_sha256') or 'not recorded'}` "
         "(`quantkit verify` checks every file and tensor against it) |",
@@ -116,8 +128,9 @@ def render_card(which: str, report: dict, validation: dict, *, license: dict[str
         lines.append(f"| {cls} | {prec.get(cls, '—')} | {prec_other.get(cls, '—')} |")
     lines.append(f"| **size** | {_size(report['outputs'][which]['bytes'])} | {_size(report['outputs'][other]['bytes'])} |")
     from quantkit.validation.kvrows import card_section
+    from quantkit.validation.tasks import tasks_card
 
-    lines += ["", *_recipe(report), "", *_measured(which, validation), "", *card_section(report, validation), "",
+    lines += ["", *_recipe(report), "", *_measured(which, validation), "", *tasks_card(validation), *card_section(report, validation), "",
               *serving_section(which, report, name, decode_config), ""]
     return "\n".join(lines)
 
@@ -300,7 +313,7 @@ def _family(model_type: str) -> str:
 
 
 def _size(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+    return decimal_bytes(n, digits=2)
 
 
 def _f(v, fmt: str) -> str:

@@ -1,12 +1,39 @@
-"""validate's FP8 KV-cache rows: decode and cross-phase with the cache stored as the engines store it,
-the KV delta over a BF16 cache, the markdown section and the model card's section."""
+"""validate's FP8 KV-cache rows: the cache variants `--kv-cache-dtype` runs, decode and cross-phase with the
+cache stored as the engines store it, the KV delta over a BF16 cache, the markdown section and the model
+card's section."""
 
 from __future__ import annotations
 
-from quantkit.model.kvcache import KVCache
+from quantkit.checkpoint.shards import Checkpoint
+from quantkit.errors import ConfigError
+from quantkit.model.kvcache import KV_DTYPES, KVCache, checkpoint_scales
 from quantkit.validation.metrics import agreement, window_mean_se
 
 SCALE_1 = "_scale1"  # the variant key of the uncalibrated comparison (every layer at 1.0)
+
+
+def kv_variants(kv_cache_dtype: str, ckpts: dict[str, Checkpoint], pair: bool, gen_tokens: int) -> tuple[dict, dict]:
+    """The KV cache variants to run (quantkit.model.kvcache) and what validation.json says about them."""
+    if kv_cache_dtype not in KV_DTYPES:
+        raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype}: one of {', '.join(KV_DTYPES)}")
+    if kv_cache_dtype == "bf16":
+        return {}, {"dtype": "bf16"}
+    scales = checkpoint_scales(ckpts["decode"]) if pair else {}
+    info = {"dtype": kv_cache_dtype, "calibrated": bool(scales), "scales": scales,
+            "note": "KV rows: the decode steps of the INT4-only and cross-phase paths with the latent/rope cache "
+                    "(and GLM's index keys) stored as the engines store them; `kv_delta` is the KL they add over "
+                    "the same path with a BF16 cache. "
+                    + ("scale 1.0 is what the engines run without scales (and what an SGLang MLA pool that casts without one runs)" if kv_cache_dtype == "fp8_e4m3" else
+                       "fp8_ds_mla is vLLM's layout for DSA models; it ignores k_scale")
+                    + ("; for this DSA model vLLM stores fp8_ds_mla instead (--kv-cache-dtype fp8_ds_mla)."
+                       if ckpts["reference"].arch.has_dsa and kv_cache_dtype == "fp8_e4m3" else ".")}
+    if not pair or gen_tokens < 2:
+        info["note"] = "no KV rows: they need a convert output (prefill/ and decode/) and gen_tokens >= 2"
+        return {}, info
+    variants = {"": KVCache(kv_cache_dtype, "checkpoint")}
+    if kv_cache_dtype == "fp8_e4m3" and scales:
+        variants[SCALE_1] = KVCache(kv_cache_dtype, "one")
+    return variants, info
 
 
 def kv_rows(variants: dict[str, KVCache], decode_steps: dict, kl_each: dict, cont: dict, calibrated: bool) -> dict:

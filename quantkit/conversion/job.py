@@ -1,0 +1,43 @@
+"""One convert's settled inputs, handed from step to step of quantkit.conversion.pipeline.
+
+Once the source is open, the recipe resolved, the ranks joined and the state read, these no
+longer change during the run (the state is the exception: it is the progress, updated after each
+layer); the steps read them from one object instead of a dozen arguments each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantkit.checkpoint.shards import Checkpoint
+from quantkit.conversion.precision import Decision
+from quantkit.conversion.resume import State
+
+
+@dataclass
+class Job:
+    """The source and every tensor's decision, the recipe, where the work runs (device, ranks),
+    the plan (set once quantkit.conversion.cost has sized the run), and the progress."""
+
+    ckpt: Checkpoint
+    rec: Any  # quantkit.recipe.Recipe, overrides applied
+    decisions: dict[str, Decision]
+    group: Any  # quantkit.runtime.distributed.Group (SINGLE for a plain run)
+    dev: torch.device
+    dtype: torch.dtype
+    state: State
+    state_dir: Path
+    cost: Any = None  # quantkit.conversion.cost.ConvertCost
+
+    @property
+    def arch(self):
+        return self.ckpt.arch
+
+    @property
+    def G(self) -> int:
+        """The decode checkpoint's INT4 group size."""
+        return self.rec.group_size

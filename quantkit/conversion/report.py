@@ -1,0 +1,206 @@
+"""What convert tells: convert-report.json (what went in, what each tensor and expert became, the
+outputs' sizes and digests, the plan, the ranks' shares) and ConvertResult, its table for a
+terminal or a notebook.
+
+The report is built last, once both manifests exist (quantkit.checkpoint.finish), so that it can
+state their digests: a pair is complete exactly when its report is there.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from quantkit import __version__
+from quantkit.checkpoint.shards import Checkpoint, file_sha256
+from quantkit.conversion.job import Job
+from quantkit.conversion.kvscales import kv_cache_report
+from quantkit.conversion.precision import PASS, precision_summary
+from quantkit.conversion.resume import State
+from quantkit.quant.experts import HOLDOUT, ExpertRecord
+from quantkit.runtime.machine import peak_rss
+from quantkit.runtime.progress import rich_html
+from quantkit.runtime.units import decimal_bytes
+
+
+@dataclass
+class ConvertResult:
+    """What `convert` made; `report` is convert-report.json."""
+
+    out: Path
+    prefill: Path
+    decode: Path
+    report: dict[str, Any]
+    validation: Any = None  # quantkit.validation.pipeline.ValidationResult when convert ran validate
+    rank: int = 0  # a multi-rank convert's other ranks (> 0) return an empty report: rank 0 has the real one
+
+    def to_json(self) -> dict[str, Any]:
+        return self.report
+
+    def table(self):
+        from rich.table import Table
+
+        r = self.report
+        t = Table(title=f"quantkit convert: {r['source']['spec']} -> {self.out}")
+        t.add_column("")
+        t.add_column("prefill")
+        t.add_column("decode")
+        for cls in sorted(set(r["outputs"]["prefill"]["precision"]) | set(r["outputs"]["decode"]["precision"])):
+            t.add_row(cls, r["outputs"]["prefill"]["precision"].get(cls, ""), r["outputs"]["decode"]["precision"].get(cls, ""))
+        t.add_row("size", _gb(r["outputs"]["prefill"]["bytes"]), _gb(r["outputs"]["decode"]["bytes"]), style="bold")
+        e = r["experts_summary"]
+        methods = ", ".join(f"{e[m]} {m.upper() if m != 'reused' else m}" for m in ("gptq", "awq", "rtn", "reused") if e.get(m))
+        t.caption = (
+            f"{e['total']} routed experts: {methods}; {e['fallbacks']} fallbacks; "
+            f"{r['seconds']:.1f}s, peak RSS {_gb(r['peak_rss_bytes'])}"
+        )
+        return t
+
+    def _repr_html_(self) -> str:
+        return rich_html(self.table())
+
+
+def _gb(n: int) -> str:
+    return decimal_bytes(n, digits=3)
+
+
+def expert_entry(r: ExpertRecord) -> dict:
+    """An expert's report entry; `rank` (who quantized it) only in a multi-rank convert."""
+    return {k: v for k, v in vars(r).items() if k != "rank" or v is not None}
+
+
+def source_identity(ckpt: Checkpoint) -> dict[str, str]:
+    """sha256 per source file: from the Hub's LFS metadata for a streamed source (git blob id for
+    small files), hashed locally otherwise."""
+    if ckpt.remote is not None:
+        return {name: rf.sha256 or f"git-blob:{rf.blob_id}" for name, rf in sorted(ckpt.remote.files.items())}
+    return {p.name: file_sha256(p) for p in sorted(ckpt.folder.iterdir()) if p.is_file()}
+
+
+def distributed_report(group, state: State, used: list[dict]) -> dict:
+    """The job's shape, each rank's share of the experts over all layers, the parts it wrote (this
+    run) and its peak RSS (quantkit.runtime.distributed)."""
+    if not group.distributed:
+        return {"world": 1}
+    shares = [lay["ranks"] for lay in state.layers if "ranks" in lay]
+    world = max([group.world] + [len(s["experts"]) for s in shares])  # a resumed run may have had more ranks
+    experts, tokens, seconds = [0] * world, [0] * world, [0.0] * world
+    for share in shares:
+        for r, (n, t, sec) in enumerate(zip(share["experts"], share["tokens"], share["seconds"])):
+            experts[r] += n
+            tokens[r] += t
+            seconds[r] += sec
+    return {"world": group.world, "backend": group.backend, "experts_per_rank": experts, "tokens_per_rank": tokens,
+            "quantize_seconds_per_rank": [round(s, 3) for s in seconds],
+            "parts_written_per_rank": [u["parts"] for u in used],
+            "peak_rss_bytes_per_rank": [u["peak_rss"] for u in used],
+            "redundant": "every rank runs attention, routing and the routed outputs for all calibration tokens, "
+                         "and computes every stored tensor; each writes the parts it owns"}
+
+
+def convert_report(model, job: Job, tokens, source_files: dict[str, str], out: Path, t_start: float,
+                   used: list[dict], manifests: dict[str, str] | None = None) -> dict:
+    """convert-report.json: the pair's own part, then the KV cache's scales, the plan and the ranks."""
+    return (_pair_report(model, job, tokens, source_files, out, t_start, manifests)
+            | {"kv_cache": kv_cache_report(job.state.layers), "cost": job.cost.to_json(),
+               "distributed": distributed_report(job.group, job.state, used),
+               "reproducibility": reproducibility(job.dev, used)})
+
+
+def reproducibility(dev, used: list[dict]) -> dict:
+    """What the output bytes depend on besides the inputs (GPTQ's Hessians and the KV scales are
+    float sums whose order the BLAS and the thread count decide): the torch build, its BLAS/LAPACK
+    as torch reports them, the threads of each rank, the device. A rerun reproduces the bytes only
+    with all of these equal (docs/reliability.md)."""
+    import platform
+
+    import torch
+
+    config = torch.__config__.show()
+    settings = dict(kv.strip().split("=", 1) for kv in config.split("Build settings:", 1)[-1].split(",") if "=" in kv)
+    libraries = [line.strip()[2:] for line in config.splitlines()
+                 if line.strip().startswith("- ") and any(k in line for k in ("Math Kernel", "OpenBLAS", "BLIS", "MKL-DNN",
+                                                                              "OpenMP", "LAPACK", "CPU capability"))]
+    return {
+        "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+        "blas": settings.get("BLAS_INFO"), "lapack": settings.get("LAPACK_INFO"), "libraries": libraries,
+        "parallel_backend": next((line.split(":", 1)[1].strip() for line in torch.__config__.parallel_info().splitlines()
+                                  if line.startswith("ATen parallel backend")), None),
+        "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
+        "threads_per_rank": [u.get("threads") for u in used],
+        "device": dev.type, "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor(),
+        "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if dev.type == "cuda" else None,
+        "must_match": "torch build (version, BLAS/LAPACK), threads per rank, device type and name, ranks (nproc); "
+                      "with these equal the bytes are reproduced (docs/reliability.md)",
+    }
+
+
+def mtp_report(ckpt) -> dict:
+    """The MTP layers converted, and those config.json declared that the shards did not hold
+    (dropped: the outputs' configs say num_nextn_predict_layers 0, and the cards say so)."""
+    from quantkit.model.arch import NO_MTP
+
+    absent = getattr(ckpt, "absent_mtp_layers", 0)
+    return {"layers": ckpt.arch.num_mtp_layers, "declared_absent": absent, "note": NO_MTP if absent else None}
+
+
+def _experts_summary(experts: list[dict]) -> dict:
+    """The experts' counts by method, fallback and guard outcome."""
+    counts = {m: sum(1 for e in experts if e["method"] == m) for m in ("gptq", "awq", "rtn", "reused")}
+    fallbacks = [e for e in experts if e["fallback"]]
+    return {"total": len(experts), **counts, "fallbacks": len(fallbacks),
+            "starved": sum(1 for e in experts if e["fallback"] == "all_tokens" or e["fallback"] == "rtn"),
+            "guarded": sum(1 for e in experts if e.get("heldout")),
+            "guard_kept_rtn": sum(1 for e in experts if e.get("guard") == "rtn"),
+            "awq_kept_s1": sum(1 for e in experts if e.get("guard") == "awq-s1")}
+
+
+def _pair_report(model, job: Job, tokens, source_files: dict[str, str], out: Path, t_start: float,
+                 manifests: dict[str, str] | None) -> dict:
+    ckpt, rec, decisions, state, G = job.ckpt, job.rec, job.decisions, job.state, job.G
+    block = rec.prefill.fp8_block
+    experts = state.experts
+    sizes = {which: sum(p.stat().st_size for p in (out / which).glob("*.safetensors")) for which in ("prefill", "decode")}
+    differ = sorted(state.differ)
+    return {
+        "quantkit_version": __version__,
+        "source": {"spec": str(model), "path": str(Path(ckpt.folder).resolve()), "model_type": ckpt.arch.model_type,
+                   "repo": ckpt.remote.repo_id if ckpt.remote else None,
+                   "revision": ckpt.remote.revision if ckpt.remote else None,
+                   "commit": ckpt.remote.commit if ckpt.remote else None,
+                   "unverified_files": ckpt.remote.unverified if ckpt.remote else [],
+                   "files": source_files},
+        "mtp": mtp_report(ckpt),
+        "recipe": rec.model_dump(mode="json"),
+        "method": rec.method,
+        "group_size": G,
+        "calibration": None if tokens is None else {
+            "spec": tokens.spec, "num_samples": int(tokens.ids.shape[0]), "seq_len": int(tokens.ids.shape[1]),
+            "tokens": int(tokens.ids.numel()), "sha256": tokens.sha256, "source": tokens.source,
+        },
+        "calibration_choice": "each layer calibrated on the hidden states of the quantized decode model (sequential)",
+        "layers": state.layers,
+        "experts": experts,
+        "experts_summary": _experts_summary(experts),
+        "guard": "each calibrated expert is compared with RTN on its held-out routed tokens (every "
+                 f"{HOLDOUT}th calibration token, never fitted on); the lower output error is stored",
+        "outputs": {
+            "prefill": {"path": "prefill", "bytes": sizes["prefill"], "manifest_sha256": (manifests or {}).get("prefill"),
+                        "precision": precision_summary(ckpt, decisions, "prefill", G, block)},
+            "decode": {"path": "decode", "bytes": sizes["decode"], "manifest_sha256": (manifests or {}).get("decode"),
+                       "precision": precision_summary(ckpt, decisions, "decode", G, block)},
+        },
+        "shared_tensors": {
+            "identical": len(ckpt.tensors) - len(differ),
+            "differ": len(differ),
+            "differ_classes": sorted({ckpt.tensors[n].info.klass.value for n in differ}),
+            "renamed": "FP8 block multipliers are `weight_scale_inv` in prefill (DeepSeek layout) and "
+                       "`weight_scale` in decode (compressed-tensors); the bytes are identical",
+        },
+        "decisions": {n: {"prefill": d.prefill, "decode": d.decode, **({"why": d.why} if d.why else {})}
+                      for n, d in decisions.items() if d.prefill != PASS or d.decode != PASS or d.why},
+        "seconds": round(time.time() - t_start, 3),
+        "peak_rss_bytes": peak_rss(),
+    }

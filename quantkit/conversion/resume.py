@@ -1,0 +1,103 @@
+"""convert's progress on disk, so that `--resume` restarts exactly after the last saved layer.
+
+The state folder (`out/.quantkit-convert`) holds `state.json` (the layers done, the parts each
+output has cut, the experts' and layers' report entries) and, for a calibrated run, the hidden
+states the next layer starts from. A fingerprint of the source, the recipe, the calibration tokens
+and quantkit's version guards against resuming with other inputs: the result would not be the
+one an uninterrupted run makes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+from quantkit import __version__
+from quantkit.errors import OutputError
+from quantkit.runtime import faults
+
+STATE_DIR = ".quantkit-convert"
+
+
+@dataclass
+class State:
+    """What state.json records: enough to continue after layer `next_layer - 1` and still write
+    the report an uninterrupted run would."""
+
+    fingerprint: str
+    next_layer: int = -1  # -1: the non-layer tensors are not written yet
+    prefill_parts: int = 0
+    decode_parts: int = 0
+    experts: list[dict] = field(default_factory=list)
+    layers: list[dict] = field(default_factory=list)
+    differ: list[str] = field(default_factory=list)
+
+
+def fingerprint(source_files: dict[str, str], rec, tokens) -> str:
+    """One digest of everything that decides the output bytes (a resume must match it)."""
+    return hashlib.sha256(json.dumps(
+        [source_files, rec.model_dump(mode="json"), tokens.sha256 if tokens else None, __version__]).encode()).hexdigest()
+
+
+def open_state(state_dir: Path, digest: str, resume: bool, leader: bool) -> State:
+    """The state to continue from: the interrupted run's with --resume (refused when its
+    fingerprint differs), else a fresh one. Rank 0 clears a stale folder (not resuming) and makes it."""
+    state = State(digest)
+    if resume and (state_dir / "state.json").is_file():
+        saved = json.loads((state_dir / "state.json").read_text())
+        saved.pop("hidden", None)
+        state = State(**saved)
+        if state.fingerprint != digest:
+            raise OutputError(f"{state_dir}: the interrupted run used another source, recipe or calibration; "
+                              "rerun without --resume (or restore them)")
+    elif state_dir.exists() and leader:
+        if not resume:
+            shutil.rmtree(state_dir)
+    if leader:
+        state_dir.mkdir(exist_ok=True)
+    return state
+
+
+def save_state(folder: Path, state: State, store, topks: list) -> None:
+    """Progress after a layer, written atomically. The hidden states (the largest thing here: tokens
+    x hidden, in the store's dtype) go to disk as raw bytes a sample at a time, one copy (the next
+    layer's replaces it); the DSA selections (only kept when seq_len > index_topk) as safetensors."""
+    # The files are named by the layer they precede and only state.json names them, so a crash
+    # between any two of these writes leaves state.json and its hidden states agreeing.
+    tag = state.next_layer
+    if store is not None:
+        store.h.save(folder / f"hidden.{tag}.bin")
+        state_h = {"shape": list(store.shape), "dtype": str(store.plan.dtype), "file": f"hidden.{tag}.bin"}
+        topk = {f"topk.{i}": t.cpu().contiguous() for i, t in enumerate(topks) if t is not None}
+        if topk:
+            save_file(topk, str(folder / "topk.tmp"))
+            os.replace(folder / "topk.tmp", folder / f"topk.{tag}.safetensors")
+            state_h["topk"] = f"topk.{tag}.safetensors"
+        faults.point("state:hidden")
+    else:
+        state_h = None
+    (folder / "state.tmp").write_text(json.dumps(vars(state) | {"hidden": state_h}))
+    os.replace(folder / "state.tmp", folder / "state.json")
+    keep = set((state_h or {}).get(k) for k in ("file", "topk"))
+    for old in [*folder.glob("hidden.*.bin"), *folder.glob("topk.*.safetensors")]:
+        if old.name not in keep:
+            old.unlink()
+    faults.point("state:saved")
+
+
+def load_hidden(folder: Path, n_topks: int, store, dev) -> list:
+    """Put the saved hidden states back into `store`; returns the saved DSA selections (None where
+    none was kept). A store of another dtype or shape (other budgets) cannot continue them."""
+    meta = json.loads((folder / "state.json").read_text())["hidden"]
+    if meta["dtype"] != str(store.plan.dtype) or meta["shape"] != list(store.shape):
+        raise OutputError(f"{folder}: the interrupted run kept its hidden states as {meta['dtype']}, this run would "
+                          f"use {store.plan.dtype}; resume with the same --max-host-memory / --max-gpu-memory")
+    store.h.load(folder / meta["file"])
+    topk = load_file(str(folder / meta["topk"])) if meta.get("topk") else {}
+    return [topk[f"topk.{i}"].to(dev) if f"topk.{i}" in topk else None for i in range(n_topks)]

@@ -1,0 +1,176 @@
+"""convert's work on the source, in the order quantkit.conversion.pipeline runs it: the calibration
+set-up, the tensors outside the decoder layers (with the calibration tokens' embeddings: the first
+layer's h), then one decoder layer at a time, while the Prefetcher brings the next layer's bytes close.
+
+Each stage leaves the progress in the job's state, which pipeline saves (quantkit.conversion.resume).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from quantkit.checkpoint.shards import Checkpoint
+from quantkit.conversion.activations import ActivationStore
+from quantkit.conversion.job import Job
+from quantkit.conversion.kvscales import write_kv_scales
+from quantkit.conversion.layerpass import LayerRouting, attention_pass, convert_experts
+from quantkit.conversion.outputs import PairWriter, compute_weight
+from quantkit.conversion.report import expert_entry
+from quantkit.model.kvcache import KVAbsmax
+from quantkit.model.reference import Context
+from quantkit.model.tensors import TensorClass
+from quantkit.quant.experts import ExpertRecord
+from quantkit.runtime import distributed, faults
+
+
+@dataclass
+class Calibration:
+    """The calibration side of a run: the tokens, the store holding their hidden states, the
+    reference context (which also measures what the KV cache holds), the DSA selections kept from
+    layer to layer, and `split`, the group when several ranks share the micro-batches. An RTN run
+    (no tokens) has none of these: store None."""
+
+    tokens: Any = None  # quantkit.inputs.tokens' calibration tokens
+    store: ActivationStore | None = None
+    ctx: Context | None = None
+    topks: list = field(default_factory=list)
+    split: Any = None
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+
+
+def start_calibration(job: Job, tokens) -> Calibration:
+    """The store for every calibration token's h (sized and placed by the plan: job.cost.store)
+    and the context that runs the layers on it."""
+    if tokens is None:
+        return Calibration()
+    arch = job.arch
+    ids = tokens.ids
+    ctx = Context.build(arch, ids.shape[1], job.dev, job.dtype, kv=KVAbsmax())  # measures what the KV cache holds
+    # seq_len <= index_topk: the DSA indexer selects every causal key, so no selection is made or kept
+    ctx.dsa_dense = arch.has_dsa and ids.shape[1] <= arch.index_topk
+    group = job.group
+    work = job.state_dir if group.leader else job.state_dir / f"rank-{group.rank}"  # a disk-backed store's files
+    work.mkdir(exist_ok=True)
+    store = ActivationStore(*ids.shape, arch.hidden_size, job.cost.store, job.dev, work)
+    # several ranks: each runs the per-token work (attention, expert outputs) on its own micro-batches
+    split = group if group.distributed else None
+    return Calibration(tokens, store, ctx, [None] * len(list(store.slices())), split)
+
+
+def outside_layers(job: Job, pair: PairWriter, calib: Calibration) -> None:
+    """Stage 1: the tensors outside the decoder layers (embeddings, final norm, head, vision), and
+    h = embed(calibration tokens), the first layer's input."""
+    ckpt, arch, state = job.ckpt, job.arch, job.state
+    if calib.store is not None:
+        table = ckpt.get(f"{arch.prefix}embed_tokens.weight", torch.bfloat16)  # (V, D), exact for a BF16 source
+        ids = calib.tokens.ids
+        for sl in calib.store.slices():
+            calib.store.h.write(sl, F.embedding(ids[sl], table).to(job.dev, job.dtype))
+        del table
+    for name in ckpt.names(layer=None):
+        pair.write_shared(name, job.decisions[name])
+    pair.flush()
+    pair.drain()
+    ckpt.release_finished()
+    state.next_layer = 0
+    state.prefill_parts, state.decode_parts = pair.prefill.num_parts, pair.decode.num_parts
+
+
+def convert_layer(job: Job, pair: PairWriter, calib: Calibration, bar, layer: int) -> None:
+    """Stage 2, one decoder layer: its shared tensors written (their stored form is what the
+    calibration computes with), h += attention, its routed experts converted (h += their outputs
+    under the decode weights), its parts flushed; its report entries and the progress go into the state."""
+    arch, state = job.arch, job.state
+    t0 = time.time()
+    mtp = layer >= arch.num_hidden_layers
+    calibrate = calib.store is not None and not mtp
+    w = _shared_tensors(job, pair, layer, calibrate)
+    routing = kv_stats = None
+    if calibrate:  # h += attention (+ dense MLP, or shared expert), x and routing kept for the experts
+        routing = attention_pass(calib.store, w, calib.ctx, layer, calib.topks, arch.is_moe(layer), calib.split)
+        kv_stats = write_kv_scales(pair, arch.layer_prefix(layer), calib.ctx.kv, layer)
+    t_attention = time.time() - t0
+    shares: dict = {}  # multi-rank: each rank's part of this layer's experts
+    records = _routed_experts(job, pair, calib, bar, layer, routing, calibrate, mtp, shares) if arch.is_moe(layer) else []
+    del routing, w
+    if calibrate and calib.split is not None:  # each rank updated its own micro-batches' h: all of it to all
+        distributed.share_rows(job.group, calib.store, [calib.store.h], f"layer {layer}: hidden states")
+    pair.flush()
+    faults.point("layer:written")
+
+    state.experts += [expert_entry(r) for r in records]
+    state.layers.append({"layer": layer, "kind": "mtp" if mtp else ("moe" if arch.is_moe(layer) else "dense"),
+                         "seconds": round(time.time() - t0, 3), "attention_seconds": round(t_attention, 3),
+                         "calibrated": calibrate and arch.is_moe(layer),
+                         **({"kv_cache": kv_stats} if kv_stats else {}),
+                         **({"ranks": shares} if shares else {})})
+    state.next_layer = layer + 1
+    state.prefill_parts, state.decode_parts = pair.prefill.num_parts, pair.decode.num_parts
+    state.differ = pair.differ
+
+
+def _shared_tensors(job: Job, pair: PairWriter, layer: int, calibrate: bool) -> dict[str, torch.Tensor]:
+    """Write the layer's tensors other than the routed experts; returns them as computed with
+    (the stored form, dequantized), named within the layer."""
+    ckpt, pre = job.ckpt, job.arch.layer_prefix(layer)
+    w: dict[str, torch.Tensor] = {}
+    for name in ckpt.names(layer):
+        klass = ckpt.tensors[name].info.klass
+        if klass == TensorClass.ROUTED_EXPERT or (klass == TensorClass.KV_SCALE and calibrate):
+            continue  # experts below; a source's KV scales give way to the ones measured here
+        parts = pair.write_shared(name, job.decisions[name])
+        w[name[len(pre):]] = compute_weight(parts, ckpt.tensors[name], job.dtype).to(job.dev)
+    return w
+
+
+def _routed_experts(job: Job, pair: PairWriter, calib: Calibration, bar, layer: int, routing: LayerRouting | None,
+                    calibrate: bool, mtp: bool, shares: dict) -> list[ExpertRecord]:
+    """A MoE layer's routed experts: calibrated on the routed tokens when the layer was, else
+    rounded to nearest (RTN, or an MTP layer, which has no calibration path)."""
+    rec = job.rec
+    if calibrate:  # h += routed experts under the decode weights
+        return convert_experts(job.ckpt, pair, job.decisions, layer, calib.store, routing, rec, job.G, rec.method,
+                               job.dtype, job.dev, bar, job.cost.expert_chunk, job.group, shares)
+    records = convert_experts(job.ckpt, pair, job.decisions, layer, None, None, rec, job.G, "rtn", job.dtype, job.dev,
+                              bar, job.cost.expert_chunk)
+    if mtp:
+        for r in records:
+            if r.method != "reused":
+                r.fallback = "mtp: no calibration path (RTN)"
+    return records
+
+
+class Prefetcher:
+    """Brings the next layer's bytes close while this one computes, in a background thread: a
+    streamed source downloads its shards; a local one has the kernel read them into the page cache
+    (Checkpoint.readahead), so that quantkit.conversion.cost can count reading as overlapped with compute."""
+
+    def __init__(self, ckpt: Checkpoint):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.ckpt = ckpt
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prefetch")
+
+    def ahead(self, layer: int) -> None:
+        if layer >= self.ckpt.arch.num_layers_with_mtp:
+            return
+        if self.ckpt.remote is None:
+            self.pool.submit(self.ckpt.readahead, layer)
+            return
+        for f in self.ckpt.prefetch(layer):
+            self.pool.submit(self._fetch, f)
+
+    def _fetch(self, f: str) -> None:
+        if self.ckpt._unread[f]:  # not consumed (and so not released) yet
+            self.ckpt.remote.fetch(f)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)

@@ -1,0 +1,189 @@
+"""`quantkit probe`: check the pair and the endpoint first (cheap, and the usual failures), then the
+reference forward (the long part), then compare, report and, with `write_card`, record the verdict
+in the pair's model cards."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from quantkit.errors import ConfigError
+from quantkit.probe.client import Endpoint, ProbeError, Reply
+from quantkit.probe.compare import Observed, score, verdict
+from quantkit.probe.prompts import PromptSet, load_prompt_set
+from quantkit.probe.reference import candidates, greedy, keep_resident
+
+CARD_HEADING = "## Endpoint probes"
+
+
+@dataclass
+class ProbeResult:
+    data: dict
+
+    def lines(self) -> list[str]:
+        d = self.data
+        out = [f"endpoint {d['endpoint']} (model {d['model']}), prompt set {d['prompt_set']['name']} "
+               f"({d['prompt_set']['prompts']} prompts, max_tokens {d['prompt_set']['max_tokens']}); "
+               f"logprobs {'returned' if d['logprobs'] else 'not returned (greedy agreement only)'}",
+               f"{'checkpoint':<62} {'greedy agree':>12} {'exact':>7} {'top-k KL':>10}"]
+        for k, s in d["candidates"].items():
+            kl = "—" if s["topk_kl"] is None else f"{s['topk_kl']:.4f}"
+            out.append(f"{s['label']:<62} {s['greedy_agree']:>12.3f} {s['prompts_exact']:>3}/{s['prompts']:<3} {kl:>10}")
+        out += [f"warning: {w}" for w in d["warnings"]]
+        out.append(f"verdict: {d['verdict']['line']}")
+        return out
+
+
+def probe(url: str, pair: str | Path, *, model: str | None = None, api_key_env: str = "OPENAI_API_KEY",
+          timeout: float = 60.0, retries: int = 4, concurrency: int = 4, kv_cache_dtype: str = "auto",
+          min_agree: float = 0.9, device: str = "auto", write_card: bool = False, logprobs: bool = True,
+          prompts: str | Path | None = None) -> ProbeResult:
+    """Probe `url` (an OpenAI-compatible server) with the recorded prompts and name the checkpoint of
+    `pair` (a `quantkit convert` output, or one checkpoint folder) that it behaves most like.
+    `prompts`: another recorded prompt set (default: the shipped quantkit/probe/prompts.json)."""
+    from quantkit.validation.targets import target
+
+    t = target(pair, None)
+    tok_dir = t.models.get("decode") or t.reference_path
+    ps = load_prompt_set(Path(tok_dir), Path(prompts) if prompts else None)
+    ep = Endpoint(url, model, api_key_env, timeout, retries, concurrency=concurrency, logprobs=logprobs)
+    try:
+        ep.model = _served_model(ep, model)
+        replies = ep.complete_all(ps.prompts, ps.max_tokens, ps.top_logprobs)
+    finally:
+        ep.close()
+    tok = _tokenizer(Path(tok_dir))
+    observed = [_observe(r, tok) for r in replies]
+    warnings = [f"prompt {p.id}: the server counted {r.prompt_tokens} prompt tokens, the pair's tokenizer "
+                f"{len(p.ids)}: the endpoint tokenizes differently (another tokenizer or chat template)"
+                for p, r in zip(ps.prompts, replies) if r.prompt_tokens is not None and r.prompt_tokens != len(p.ids)]
+    data = _compare(t, ps, observed, tok_dir, kv_cache_dtype, min_agree, device)
+    data.update(endpoint=ep.url, model=ep.model, date=_dt.date.today().isoformat(), warnings=warnings,
+                logprobs=any(o.top for o in observed),
+                replies=[{"id": p.id, "text": r.text, "finish_reason": r.finish_reason, "tokens": o.tokens}
+                         for p, r, o in zip(ps.prompts, replies, observed)])
+    result = ProbeResult(data)
+    if write_card:
+        data["cards"] = [str(p) for p in write_cards(t, data)]
+    return result
+
+
+def _served_model(ep: Endpoint, model: str | None) -> str:
+    """The model to ask for: --model (checked against GET /models where the server lists any), else the
+    server's only model."""
+    try:
+        served = ep.models(retries=1 if model is not None else None)
+    except ProbeError as e:
+        # a server that answers but cannot list (transformers serve without a Hub cache: 500) may still
+        # serve --model; the first prompt tells. No answer at all is fatal here.
+        if model is None or e.status is None or e.status in (401, 403):
+            raise
+        served = []
+    if model is not None:
+        if served and model not in served:
+            raise ProbeError(f"{ep.url}: the server does not serve model {model!r} (GET /models lists: "
+                             f"{', '.join(map(str, served))}); pass one of those with --model")
+        return model
+    if len(served) == 1:
+        return served[0]
+    raise ProbeError(f"{ep.url}: the server lists {len(served)} models ({', '.join(map(str, served)) or 'none'}); "
+                     "name the one to probe with --model")
+
+
+def _compare(t, ps: PromptSet, observed: list[Observed], tok_dir, kv_cache_dtype, min_agree, device) -> dict:
+    """The reference continuations of every candidate, each scored against what the endpoint produced."""
+    from quantkit.checkpoint.shards import Checkpoint
+    from quantkit.inputs.modelspec import open_checkpoint
+    from quantkit.model.reference import resolve_device
+
+    ckpts = {"reference": open_checkpoint(t.reference_source)} | {m: Checkpoint(p) for m, p in t.models.items() if m != "model"}
+    if "model" in t.models:  # one checkpoint folder: it is the only candidate, as "source"
+        ckpts = {"reference": Checkpoint(t.models["model"])}
+    cands = candidates(t.pair, ckpts["reference"].arch.has_dsa, kv_cache_dtype)
+    wanted = [[set(o.top[k]) | ({o.tokens[k]} if k < len(o.tokens) else set()) for k in range(len(o.top))] if o.top
+              else [{x} for x in o.tokens] for o in observed]
+    dev = resolve_device(device)
+    chunk = keep_resident(ckpts, dev)
+    conts = greedy(ckpts, cands, [p.ids for p in ps.prompts], ps.max_tokens, wanted, _eos(Path(tok_dir)), dev, chunk=chunk)
+    scores = {c.key: dict(label=c.label, **score(observed, conts[c.key])) for c in cands}
+    for c in cands:
+        scores[c.key]["reference_tokens"] = [x.tokens for x in conts[c.key]]
+    return {"pair": str(t.out), "prompt_set": {"name": ps.name, "sha256": ps.sha256, "prompts": len(ps.prompts),
+                                               "max_tokens": ps.max_tokens, "top_logprobs": ps.top_logprobs},
+            "candidates": scores, "verdict": verdict(scores, {c.key: c.label for c in cands}, min_agree)}
+
+
+# ---- tokens ------------------------------------------------------------------------------------------
+def _tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def _observe(r: Reply, tok) -> Observed:
+    """The reply in the pair's token ids: the logprobs' tokens where the server returned them (vLLM's
+    `token_id:N` form, or decoded strings), else the text tokenized by the pair's tokenizer."""
+    if r.tokens:
+        lookup = _lookup(tok)
+        return Observed([lookup(s) for s in r.tokens], [{lookup(s): v for s, v in d.items()} for d in r.top or []] or None)
+    return Observed(tok.encode(r.text, add_special_tokens=False), None)
+
+
+def _lookup(tok):
+    decoded: dict[str, int] = {}
+    vocab = tok.get_vocab()
+
+    def find(s: str) -> int:
+        if s.startswith("token_id:") and s[9:].isdigit():
+            return int(s[9:])
+        if s in vocab:
+            return vocab[s]
+        if not decoded:
+            for i in range(len(tok)):
+                decoded.setdefault(tok.decode([i]), i)
+        return decoded.get(s, decoded.get(s.strip(), -1))
+
+    return find
+
+
+def _eos(folder: Path) -> set[int]:
+    ids: set[int] = set()
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        e = json.loads(gen.read_text()).get("eos_token_id")
+        ids |= set(e) if isinstance(e, list) else ({e} if isinstance(e, int) else set())
+    return ids
+
+
+# ---- the cards ---------------------------------------------------------------------------------------
+def write_cards(t, data: dict) -> list[Path]:
+    """Add (or replace, for the same endpoint and model) one line under "Endpoint probes" in each card."""
+    if not t.pair:
+        raise ConfigError(f"{t.out}: --write-card needs a `quantkit convert` output (prefill/ and decode/ with cards)")
+    best = data["verdict"]
+    s = data["candidates"].get(best["match"] or "", {})
+    detail = (f"greedy agreement {s['greedy_agree']:.2f}" + (f", top-k KL {s['topk_kl']:.3g}" if s.get("topk_kl") is not None else "")
+              if s else "")
+    key = f"endpoint {data['endpoint']} (model {data['model']})"
+    line = (f"- {key} probed on {data['date']}: {best['line']}" + (f" ({detail}" if detail else "")
+            + (f"; prompt set {data['prompt_set']['name']}, sha256 {data['prompt_set']['sha256'][:12]})" if detail else
+               f" (prompt set {data['prompt_set']['name']}, sha256 {data['prompt_set']['sha256'][:12]})"))
+    paths = []
+    for which in ("prefill", "decode"):
+        path = t.models[which] / "README.md"
+        text = path.read_text(encoding="utf-8") if path.is_file() else ""
+        lines = [x for x in text.rstrip("\n").split("\n") if not x.startswith(f"- {key} probed on")] if text else []
+        if CARD_HEADING not in lines:
+            lines += ["", CARD_HEADING, "",
+                      "`quantkit probe` against live endpoints (greedy on a fixed prompt set; docs/serving.md):", ""]
+        at = len(lines)
+        for i in range(lines.index(CARD_HEADING) + 1, len(lines)):
+            if lines[i].startswith("## "):
+                at = i
+                break
+        lines.insert(at if at == len(lines) else at - 1, line)
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        paths.append(path)
+    return paths

@@ -1,0 +1,386 @@
+#!/usr/bin/env python
+"""Does calibration pay? RTN, GPTQ, AWQ and llm-compressor's GPTQ on a suite of model classes.
+
+One table per class. Every method quantizes the routed experts from the same calibration token ids;
+quality is the experts' alone: each quantkit output's INT4 experts are spliced into the float32
+dequantized copy of the source that llm-compressor starts from (scripts/bench_convert.py's
+`reference_copy` / `splice_experts`), so every row differs from the reference only in its experts
+(the equivalent of `--decode-rest bf16`, without the BF16 rounding of an FP8 source's attention).
+
+Quality is the per-token KL(reference || run) (quantkit.validation.metrics.token_kl) on held-out
+windows from other documents than the calibration's (corpus seeds >= 2000; calibration uses
+seeds < 1000), and on two off-distribution sets: uniform random token ids, and the same language
+with every window's word order reversed ("reversed"). Differences are paired: per window, the mean
+per-token KL of a minus that of b, then mean and standard error over windows (the windows are the
+independent units; positions inside one are correlated). `z` = difference / SE.
+
+    python scripts/bench_calibration.py                          # every class, ~25 min on 2 cores
+    python scripts/bench_calibration.py --classes tiny-glm,random-glm-fp8
+    python scripts/bench_calibration.py --classes tiny-glm --no-llmc --variant damp0.1:gptq.dampening=0.1
+
+--variant NAME:FIELD=VALUE[,FIELD=VALUE] adds a quantkit GPTQ run with recipe fields changed (an
+experiment, docs/benchmarks.md "Calibration experiments"); METHOD=awq in the list makes it an AWQ run.
+
+Classes (each built once, cached under $QUANTKIT_CACHE/bench-calibration):
+  tiny-glm              the trained tiny GLM 5.2 (FP8 source, DSA), group 128
+  tiny-kimi             the trained tiny Kimi K2.6, requantized to group 128 from its INT4 g32 experts
+  trained-dsv3          transformers' DeepseekV3ForCausalLM trained 300 steps on CPU on a Markov language
+                        unlike the tiny models' (calibrated and evaluated on that language)
+  random-dsv3-outliers  random BF16 DeepSeek-V3 layout, 1/64 of each expert Linear's input columns x4
+  random-glm-fp8        random GLM-MoE-DSA weights stored FP8 (GLM-5.2-FP8's format), DSA active
+
+This is a benchmark that prints tables, not a test: it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_convert as bc  # noqa: E402  (scripts/ is not a package)
+
+EVAL_SEED = 2000  # corpus seeds >= 1000 are never seen by the tiny models' training or calibration
+REVERSED_SEED = 3000
+RANDOM_IDS_SEED = 4000
+
+
+# ---- the model classes -------------------------------------------------------------------------------
+def _outlier_columns(t: dict, frac: float, factor: float, seed: int) -> None:
+    """Scale `frac` of each routed-expert Linear's input columns by `factor`, in place: real expert
+    weights have a few heavy input columns, which set their group's INT4 scale."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    for name, w in t.items():
+        if ".mlp.experts." in name and name.endswith("proj.weight"):
+            cols = torch.randperm(w.shape[1], generator=gen)[: max(1, int(w.shape[1] * frac))]
+            w[:, cols] *= factor
+
+
+def _random_dsv3(folder: Path) -> None:
+    import torch
+
+    from quantkit.checkpoint.shards import CheckpointWriter
+    from quantkit.model.arch import arch_from_config
+    from quantkit.synthetic.tiny import KIMI_TEXT, init_weights, tokenizer_files
+
+    cfg = dict(KIMI_TEXT, num_hidden_layers=3, hidden_size=512, n_routed_experts=16, num_experts_per_tok=4,
+               moe_intermediate_size=256, intermediate_size=768)
+    arch = arch_from_config(cfg)
+    t = init_weights(arch, torch.Generator().manual_seed(0))
+    _outlier_columns(t, 1 / 64, 4.0, seed=1)
+    w = CheckpointWriter(folder, digits=5)
+    for L in [None, *range(arch.num_layers_with_mtp)]:
+        pre = None if L is None else arch.layer_prefix(L)
+        for name in sorted(t):
+            if (L is None and ".layers." in name) or (L is not None and not name.startswith(pre)):
+                continue
+            x = t.pop(name)
+            w.add(name, x.float() if name.endswith("e_score_correction_bias") else x.to(torch.bfloat16))
+        w.flush()
+    w.finish(cfg, extra=tokenizer_files())
+
+
+def _random_glm(folder: Path) -> None:
+    import torch
+
+    from quantkit.model.arch import arch_from_config
+    from quantkit.synthetic.tiny import GLM, init_weights, save_glm
+
+    cfg = dict(GLM, num_hidden_layers=3, hidden_size=256, n_routed_experts=16, num_experts_per_tok=4,
+               moe_intermediate_size=256, intermediate_size=768, num_nextn_predict_layers=0)
+    arch = arch_from_config(cfg)
+    save_glm(init_weights(arch, torch.Generator().manual_seed(0)), arch, cfg, folder)
+
+
+def markov_windows(n: int, seq: int, seed: int, vocab: int = 512):
+    """(n, seq) windows of a language unlike the tiny models': an order-1 Markov chain over ids
+    [6, vocab) whose fixed transition table (4 successors per token, skewed probabilities) is the
+    grammar; each window is a document (BOS, then the chain from a random start), `seed` + i its seed."""
+    import torch
+
+    g = torch.Generator().manual_seed(12345)
+    succ = torch.randint(6, vocab, (vocab, 4), generator=g)
+    probs = torch.tensor([0.55, 0.25, 0.15, 0.05])
+    out = torch.empty(n, seq, dtype=torch.int64)
+    for i in range(n):
+        d = torch.Generator().manual_seed(seed + i)
+        out[i, 0], tok = 1, int(torch.randint(6, vocab, (1,), generator=d))
+        for j in range(1, seq):
+            out[i, j] = tok
+            tok = int(succ[tok, torch.multinomial(probs, 1, generator=d)])
+    return out
+
+
+def _trained_dsv3(folder: Path, steps: int = 300) -> None:
+    """transformers' own DeepseekV3ForCausalLM, trained on CPU on the Markov language (a couple of
+    minutes), saved by save_pretrained (per-expert tensors, BF16)."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from quantkit.synthetic.tiny import tokenizer_files
+
+    torch.manual_seed(0)
+    cfg = DeepseekV3Config(vocab_size=512, hidden_size=128, intermediate_size=384, moe_intermediate_size=128,
+                           num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+                           n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1, n_group=1, topk_group=1,
+                           q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+                           routed_scaling_factor=2.5, norm_topk_prob=True, bos_token_id=1, eos_token_id=2,
+                           pad_token_id=0, tie_word_embeddings=False, num_nextn_predict_layers=0)
+    model = DeepseekV3ForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    data = markov_windows(16 * steps, 64, 100_000)  # training documents: seeds 100000 and up
+    for step in range(steps):
+        ids = data[16 * step: 16 * (step + 1)]
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.to(torch.bfloat16).save_pretrained(folder)
+    for name, text in tokenizer_files().items():
+        (folder / name).write_text(text)
+    (folder / "train-loss.txt").write_text(f"{loss.item():.4f} after {steps} steps\n")
+
+
+CLASSES = {
+    # name: (build into a folder, or a tiny spec; group size; calibration windows x length; corpus)
+    "tiny-glm": ("tiny:glm-5.2", 128, (64, 64), "synthetic"),
+    "tiny-kimi": ("tiny:kimi-k2.6", 128, (64, 64), "synthetic"),
+    "trained-dsv3": (_trained_dsv3, 128, (64, 64), "markov"),
+    "random-dsv3-outliers": (_random_dsv3, 128, (32, 128), "synthetic"),
+    "random-glm-fp8": (_random_glm, 128, (32, 64), "synthetic"),
+}
+
+
+def class_source(name: str) -> Path:
+    """The class's source checkpoint folder, built once (keyed by its builder's source text)."""
+    import inspect
+
+    from quantkit.inputs.modelspec import resolve
+    from quantkit.runtime.files import cache_dir
+    from quantkit.synthetic.tiny import cached_build
+
+    build = CLASSES[name][0]
+    if isinstance(build, str):
+        return Path(resolve(build))
+    text = inspect.getsource(build) + inspect.getsource(markov_windows) + inspect.getsource(_outlier_columns)
+    key = hashlib.sha256(text.encode()).hexdigest()[:10]
+    return cached_build(cache_dir() / "bench-calibration" / f"{name}-{key}", build)
+
+
+def eval_sets(n: int, seq: int, vocab: int, corpus: str = "synthetic") -> dict:
+    """Held-out windows: the calibration's language from other documents, and two other kinds."""
+    import torch
+
+    from quantkit.synthetic.tiny import batches
+
+    make = batches if corpus == "synthetic" else markov_windows
+    rev = make(n // 2, seq, REVERSED_SEED).flip(-1)
+    rand = torch.randint(0, vocab, (n // 2, seq), generator=torch.Generator().manual_seed(RANDOM_IDS_SEED))
+    return {"in-dist": make(n, seq, EVAL_SEED), "reversed": rev, "random-ids": rand}
+
+
+# ---- runs --------------------------------------------------------------------------------------------
+def variant_recipe(base: str, fields: dict, path: Path) -> Path:
+    """A recipe file: `base` (a recipe name) with dotted `fields` replaced."""
+    import yaml
+
+    from quantkit.recipe import load_recipe
+
+    data = load_recipe(base).model_dump(mode="json")
+    for dotted, value in fields.items():
+        *parents, leaf = dotted.split(".")
+        d = data
+        for p in parents:
+            d = d[p]
+        d[leaf] = yaml.safe_load(value)
+    path.write_text(yaml.safe_dump(data))
+    load_recipe(path)  # fails here, naming the field, rather than inside the measured run
+    return path
+
+
+def quantkit_run(src: Path, out: Path, method: str, calib: tuple[int, int], G: int, recipe: Path | str, logs: Path,
+                 env: dict, data: str = "synthetic:train") -> dict:
+    cmd = [sys.executable, "-m", "quantkit.cli", "convert", str(src), "--out", str(out), "--method", method,
+           "--recipe", str(recipe), "--calib", data, "--num-samples", str(calib[0]),
+           "--seq-len", str(calib[1]), "--group-size", str(G), "--decode-rest", "bf16", "--device", "cpu",
+           "--no-validate", "--json"]
+    m = bc.measured(cmd, logs / f"{out.name}.log", env=env)
+    report = json.loads((logs / f"{out.name}.log").read_text())
+    m["experts"] = report["experts"]
+    m["sha256"] = (report["calibration"] or {}).get("sha256")
+    return m
+
+
+def guard_summary(experts: list[dict]) -> dict:
+    """The guard's verdict: on how many calibrated experts the calibrated weights beat RTN on the
+    held-out tokens, and how many are stored calibrated (the rest RTN)."""
+    judged = [e for e in experts if e.get("err") is not None and e.get("err_rtn") is not None]
+    better = sum(1 for e in judged if e["err"] < e["err_rtn"])
+    stored = sum(1 for e in experts if e["method"] in ("gptq", "awq"))
+    rel = [(e["err"] - e["err_rtn"]) / e["err_rtn"] for e in judged if e["err_rtn"] > 0]
+    return {"judged": len(judged), "calibrated_better": better, "stored_calibrated": stored, "total": len(experts),
+            "mean_rel_err_vs_rtn": sum(rel) / len(rel) if rel else None}
+
+
+def window_kl(ref_lp, lp):
+    """Mean per-token KL(ref || run) of each window, (N,) float64."""
+    from quantkit.validation.metrics import token_kl
+
+    return token_kl(ref_lp, lp).mean(-1)
+
+
+def run_class(name: str, args, work: Path, env: dict, say) -> dict:
+    import torch
+
+    from quantkit.checkpoint.shards import Checkpoint
+    from quantkit.inputs.tokens import load_tokens
+    from quantkit.recipe import load_recipe, recipe_overrides
+    from quantkit.validation.metrics import paired
+
+    src = class_source(name)
+    _, G, calib, corpus = CLASSES[name]
+    calib = (args.num_samples or calib[0], args.seq_len or calib[1])
+    ck = Checkpoint(src)
+    arch = ck.arch
+    base = {"glm": "tiny-glm-5.2", "kimi": "tiny-kimi-k2.6"}.get(arch.family, "tiny-glm-5.2")
+    rec = recipe_overrides(load_recipe(base), group_size=G, num_samples=calib[0], seq_len=calib[1],
+                           calib="synthetic:train")
+    wd = work / name
+    logs = wd / "logs"
+    wd.mkdir(parents=True)
+    data = "synthetic:train"
+    if corpus == "markov":  # calibration documents: seeds 0 and up (training: 100000 and up; held out: 2000 and up)
+        import numpy as np
+
+        data = str(wd / "calib.npy")
+        np.save(data, markov_windows(*calib, 0).numpy())
+    runs: dict = {}
+    plan = [("RTN", "rtn", base), ("GPTQ", "gptq", base), ("AWQ", "awq", base)]
+    for spec in args.variant:
+        vname, _, fields = spec.partition(":")
+        kv = dict(f.split("=", 1) for f in fields.split(",") if f)
+        method = kv.pop("METHOD", "gptq")
+        plan.append((vname, method, variant_recipe(base, kv, wd / f"{vname}.yaml")))
+    for key, method, recipe in plan:
+        say(f"{name}: quantkit {key} ...")
+        runs[key] = quantkit_run(src, wd / key, method, calib, G, recipe, logs, env, data)
+    tokens = load_tokens(data, tokenizer=src, num_samples=calib[0], seq_len=calib[1],
+                         seed=rec.calibration.seed)
+    if runs["GPTQ"]["sha256"] != tokens.sha256:
+        raise RuntimeError(f"{name}: calibration ids differ between quantkit and llm-compressor")
+    ref = bc.reference_copy(src, wd / "ref", "float32")
+    if not args.no_llmc:
+        torch.save(tokens.ids, wd / "calib-ids.pt")
+        for key, all_experts in (("llmc", True), ("llmc-routed", False)):
+            say(f"{name}: llm-compressor {key} ...")
+            spec = {"model": str(ref), "out": str(wd / key), "ids": str(wd / "calib-ids.pt"), "group_size": G,
+                    "block_size": rec.gptq.block_size, "dampening": rec.gptq.dampening, "actorder": rec.gptq.actorder,
+                    "dtype": "float32", "all_experts": all_experts}
+            runs[key] = bc.measured([sys.executable, str(Path(bc.__file__)), "_llmc", json.dumps(spec)],
+                                    logs / f"{key}.log", env=env)
+    say(f"{name}: quality ...")
+    sets = eval_sets(args.eval_samples, args.eval_seq_len, arch.vocab_size, corpus)
+    folders = {k: (wd / k if k.startswith("llmc") else bc.splice_experts(ref, wd / k / "decode", wd / f"{k}-spliced"))
+               for k in runs}
+    kl = {s: {} for s in sets}
+    for s, ids in sets.items():
+        ref_lp = bc.log_probs(ref, ids)
+        for k, f in folders.items():
+            kl[s][k] = window_kl(ref_lp, bc.log_probs(f, ids))
+    table = {}
+    for k, m in runs.items():
+        row = {"wall_s": m["wall_s"], "cpu_s": m["cpu_s"], "peak_rss_bytes": m["peak_rss_bytes"]}
+        for s in sets:
+            row[s] = {"kl": kl[s][k].mean().item(), "vs_rtn": vars(paired(kl[s][k], kl[s]["RTN"]))}
+            if "llmc" in kl[s]:
+                row[s]["vs_llmc"] = vars(paired(kl[s][k], kl[s]["llmc"]))
+        if "experts" in m:
+            row["guard"] = guard_summary(m["experts"])
+        table[k] = row
+    return {"class": name, "source": str(src), "model_type": arch.model_type, "group_size": G,
+            "calibration": f"{'synthetic:train' if corpus == 'synthetic' else 'markov'} {calib[0]}x{calib[1]}",
+            "eval": {s: list(ids.shape) for s, ids in sets.items()}, "rows": table}
+
+
+# ---- table -------------------------------------------------------------------------------------------
+def _d(p: dict | None) -> str:
+    if not p:
+        return ""
+    z = p["mean"] / p["se"] if p["se"] and p["se"] != float("inf") else 0.0
+    return f"{p['mean']:+.2e}±{p['se']:.1e} ({z:+.1f})"
+
+
+def render(res: dict) -> str:
+    rows = res["rows"]
+    sets = list(res["eval"])
+    lines = [f"class {res['class']} ({res['model_type']}); calibration {res['calibration']}; INT4 g{res['group_size']}; "
+             f"held-out " + ", ".join(f"{s} {'x'.join(map(str, v))}" for s, v in res["eval"].items())]
+    hdr = f"{'run':<12} {'wall s':>6} {'RSS MB':>6}  {'KL in-dist':>10} {'vs RTN (z)':>24} {'vs llmc (z)':>24}"
+    hdr += "".join(f"  {'KL ' + s:>14} {'vs RTN (z)':>24}" for s in sets[1:]) + "  guard: better/judged, stored"
+    lines += [hdr, "-" * len(hdr)]
+    for k, r in rows.items():
+        line = f"{k:<12} {r['wall_s']:6.1f} {r['peak_rss_bytes'] / 2**20:6.0f}  {r[sets[0]]['kl']:10.3e} "
+        line += f"{_d(r[sets[0]]['vs_rtn']) if k != 'RTN' else '':>24} {_d(r[sets[0]].get('vs_llmc')) if k != 'llmc' else '':>24}"
+        for s in sets[1:]:
+            line += f"  {r[s]['kl']:14.3e} {_d(r[s]['vs_rtn']) if k != 'RTN' else '':>24}"
+        g = r.get("guard")
+        if g and g["judged"]:
+            agree = (g["calibrated_better"] * 2 > g["judged"]) == (r[sets[0]]["vs_rtn"]["mean"] < 0)
+            line += (f"  {g['calibrated_better']}/{g['judged']}, {g['stored_calibrated']}/{g['total']}"
+                     f" ({'agrees' if agree else 'DISAGREES'} with KL)")
+        lines.append(line)
+    if "llmc" in rows:
+        lines.append(f"wall GPTQ / llmc {rows['GPTQ']['wall_s'] / rows['llmc']['wall_s']:.2f} (target <= 0.5)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--classes", default=",".join(CLASSES), help="comma-separated: " + ", ".join(CLASSES))
+    ap.add_argument("--num-samples", type=int, default=None, help="calibration windows (default: the class's)")
+    ap.add_argument("--seq-len", type=int, default=None, help="calibration window length (default: the class's)")
+    ap.add_argument("--eval-samples", type=int, default=64, help="in-distribution held-out windows (half as many off)")
+    ap.add_argument("--eval-seq-len", type=int, default=64)
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE,...")
+    ap.add_argument("--no-llmc", action="store_true", help="skip llm-compressor (experiments)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=None, help="work folder, kept (results.json, logs)")
+    args = ap.parse_args(argv)
+    names = [c for c in args.classes.split(",") if c]
+    bad = [c for c in names if c not in CLASSES]
+    if bad:
+        ap.error(f"--classes: unknown {', '.join(bad)}; choose from {', '.join(CLASSES)}")
+    if args.out and args.out.exists() and any(args.out.iterdir()):
+        ap.error(f"--out {args.out}: not empty")
+    import torch
+
+    work = args.out or Path(tempfile.mkdtemp(prefix="quantkit-calib-"))
+    work.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(args.threads),
+               MKL_NUM_THREADS=str(args.threads))
+    torch.set_num_threads(args.threads)
+
+    def say(*a):
+        print(*a, file=sys.stderr, flush=True)
+
+    results = []
+    for name in names:
+        res = run_class(name, args, work, env, say)
+        results.append(res)
+        print(render(res) + "\n", flush=True)
+        (work / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    if args.out is None:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""scripts/bench_calibration.py: the pieces its verdicts rest on (fast). The whole suite takes
+tens of minutes and is run by hand (docs/benchmarks.md, "Calibration on a suite of model classes")."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("bench_calibration", ROOT / "scripts" / "bench_calibration.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_outlier_columns_scale_one_in_64_input_columns(bench):
+    w = torch.ones(8, 256)
+    t = {"model.layers.1.mlp.experts.0.up_proj.weight": w.clone(), "model.layers.1.self_attn.o_proj.weight": w.clone()}
+    bench._outlier_columns(t, 1 / 64, 4.0, seed=0)
+    e = t["model.layers.1.mlp.experts.0.up_proj.weight"]
+    assert int((e[0] == 4).sum()) == 4 and bool((e == e[0]).all())  # whole columns, 256 / 64 of them
+    assert bool((t["model.layers.1.self_attn.o_proj.weight"] == 1).all())  # experts only
+
+
+def test_guard_summary_counts_the_verdicts(bench):
+    experts = [{"method": "gptq", "err": 1.0, "err_rtn": 2.0}, {"method": "rtn", "err": 3.0, "err_rtn": 2.0, "guard": "rtn"},
+               {"method": "rtn", "err": None, "err_rtn": None}]  # an MTP expert: RTN, never judged
+    g = bench.guard_summary(experts)
+    assert (g["judged"], g["calibrated_better"], g["stored_calibrated"], g["total"]) == (2, 1, 1, 3)
+    assert g["mean_rel_err_vs_rtn"] == pytest.approx((-0.5 + 0.5) / 2)
+
+
+def test_eval_sets_are_other_documents_and_other_kinds(bench):
+    from quantkit.synthetic.tiny import batches
+
+    sets = bench.eval_sets(4, 16, 512)
+    calib = batches(64, 16, 0)
+    assert not any(bool((w == c).all()) for w in sets["in-dist"] for c in calib)
+    assert sets["random-ids"].shape == (2, 16) and int(sets["random-ids"].max()) < 512
+    assert torch.equal(sets["reversed"], batches(2, 16, bench.REVERSED_SEED).flip(-1))
+
+
+def test_variant_recipe_changes_only_the_named_field(bench, tmp_path):
+    from quantkit.recipe import load_recipe
+
+    p = bench.variant_recipe("tiny-glm-5.2", {"gptq.dampening": "0.1"}, tmp_path / "v.yaml")
+    r, base = load_recipe(p), load_recipe("tiny-glm-5.2")
+    assert r.gptq.dampening == 0.1 and r.gptq.block_size == base.gptq.block_size and r.method == base.method
