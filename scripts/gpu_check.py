@@ -52,7 +52,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ABSENT = ("compressed_tensors", "llmcompressor", "datasets")  # declared by quantkit; this run must not need them
+# declared by quantkit (lm_eval: the `eval` extra, for validate --tasks) and not on the GPU machine: this run must not need them
+ABSENT = ("compressed_tensors", "llmcompressor", "datasets", "lm_eval")
 
 SIZES = {
     # GLM 5.2's real expert width for the GPTQ study (quantkit/model/presets/glm-5.2.json)
@@ -108,6 +109,10 @@ class PhaseTimer:
         self.calls: dict[str, int] = {}
         self.stack: list[list] = []  # [phase, started]
         self.main = threading.main_thread().ident
+        self.patched: list[str] = []
+        self.missing: list[str] = []
+        self.bound: set[str] = set()
+        self.wanted: set[str] = set()
 
     def _now(self) -> float:
         if self.cuda:
@@ -138,47 +143,61 @@ class PhaseTimer:
 
         return timed
 
-    def patch(self, owner, name: str, phase: str) -> None:
-        setattr(owner, name, self.wrap(phase, getattr(owner, name)))
+    def patch(self, phase: str, *places: str) -> None:
+        """Time `phase` at every binding a caller goes through ("module:attr" or "module:Class.attr");
+        the ones that do not exist in this version of quantkit are recorded, never fatal."""
+        import importlib
+
+        self.wanted.add(phase)
+        for place in places:
+            module, _, attr = place.partition(":")
+            *owner_path, name = attr.split(".")
+            try:
+                owner = importlib.import_module(module)
+                for part in owner_path:
+                    owner = getattr(owner, part)
+                fn = getattr(owner, name)
+            except (ImportError, AttributeError):
+                self.missing.append(place)
+                continue
+            setattr(owner, name, self.wrap(phase, fn))
+            self.patched.append(place)
+            self.bound.add(phase)
 
     def result(self, total: float) -> dict:
         s = {k: round(v, 3) for k, v in sorted(self.seconds.items())}
         s["other"] = round(total - sum(self.seconds.values()), 3)
-        return {"seconds": s, "calls": dict(sorted(self.calls.items()))}
+        return {"seconds": s, "calls": dict(sorted(self.calls.items())), "timed_at": self.patched, "not_found": self.missing,
+                "untimed": sorted(self.wanted - self.bound)}  # a phase none of whose bindings exists (in `other`)
 
 
-def convert_timers(device: str) -> PhaseTimer:
-    """Timers around convert's phases, by patching the module attributes it calls through."""
-    import quantkit.quant.experts as experts
-    from quantkit.checkpoint import shards
-    from quantkit.conversion import layerpass, pipeline, stages
-    from quantkit.formats import fp8, int4
+# Where convert's and validate's phases are called from. A function imported by name is called
+# through the importer's binding, so each is listed where the current layout calls it and where
+# the layout before the conversion/validation split (quantkit 0.1, 2026-11) did.
+CONVERT_PHASES = {
+    "attention": ["quantkit.conversion.stages:attention_pass", "quantkit.conversion.pipeline:attention_pass"],
+    "hessians": ["quantkit.conversion.layerpass:expert_hessians"],
+    "gptq": ["quantkit.conversion.layerpass:run_gptq"],
+    "guard": ["quantkit.quant.experts:guard_against_rtn"],  # imported inside layerpass.gptq_experts at each call
+    "experts_out": ["quantkit.conversion.layerpass:add_expert_outputs"],
+    "fp8": ["quantkit.formats.fp8:quantize"],
+    "pack": ["quantkit.formats.int4:store"],
+    "finish": ["quantkit.conversion.pipeline:finish_pair", "quantkit.checkpoint.finish:finish_pair"],
+    "read": ["quantkit.checkpoint.shards:Checkpoint.get", "quantkit.checkpoint.shards:Checkpoint.raw"],
+    "write": ["quantkit.checkpoint.shards:CheckpointWriter.flush", "quantkit.checkpoint.shards:CheckpointWriter.drain"],
+}
+VALIDATE_PHASES = {
+    "tokens": ["quantkit.inputs.tokens:load_tokens"],  # imported inside validate at each call
+    "forward": ["quantkit.validation.pipeline:measure"],
+    "write_files": ["quantkit.validation.pipeline:write_files", "quantkit.validation.pipeline:_write"],
+    "gates": ["quantkit.validation.pipeline:check_gates"],
+}
 
+
+def timers(device: str, phases: dict[str, list[str]]) -> PhaseTimer:
     t = PhaseTimer(device)
-    t.patch(stages, "attention_pass", "attention")
-    t.patch(layerpass, "expert_hessians", "hessians")
-    t.patch(layerpass, "run_gptq", "gptq")
-    t.patch(experts, "guard_against_rtn", "guard")  # imported inside layerpass.gptq_experts at each call
-    t.patch(layerpass, "add_expert_outputs", "experts_out")
-    t.patch(fp8, "quantize", "fp8")
-    t.patch(int4, "store", "pack")
-    t.patch(pipeline, "finish_pair", "finish")
-    for name in ("get", "raw"):
-        t.patch(shards.Checkpoint, name, "read")
-    for name in ("flush", "drain"):
-        t.patch(shards.CheckpointWriter, name, "write")
-    return t
-
-
-def validate_timers(device: str) -> PhaseTimer:
-    from quantkit.inputs import tokens
-    from quantkit.validation import pipeline
-
-    t = PhaseTimer(device)
-    t.patch(tokens, "load_tokens", "tokens")  # imported inside validate at each call
-    t.patch(pipeline, "measure", "forward")
-    t.patch(pipeline, "write_files", "write_files")
-    t.patch(pipeline, "check_gates", "gates")
+    for phase, places in phases.items():
+        t.patch(phase, *places)
     return t
 
 
@@ -243,7 +262,7 @@ def step_convert(a) -> dict:
     import shutil
 
     shutil.rmtree(out, ignore_errors=True)
-    timers = convert_timers(device)
+    timer = timers(device, CONVERT_PHASES)
     t0 = time.time()
     result = pipeline.convert(a.model, out, recipe=str(recipe_path(a)), device=device, validate=False, progress=False,
                               max_host_memory=a.host_budget)
@@ -253,7 +272,7 @@ def step_convert(a) -> dict:
     cost = report["cost"]
     planned = _plan(a, device, a.host_budget)
     return {"model": a.model, "device": device, "out": str(out), "seconds": round(total, 2), "threads": torch.get_num_threads(),
-            "phases": timers.result(total), "peak_rss": peak_rss(), **device_memory(device),
+            "phases": timer.result(total), "peak_rss": peak_rss(), **device_memory(device),
             "layers": report["layers"], "experts_summary": report["experts_summary"],
             "predicted_by_convert": {"seconds": cost["seconds"], "seconds_total": cost["seconds_total"],
                                      "peak_host": cost["peak_host"], "peak_device": cost["peak_device"],
@@ -272,7 +291,7 @@ def step_validate(a) -> dict:
     from quantkit.validation import pipeline
 
     out = Path(a.work) / "outputs" / f"{tag(a.model)}-device"
-    timers = validate_timers(a.device)
+    timer = timers(a.device, VALIDATE_PHASES)
     t0 = time.time()
     res = pipeline.validate(out, device=a.device, progress=False, max_host_memory=a.host_budget)
     total = time.time() - t0
@@ -280,7 +299,7 @@ def step_validate(a) -> dict:
     planned = _plan(a, a.device, a.host_budget)
     rows = {k: {m: v["metrics"].get(m) for m in ("kl", "top1", "layer_rel_err")} for k, v in res.data["rows"].items()}
     return {"model": a.model, "device": a.device, "seconds": round(total, 2), "threads": torch.get_num_threads(),
-            "phases": timers.result(total), "peak_rss": peak_rss(), **device_memory(a.device),
+            "phases": timer.result(total), "peak_rss": peak_rss(), **device_memory(a.device),
             "gates_passed": res.passed, "rows": rows, "weights": res.data.get("weights"),
             "predicted_by_plan": {"seconds": planned.validate_seconds, "share": planned.validate_share,
                                   "kept": planned.validate_kept},
