@@ -24,11 +24,11 @@ from quantkit.probe.pipeline import probe
 from quantkit.probe.reference import Continuation
 
 # Three prompts (a plain completion, two chats), 6 tokens: the shipped set's shape, small enough for the
-# shared CPU. The chats were picked because the tiny GLM's source and its RTN INT4 decode part at their
-# 4th and 5th greedy token (transformers' own models): late enough that the first tokens are confident,
-# not near-ties that any two implementations could flip.
+# shared CPU, and short enough (prompt + max_tokens <= the tiny GLM's index_topk, 16) that DSA attends to
+# every token: past index_topk the indexer's exact ties are broken however each implementation's top-k
+# breaks them, so two correct forwards can part there (quantkit.probe.pipeline._dsa_warnings).
 PROMPTS = {"name": "test", "max_tokens": 6, "top_logprobs": 5, "prompts": [
-    {"id": "recall", "kind": "completion", "prompt": "remember ada has a fox . the calm dog sees a bird . what does ada have ?"},
+    {"id": "recall", "kind": "completion", "prompt": "ada has a fox . what does ada have ?"},
     {"id": "chat-cat", "kind": "chat", "messages": [{"role": "user", "content": "the quick cat chases the"}]},
     {"id": "chat-owl", "kind": "chat", "messages": [{"role": "user", "content": "the dark owl helps"}]}]}
 
@@ -82,17 +82,68 @@ class TransformersServe:
         self.log.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "measured: transformers serve on the tiny GLM source continues the recorded prompts differently from "
-    "quantkit's source forward (greedy agreement 0.72 over 3 prompts x 6 tokens), so no candidate reaches "
-    "--min-agree 0.9; not yet explained (suspect: transformers' CPU handling of the source's FP8 blocks, "
-    "see tests/test_convert.py). The logprobs path below is the working check."))
+def _fp32_copy(folder: Path, dst: Path) -> Path:
+    """`folder` as a plain fp32 checkpoint: its weights dequantized by the oracle (tests/oracle.py:
+    compressed-tensors' own INT4 unpacking, the 128x128 FP8 block formula), quantization_config dropped,
+    tokenizer and generation config kept. transformers' CPU paths do not compute the stored checkpoints
+    as the engines do: FP8 blocks are dequantized with a block inferred from the scale grid (wrong for
+    the 160-row kv_a_proj_with_mqa: test_transformers_cpu_fp8_reads_partial_blocks_wrong below), and
+    compressed-tensors FP8 layers fake-quantize activations (W8A8), which quantkit's weight-only
+    candidates do not model; either moves greedy tokens on the tiny GLM as much as INT4 does."""
+    from oracle import dequantized_state_dict
+    from safetensors.torch import save_file
+
+    dst.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+        if (folder / name).is_file():
+            (dst / name).write_bytes((folder / name).read_bytes())
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.pop("quantization_config", None)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    save_file(dequantized_state_dict(folder), str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def _parting_prompts(out: Path, source: Path, tmp: Path, max_tokens: int = 4, want: int = 2) -> Path:
+    """A prompt set on which quantkit's source and decode references part at the first generated token:
+    held-out text windows (corpus seed 5000, never trained on) teacher-forced through both, cut where
+    their greedy tokens differ (widest margin first), short enough to stay dense under DSA. Chosen on
+    this machine with quantkit's forward; the servers that must then be told apart are transformers'."""
+    from transformers import AutoTokenizer
+
+    from quantkit.synthetic.tiny import corpus
+    from quantkit.validation.forward import logits
+
+    tok = AutoTokenizer.from_pretrained(str(out / "decode"))
+    words, n = corpus(3000, seed=5000).split(), 16 - max_tokens
+    windows = [words[i * n:(i + 1) * n] for i in range(256)]
+    ids = torch.tensor([tok.encode(" ".join(w))[:n] for w in windows])  # (256, n)
+    ls = torch.log_softmax(logits(source, ids, device="cpu").float(), -1)  # (256, n, V)
+    ld = torch.log_softmax(logits(out / "decode", ids, device="cpu").float(), -1)
+    a, b = ls.argmax(-1), ld.argmax(-1)
+    parts = []
+    for s, j in (a[:, 3:] != b[:, 3:]).nonzero().tolist():
+        j += 3
+        margin = min(ls[s, j, a[s, j]] - ls[s, j, b[s, j]], ld[s, j, b[s, j]] - ld[s, j, a[s, j]])
+        text = " ".join(windows[s][:j + 1])
+        if tok.encode(text) == ids[s, :j + 1].tolist():
+            parts.append((float(margin), s, text))
+    parts = sorted(parts, reverse=True)[:want]
+    assert parts and parts[-1][0] > 1e-3, f"no prompt parts source from decode with a margin here: {parts}"
+    prompts = [{"id": f"part-{s}", "kind": "completion", "prompt": text} for _, s, text in parts]
+    prompts.append({"id": "chat-owl", "kind": "chat", "messages": [{"role": "user", "content": "the dark owl helps"}]})
+    path = tmp / "parting.json"
+    path.write_text(json.dumps({"name": "parting", "max_tokens": max_tokens, "top_logprobs": 5, "prompts": prompts}))
+    return path
+
+
 def test_transformers_serve_source_and_decode_are_told_apart(pair, tmp_path):
-    out, prompts, source = pair
+    out, _, source = pair
+    prompts = _parting_prompts(out, source, tmp_path)
     kw = dict(prompts=prompts, kv_cache_dtype="bf16", device="cpu", concurrency=2)
-    with TransformersServe(source, tmp_path) as srv:
+    with TransformersServe(_fp32_copy(source, tmp_path / "source"), tmp_path) as srv:
         r_src = probe(srv.url, out, model=srv.folder, **kw).data
-    with TransformersServe(out / "decode", tmp_path) as srv:
+    with TransformersServe(_fp32_copy(out / "decode", tmp_path / "decode"), tmp_path) as srv:
         r_dec = probe(srv.url, out, model=srv.folder, **kw).data
     assert not r_src["logprobs"] and not r_dec["logprobs"]  # transformers serve ignores `logprobs`
     assert r_src["verdict"]["match"] == "source", r_src["verdict"]
@@ -101,6 +152,28 @@ def test_transformers_serve_source_and_decode_are_told_apart(pair, tmp_path):
     assert r_dec["candidates"]["decode"]["prompts_exact"] == 3
     assert r_src["verdict"]["line"] != r_dec["verdict"]["line"]
     assert r_src["candidates"]["decode"]["greedy_agree"] < 1 and r_dec["candidates"]["source"]["greedy_agree"] < 1
+    assert not r_src["warnings"], r_src["warnings"]  # dense under DSA: no tie-breaking caveat
+
+
+def test_transformers_cpu_fp8_reads_partial_blocks_wrong(tiny_glm):
+    """Why the serve test above serves fp32 copies: transformers (5.17) dequantizes FP8 on CPU with the
+    block inferred from the scale grid (rows // grid rows), so the tiny GLM's 160-row kv_a_proj_with_mqa
+    (grid 2 x 2) is read with 80-row blocks: rows 80-127 take the second block's scale. If this fails,
+    transformers reads partial blocks right: serve the FP8 source itself there."""
+    from oracle import dequantize_fp8_blocks
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    index = json.loads((tiny_glm / "model.safetensors.index.json").read_text())["weight_map"]
+    with safe_open(str(tiny_glm / index[name]), framework="pt") as f:
+        q, s = f.get_tensor(name), f.get_tensor(name + "_scale_inv")
+    assert q.shape[0] == 160 and s.shape[0] == 2
+    ours = dequantize_fp8_blocks(q, s)
+    model = AutoModelForCausalLM.from_pretrained(tiny_glm, dtype=torch.float32)
+    theirs = model.model.layers[0].self_attn.kv_a_proj_with_mqa.weight.detach().float()
+    assert torch.equal(theirs[:80], ours[:80]) and torch.equal(theirs[128:], ours[128:])
+    assert not torch.allclose(theirs[80:128], ours[80:128])
 
 
 # ---- (b) the logprobs path: a loopback server running transformers' own model classes -------------------
@@ -116,7 +189,19 @@ def _hf_model(folder: Path):
     return model.eval(), AutoTokenizer.from_pretrained(folder)
 
 
-class LogprobServer:
+class Loopback:
+    """A ThreadingHTTPServer on 127.0.0.1 (self.httpd), served from a thread while in `with`."""
+
+    def __enter__(self):
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class LogprobServer(Loopback):
     """OpenAI-format /v1/completions and /v1/chat/completions with top_logprobs, greedy, from a transformers model."""
 
     def __init__(self, folder: Path, name: str = "tiny-decode"):
@@ -179,13 +264,6 @@ class LogprobServer:
         return {"object": "chat.completion" if chat else "text_completion", "model": self.name, "choices": [choice],
                 "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out)}}
 
-    def __enter__(self):
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 def test_logprobs_path_names_decode_with_topk_kl(pair, tmp_path):
@@ -206,6 +284,14 @@ def test_logprobs_path_names_decode_with_topk_kl(pair, tmp_path):
     card = (out / "decode" / "README.md").read_text()
     assert f"endpoint {srv.url} (model tiny-decode) probed on {d['date']}: consistent with decode/ INT4" in card
     assert "## Endpoint probes" in (out / "prefill" / "README.md").read_text()
+    # validate rewrites both cards from its JSON; the probe's record is carried over
+    from quantkit.validation.pipeline import validate
+
+    validate(out, num_samples=2, seq_len=16, gen_tokens=2, device="cpu", progress=False)
+    for which in ("prefill", "decode"):
+        card = (out / which / "README.md").read_text()
+        assert "## Precision per tensor class" in card, which
+        assert f"endpoint {srv.url} (model tiny-decode) probed on {d['date']}: consistent with decode/ INT4" in card, which
 
 
 # ---- the comparison, on numbers worked by hand ---------------------------------------------------------
@@ -226,7 +312,7 @@ def _cli(*args, env=None) -> subprocess.CompletedProcess:
                           timeout=120, env=dict(os.environ, **(env or {})))
 
 
-class Canned:
+class Canned(Loopback):
     """A loopback server answering every request with the same status and body."""
 
     def __init__(self, status: int, body: bytes):
@@ -247,13 +333,6 @@ class Canned:
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
 
-    def __enter__(self):
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 def _one_line_error(r: subprocess.CompletedProcess, *words: str) -> None:
@@ -325,3 +404,15 @@ def test_api_key_comes_from_the_named_variable(monkeypatch):
         httpd.shutdown()
         httpd.server_close()
     assert seen == ["Bearer sk-test"]
+
+
+def test_dsa_prompts_past_index_topk_are_warned():
+    from types import SimpleNamespace
+
+    from quantkit.probe.pipeline import _dsa_warnings
+    from quantkit.probe.prompts import Prompt, PromptSet
+
+    ps = PromptSet("t", "0" * 64, 6, 5, [Prompt("short", "completion", "a", [1] * 10), Prompt("long", "completion", "b", [1] * 11)])
+    w = _dsa_warnings(SimpleNamespace(has_dsa=True, index_topk=16), ps)
+    assert len(w) == 1 and w[0].startswith("prompts long:") and "index_topk (16)" in w[0]
+    assert _dsa_warnings(SimpleNamespace(has_dsa=False, index_topk=0), ps) == []

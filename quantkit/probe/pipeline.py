@@ -14,8 +14,7 @@ from quantkit.probe.client import Endpoint, ProbeError, Reply
 from quantkit.probe.compare import Observed, score, verdict
 from quantkit.probe.prompts import PromptSet, load_prompt_set
 from quantkit.probe.reference import candidates, greedy, keep_resident
-
-CARD_HEADING = "## Endpoint probes"
+from quantkit.validation.card import PROBES_HEADING as CARD_HEADING
 
 
 @dataclass
@@ -60,7 +59,7 @@ def probe(url: str, pair: str | Path, *, model: str | None = None, api_key_env: 
                 f"{len(p.ids)}: the endpoint tokenizes differently (another tokenizer or chat template)"
                 for p, r in zip(ps.prompts, replies) if r.prompt_tokens is not None and r.prompt_tokens != len(p.ids)]
     data = _compare(t, ps, observed, tok_dir, kv_cache_dtype, min_agree, device)
-    data.update(endpoint=ep.url, model=ep.model, date=_dt.date.today().isoformat(), warnings=warnings,
+    data.update(endpoint=ep.url, model=ep.model, date=_dt.date.today().isoformat(), warnings=warnings + data["warnings"],
                 logprobs=any(o.top for o in observed),
                 replies=[{"id": p.id, "text": r.text, "finish_reason": r.finish_reason, "tokens": o.tokens}
                          for p, r, o in zip(ps.prompts, replies, observed)])
@@ -101,7 +100,8 @@ def _compare(t, ps: PromptSet, observed: list[Observed], tok_dir, kv_cache_dtype
     ckpts = {"reference": open_checkpoint(t.reference_source)} | {m: Checkpoint(p) for m, p in t.models.items() if m != "model"}
     if "model" in t.models:  # one checkpoint folder: it is the only candidate, as "source"
         ckpts = {"reference": Checkpoint(t.models["model"])}
-    cands = candidates(t.pair, ckpts["reference"].arch.has_dsa, kv_cache_dtype)
+    arch = ckpts["reference"].arch
+    cands = candidates(t.pair, arch.has_dsa, kv_cache_dtype)
     wanted = [[set(o.top[k]) | ({o.tokens[k]} if k < len(o.tokens) else set()) for k in range(len(o.top))] if o.top
               else [{x} for x in o.tokens] for o in observed]
     dev = resolve_device(device)
@@ -110,9 +110,21 @@ def _compare(t, ps: PromptSet, observed: list[Observed], tok_dir, kv_cache_dtype
     scores = {c.key: dict(label=c.label, **score(observed, conts[c.key])) for c in cands}
     for c in cands:
         scores[c.key]["reference_tokens"] = [x.tokens for x in conts[c.key]]
-    return {"pair": str(t.out), "prompt_set": {"name": ps.name, "sha256": ps.sha256, "prompts": len(ps.prompts),
+    return {"pair": str(t.out), "warnings": _dsa_warnings(arch, ps), "prompt_set": {"name": ps.name, "sha256": ps.sha256, "prompts": len(ps.prompts),
                                                "max_tokens": ps.max_tokens, "top_logprobs": ps.top_logprobs},
             "candidates": scores, "verdict": verdict(scores, {c.key: c.label for c in cands}, min_agree)}
+
+
+def _dsa_warnings(arch, ps: PromptSet) -> list[str]:
+    """Past `index_topk` tokens a DSA model attends to the indexer's top-k only, and the indexer's exact
+    ties (ReLU zeros) are broken however each implementation's top-k breaks them (quantkit: earliest
+    first; torch.topk: unspecified): tokens generated there can differ between two correct engines."""
+    if not arch.has_dsa:
+        return []
+    long = [p.id for p in ps.prompts if len(p.ids) + ps.max_tokens > arch.index_topk]
+    return [f"prompts {', '.join(long)}: prompt + max_tokens exceed the DSA index_topk ({arch.index_topk}); "
+            "from there the sparse selection's ties are implementation-defined, so disagreement past that point "
+            "is weaker evidence"] if long else []
 
 
 # ---- tokens ------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ ROLE = {
 
 
 LICENSE_KEYS = ("license", "license_name", "license_link")
+PROBES_HEADING = "## Endpoint probes"  # written by `quantkit probe --write-card`; kept when validate rewrites a card
 
 
 def write_cards(out: str | Path, report: dict, validation: dict) -> dict[str, Path]:
@@ -47,11 +48,24 @@ def cards(out: str | Path, report: dict, validation: dict) -> dict[str, tuple[Pa
     texts = {}
     for which in ("prefill", "decode"):
         path = out / report["outputs"][which]["path"] / "README.md"
-        license = _license_fields(path.read_text(encoding="utf-8", errors="replace")) if path.is_file() else {}
+        old = path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
         config = out / report["outputs"]["decode"]["path"] / "config.json"
         decode_config = json.loads(config.read_text()) if config.is_file() else None
-        texts[which] = (path, render_card(which, report, validation, license=license, decode_config=decode_config))
+        text = render_card(which, report, validation, license=_license_fields(old), decode_config=decode_config)
+        kept = probes_section(old)
+        texts[which] = (path, text.rstrip("\n") + "\n\n" + "\n".join(kept) + "\n" if kept else text)
     return texts
+
+
+def probes_section(text: str) -> list[str]:
+    """The card's "Endpoint probes" section (heading to the next `## ` heading), or []: a probe's
+    record is not in convert-report.json or validation.json, so a rewritten card carries it over."""
+    lines = text.rstrip("\n").split("\n")
+    if PROBES_HEADING not in lines:
+        return []
+    start = lines.index(PROBES_HEADING)
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return lines[start:end]
 
 
 def _license_fields(text: str) -> dict[str, str]:
