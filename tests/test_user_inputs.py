@@ -111,3 +111,22 @@ def test_a_partly_held_mtp_layer_is_still_refused(saved, tmp_path):
     with pytest.raises(CheckpointError, match=r"layers\.3\..*required tensor is missing") as e:
         Checkpoint(folder)
     assert "\n" not in str(e.value)
+
+
+def test_expert_width_not_a_multiple_of_the_group_is_refused_before_work(tmp_path):
+    """A model whose experts' input columns (down_proj's: moe_intermediate_size 96) do not split into
+    INT4 groups of 128 is refused before the first layer, in one line naming the file, the tensor and a
+    group size that works; not a GPTQ traceback at that layer."""
+    from conftest import small_config, write_random
+
+    folder, _ = write_random(tmp_path / "src", small_config("deepseek_v3", moe_intermediate_size=96))
+    r = runner.invoke(app, ["convert", str(folder), "--out", str(tmp_path / "out"), "--method", "rtn", "--group-size", "128"])
+    assert r.exit_code != 0
+    lines = [x for x in r.output.strip().splitlines() if x.strip()]
+    assert len(lines) == 1, r.output
+    assert "down_proj.weight has 96 input columns, not a multiple of the INT4 group size 128" in lines[0]
+    assert ".safetensors:" in lines[0] and "--group-size 32" in lines[0]
+    assert not (tmp_path / "out").exists()
+    r = runner.invoke(app, ["convert", str(folder), "--out", str(tmp_path / "ok"), "--method", "rtn", "--group-size", "32",
+                            "--no-validate"])
+    assert r.exit_code == 0, r.output

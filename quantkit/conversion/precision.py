@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass
 
 from quantkit.checkpoint.shards import Checkpoint, Stored
+from quantkit.errors import ConfigError
 from quantkit.formats import fp8, int4
 from quantkit.model.arch import ModelArch
 from quantkit.model.tensors import TensorClass
@@ -303,7 +304,23 @@ def decide_all(ckpt: Checkpoint, rec) -> dict[str, Decision]:
     """Every tensor's storage in both outputs under `rec`: what convert does, and what
     `plan --convert` sizes (one call, so the plan is the engine's own accounting)."""
     source_group = source_int4_group(ckpt.arch)
-    return {n: decide(st, rec, rec.group_size, source_group) for n, st in ckpt.tensors.items()}
+    decisions = {n: decide(st, rec, rec.group_size, source_group) for n, st in ckpt.tensors.items()}
+    check_groups(ckpt, decisions, rec.group_size)
+    return decisions
+
+
+def check_groups(ckpt: Checkpoint, decisions: dict[str, Decision], group_size: int) -> None:
+    """Before any work: every expert INT4 quantizes must split its input columns into whole groups
+    (else GPTQ would stop at that layer, hours in). Names the first tensor, its file and the fix."""
+    for n, d in decisions.items():
+        cols = ckpt.tensors[n].shape[-1]
+        if d.decode == INT4 and cols % group_size:
+            st = ckpt.tensors[n]
+            divisors = [g for g in (128, 64, 32, 16) if cols % g == 0]
+            fix = (f"pass --group-size {divisors[0]} (or a recipe whose group_size divides {cols})" if divisors else
+                   f"no INT4 group size of 16-128 divides {cols}; this model's experts cannot be stored as grouped INT4")
+            raise ConfigError(f"{ckpt.folder / ckpt.weight_map[next(iter(st.parts.values()))]}: {n} has {cols} input "
+                              f"columns, not a multiple of the INT4 group size {group_size}; {fix}")
 
 
 def needs_calibration(rec) -> bool:
