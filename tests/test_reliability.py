@@ -615,28 +615,27 @@ def test_disk_full_is_one_line_naming_the_folder_and_resume_completes(src, whole
     assert ok, res.output
 
 
+def _small_tmpfs(tmp_path: Path, name: str, options: str):
+    d = tmp_path / name
+    d.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(d)], capture_output=True).returncode:
+        pytest.skip(f"cannot mount a tmpfs ({options}) on this machine (needs root)")
+    yield d
+    subprocess.run(["umount", str(d)], capture_output=True)
+
+
 @pytest.fixture
 def full_folder(tmp_path):
     """A folder on a 4 KB tmpfs: every write past it fails with ENOSPC. (/dev/full no longer serves:
     safetensors 0.8 writes a temporary file beside the target and renames it, so a save "to"
     /dev/full fills /dev's tmpfs instead and then replaces the device node with a regular file.)"""
-    d = tmp_path / "full"
-    d.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(d)], capture_output=True).returncode:
-        pytest.skip("cannot mount a small tmpfs on this machine (needs root)")
-    yield d
-    subprocess.run(["umount", str(d)], capture_output=True)
+    yield from _small_tmpfs(tmp_path, "full", "size=4k")
 
 
 @pytest.fixture
 def read_only(tmp_path):
     """A read-only filesystem (a tmpfs mounted ro): every write there is OSError 30, EROFS."""
-    d = tmp_path / "ro"
-    d.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=4k", "tmpfs", str(d)], capture_output=True).returncode:
-        pytest.skip("cannot mount a read-only tmpfs on this machine (needs root)")
-    yield d
-    subprocess.run(["umount", str(d)], capture_output=True)
+    yield from _small_tmpfs(tmp_path, "ro", "ro,size=4k")
 
 
 def test_an_out_that_cannot_be_written_is_one_line(src, whole, tmp_path, read_only):
