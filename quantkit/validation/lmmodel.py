@@ -82,10 +82,12 @@ class QuantkitLM(TemplateLM):
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 
     # ---- the forward passes -----------------------------------------------------------------------
-    def _passes(self, seqs: list[list[int]]) -> list[torch.Tensor]:
-        """Log-probabilities (T, V) of every sequence, as few passes over the layers as `batch_bytes` allows."""
+    def _passes(self, seqs: list[list[int]], conts: list[list[int]]) -> list[tuple[float, bool]]:
+        """(sum of log p(cont), cont is greedy) for each sequence whose last len(cont) positions predict
+        `cont`, in as few passes over the layers as `batch_bytes` allows. Reduced on the device right
+        after each pass: only those positions go through the head, nothing (T, V)-sized is kept."""
         order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
-        out: list[torch.Tensor | None] = [None] * len(seqs)
+        out: list[tuple[float, bool] | None] = [None] * len(seqs)
         batch: list[int] = []
         used = 0
         for i in order + [None]:
@@ -99,21 +101,25 @@ class QuantkitLM(TemplateLM):
                 by_len.setdefault(len(seqs[j]), []).append(j)
             streams = [Stream(f"len{n}", "m", None, ids=torch.tensor([seqs[j] for j in js]), kv=self.kv, options=self.options)
                        for n, js in by_len.items()]
-            for s, lp in zip(streams, self._run(streams)):
-                for j, row in zip(by_len[s.ids.shape[1]], lp):
-                    out[j] = row
+            tails = [max(len(conts[j]) for j in js) for js in by_len.values()]
+            for js, logits in zip(by_len.values(), self._run(streams, tails)):
+                for j, row in zip(js, logits):  # row (tail, V)
+                    lp = torch.log_softmax(row[-len(conts[j]):].float(), dim=-1)  # (C, V): the positions that predict cont
+                    target = torch.tensor(conts[j], device=lp.device)
+                    out[j] = (float(lp.gather(-1, target[:, None]).sum()), bool((lp.argmax(-1) == target).all()))
             batch, used = ([], 0) if i is None else ([i], cost)
         return out
 
-    def _run(self, streams: list[Stream]) -> list[torch.Tensor]:
-        """One pass over the layers for every stream; log-softmax of each one's logits (B, T, V) on the CPU."""
+    def _run(self, streams: list[Stream], tails: list[int]) -> list[torch.Tensor]:
+        """One pass over the layers for every stream; each one's logits at its last `tails[k]` positions,
+        (B, tail, V), left on the device."""
         with torch.no_grad():
             step({"m": self.ckpt}, streams, self._device, self.dtype, chunk=self.chunk)
-            logits = heads(self.ckpt, [s.h for s in streams], self.dtype)
+            logits = heads(self.ckpt, [s.h[:, -t:] for s, t in zip(streams, tails)], self.dtype)
         self.passes += 1
         if self.progress:
             self.progress(self.ckpt.arch.num_hidden_layers)
-        return [torch.log_softmax(x.float(), dim=-1).cpu() for x in logits]
+        return logits
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """(sum of log p(continuation), whether it is the greedy continuation) per request, as lm-eval's HF
@@ -123,13 +129,7 @@ class QuantkitLM(TemplateLM):
         for _, context_enc, continuation_enc in requests:
             seqs.append((context_enc + continuation_enc)[-(self.max_length + 1):][:-1])
             conts.append(continuation_enc)
-        res = []
-        for lp, cont in zip(self._passes(seqs), conts):
-            lp = lp[-len(cont):]  # (C, V): the positions that predict the continuation
-            target = torch.tensor(cont)
-            greedy = bool((lp.argmax(-1) == target).all())
-            res.append((float(lp.gather(-1, target[:, None]).sum()), greedy))
-        return res
+        return self._passes(seqs, conts)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """A whole text's log-likelihood in max_length windows (lm-eval's rolling windows, as its HF model)."""
@@ -174,10 +174,10 @@ class QuantkitLM(TemplateLM):
         gen: list[list[int]] = [[] for _ in contexts]
         live = list(range(len(contexts)))
         while live:
-            lps = self._run([streams[i] for i in live])
+            logits = self._run([streams[i] for i in live], [1] * len(live))
             still = []
-            for i, lp in zip(live, lps):
-                tok = int(lp[0, -1].argmax())
+            for i, lg in zip(live, logits):
+                tok = int(lg[0, -1].argmax())
                 gen[i].append(tok)
                 self.tokens_generated += 1
                 text = self.tok_decode(gen[i])
