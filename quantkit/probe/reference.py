@@ -79,10 +79,10 @@ def greedy(ckpts: dict, cands: list[Candidate], prompts: list[list[int]], max_to
                 break
             step(ckpts, list(live.values()), device, dtype, chunk=chunk)
             for (key, i), s in live.items():
-                lp = torch.log_softmax(heads(ckpts[s.model], [s.h[:, -1:]], dtype)[0][0, -1].float(), -1).cpu()
+                lp = torch.log_softmax(heads(ckpts[s.model], [s.h[:, -1:]], dtype)[0][0, -1].float(), -1)  # (V,), on the device
                 cont, tok = out[key][i], int(lp.argmax())
-                want = wanted[i][k] if k < len(wanted[i]) else set()
-                cont.logprobs.append({t: float(lp[t]) for t in want | {tok} if 0 <= t < lp.numel()})
+                want = sorted(t for t in (wanted[i][k] if k < len(wanted[i]) else set()) | {tok} if 0 <= t < lp.numel())
+                cont.logprobs.append(dict(zip(want, lp[want].tolist())))  # only the ids asked for leave the device
                 if tok in eos:
                     cont.stopped = True
                     continue
