@@ -1,7 +1,7 @@
 """The sample in docs/serving.md section 8: `transformers serve` on 127.0.0.1 serving the tiny GLM's
 source and RTN decode/ (fp32 copies made by the test oracle), then decode/ and the FP8 source as
 stored, each probed with a prompt set on which quantkit's source and decode part (chosen here, as
-tests/test_probe.py chooses it). About 6 minutes on 2 cores.
+tests/probe/test_probe.py chooses it). About 6 minutes on 2 cores.
 
     python scripts/probe_sample.py [--root DIR]
 """
@@ -13,7 +13,7 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests"), str(Path(__file__).resolve().parents[1] / "tests" / "probe")]
 
 
 def main() -> None:

@@ -203,7 +203,7 @@ def fp8_block_group(block: int) -> dict:
 
 
 def decode_quantization_config(ckpt: Checkpoint, decisions: dict[str, Decision], group_size: int, block: int) -> dict:
-    """compressed-tensors config both engines load (checked by running their code, tests/test_serving.py).
+    """compressed-tensors config both engines load (checked by running their code, tests/serving/test_serving.py).
 
     - top-level `format: pack-quantized`: SGLang's W4A16 MoE schemes check the top-level format,
       not the group's (`CompressedTensorsWNA16MoE.__init__`); vLLM and compressed-tensors use each

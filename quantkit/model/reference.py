@@ -4,7 +4,7 @@ quantkit owns its forward pass instead of tracing someone else's model, so layer
 explicit: calibration, conversion and validation all run the model one decoder layer at a time
 straight from the shards (`Checkpoint.layer(i)`), and never hold more than one layer's weights.
 Tests prove these functions compute the same logits as transformers' `DeepseekV3ForCausalLM` and
-`GlmMoeDsaForCausalLM` (tests/test_reference.py).
+`GlmMoeDsaForCausalLM` (tests/model/test_reference.py).
 
 A layer's weights are a dict keyed by names relative to the layer prefix, exactly as stored
 (`self_attn.q_a_proj.weight`, `mlp.experts.7.down_proj.weight`, ...), so the same code runs on a

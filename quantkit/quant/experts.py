@@ -74,7 +74,7 @@ def starved(n_routed: int, g) -> bool:
 def split_heldout(tok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Token indices (n,) -> (fit, held out): every HOLDOUT-th entry (positions HOLDOUT-1, 2*HOLDOUT-1,
     ...) is held out (`is_heldout`). By position, with slices and views only, so the sizes follow from n alone
-    (no data-dependent shapes: the same code runs under torch's FakeTensorMode, tests/test_device.py)."""
+    (no data-dependent shapes: the same code runs under torch's FakeTensorMode, tests/runtime/test_device.py)."""
     n = len(tok)
     m = n - n % HOLDOUT
     fit = torch.cat([tok[:m].view(-1, HOLDOUT)[:, : HOLDOUT - 1].flatten(), tok[m:]])  # (n - n // HOLDOUT,)

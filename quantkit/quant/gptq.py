@@ -38,7 +38,7 @@ Everything is batched over a leading expert dimension: W [E, out, in] and H [E, 
 quantized together, vectorized over E (the column loop is shared by all experts).
 Numerics match llm-compressor 0.14.0.1 (`modifiers/gptq/gptq_quantize.py: quantize_weight`,
 `helpers.py: factorize_hessian, apply_activation_ordering`) and compressed-tensors 0.19
-(`calculate_qparams`, `quantize`, `dequantize`); see tests/test_gptq.py.
+(`calculate_qparams`, `quantize`, `dequantize`); see tests/quant/test_gptq.py.
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ def quantize_experts(
     the layer's MoE inputs held whole in memory.
 
     convert's GPTQ streams its Hessians instead (quantkit.conversion.layerpass.gptq_experts, the same policy
-    and arithmetic; tests/test_calibrate.py holds the two equal); this whole-layer form is AWQ's
-    path, the oracle of that test, and what tests/test_device.py runs on a fake device.
+    and arithmetic; tests/conversion/test_layerpass.py holds the two equal); this whole-layer form is AWQ's
+    path, the oracle of that test, and what tests/runtime/test_device.py runs on a fake device.
 
     x: (N, D) the MoE input of every calibration token; tokens[e]: indices of the tokens routed to e.
     Which tokens an expert is fitted on, and what a starved one gets, is quantkit.quant.experts' one

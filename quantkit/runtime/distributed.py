@@ -25,7 +25,7 @@ on the same inputs in the same order (a micro-batch's per-token work on one rank
 moved as bytes; the KV-cache maximum is a max, exact in any order), except that an expert's GPTQ batch holds other experts
 (its rank's chunk instead of the single-process chunk). GPTQ's batched ops (Cholesky, bmm,
 per-row reductions) treat batch members independently, so an expert's bytes do not depend on
-its chunk; tests/test_distributed.py checks this (chunks of 16, 3 and 1 give one output) and
+its chunk; tests/runtime/test_distributed.py checks this (chunks of 16, 3 and 1 give one output) and
 that 2 ranks equal 1.
 
 Validate on N ranks (quantkit.validation.pipeline) uses the same group and `partition`: every rank runs the

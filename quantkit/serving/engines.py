@@ -1,6 +1,6 @@
 """The serving engines' own code, pinned: fetched once from PyPI, kept as plain .py files.
 
-`quantkit check-serving` and tests/test_serving.py ask vLLM and SGLang themselves which scheme each
+`quantkit check-serving` and tests/serving/test_serving.py ask vLLM and SGLang themselves which scheme each
 module of a checkpoint gets. The engines cannot be installed beside quantkit (they pin their own
 torch and need CUDA), so the pinned release wheel is downloaded with pip (`pip download --no-deps`),
 only the modules that turn a config into schemes are extracted (a few hundred KB, `EXTRACT`), and

@@ -12,7 +12,7 @@ pass in lockstep, one token per pass, on the incremental MLA/DSA caches validate
 
 The tokenization (context/continuation split, empty context, rolling windows, stop strings) is
 lm-eval's own TemplateLM and HFLM logic, so the same task gives the same requests as lm-eval's `hf`
-model: tests/test_tasks.py holds the scores to that.
+model: tests/validation/test_tasks.py holds the scores to that.
 
 This module imports lm_eval at the top: import it only through quantkit.validation.tasks, which says
 how to install lm-eval when it is missing.

@@ -256,7 +256,7 @@ def _rel(a, b):
 
 
 def _without_activation_quant(model):
-    """As tests/test_convert.py: no dynamic FP8 activation fake-quant, everything in float32."""
+    """As tests/conversion/test_convert.py: no dynamic FP8 activation fake-quant, everything in float32."""
     from compressed_tensors.quantization import disable_quantization
 
     model.apply(disable_quantization)

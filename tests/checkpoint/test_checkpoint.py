@@ -726,7 +726,7 @@ def test_declared_mtp_layers_the_shards_lack_are_dropped_from_the_arch_and_its_c
         assert ckpt.absent_mtp_layers == 1 and ckpt.arch.num_mtp_layers == 0
         assert ckpt.arch.raw["num_nextn_predict_layers"] == 0
     else:
-        kimi = arch_from_config(json.loads((Path(__file__).parents[1] / "quantkit/model/presets/kimi-k2.6.json").read_text()))
+        kimi = arch_from_config(json.loads((Path(__file__).parents[2] / "quantkit/model/presets/kimi-k2.6.json").read_text()))
         kimi.raw["text_config"]["num_nextn_predict_layers"] = 1
         dropped = without_mtp(arch_from_config(kimi.raw))
         assert dropped.num_mtp_layers == 0 and dropped.raw["text_config"]["num_nextn_predict_layers"] == 0

@@ -34,13 +34,13 @@ What is left, because it needs values on the host, which a fake run does not hav
   - reference.moe's expert loop, `torch.unique(topk_idx).tolist()`: the test runs each of its
     parts (above), with the loop over all experts instead.
   - calibrate.gptq_experts (the streamed Hessians select each micro-batch's routed rows with
-    nonzero: a data-dependent shape; tests/test_calibrate.py holds it equal to the whole-layer
+    nonzero: a data-dependent shape; tests/conversion/test_layerpass.py holds it equal to the whole-layer
     quantize_experts run here), calibrate.convert_experts and convert(), forward.step
     (forward.run, validation): they read checkpoint
     bytes (and convert writes shards), which fake tensors do not have. Their device steps are
     `.to(dev)` after each CPU read, and safetensors' own move to the CPU when writing.
   - gptq's HessianError branch: it runs only after torch has raised on a failed Cholesky
-    factorization, which a fake run never does (tests/test_gptq.py covers it on the CPU).
+    factorization, which a fake run never does (tests/quant/test_gptq.py covers it on the CPU).
   - the embedding lookup (forward.embed, convert) runs on the CPU on purpose, as do the rope tables
     (reference.rope_tables); both are moved to the device once.
 """

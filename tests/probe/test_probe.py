@@ -183,7 +183,7 @@ def _hf_model(folder: Path):
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                  quantization_config=CompressedTensorsConfig(dequantize=True))
-    model.apply(disable_quantization)  # as tests/test_convert.py: the dequantized INT4 weights, no fake-quant pass
+    model.apply(disable_quantization)  # as tests/conversion/test_convert.py: the dequantized INT4 weights, no fake-quant pass
     for p in model.parameters():
         p.data = p.data.float()
     return model.eval(), AutoTokenizer.from_pretrained(folder)

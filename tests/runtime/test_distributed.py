@@ -31,7 +31,7 @@ MODELS = {"glm": "tiny:glm-5.2", "kimi": "tiny:kimi-k2.6"}
 def _env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUANTKIT_FAULT")}
     # float reductions depend on the thread count: every process of a comparison uses one
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]), **extra)
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]), **extra)
     return env
 
 
