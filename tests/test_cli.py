@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_checkpoint import BAD
+from bad_checkpoints import BAD
 from typer.testing import CliRunner
 
 from quantkit.cli import app
