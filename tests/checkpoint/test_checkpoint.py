@@ -15,6 +15,7 @@ import pytest
 import torch
 from bad_checkpoints import BAD, base, header_of, index_of
 from conftest import small_config, write_random
+from oracle import dequantize_fp8_blocks, dequantize_int4_ct, read_raw
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -31,32 +32,6 @@ def stored_bytes(path: Path, name: str) -> bytes:
     with open(path, "rb") as f:
         f.seek(8 + n + b)
         return f.read(e - b)
-
-
-def read_raw(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as h:
-            out.update({k: h.get_tensor(k) for k in h.keys()})
-    return out
-
-
-def dequantize_int4_ct(packed, scale, shape, group_size):
-    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-    from compressed_tensors.quantization import QuantizationArgs
-    from compressed_tensors.quantization.lifecycle.forward import dequantize
-
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size)
-    return dequantize(x_q=unpack_from_int32(packed, 4, torch.Size(shape.tolist())), scale=scale, zero_point=None, args=args)
-
-
-def dequantize_fp8_blocks(q, scale, block=128):
-    w = torch.empty(q.shape)
-    for i in range(scale.shape[0]):
-        for j in range(scale.shape[1]):
-            rows, cols = slice(i * block, (i + 1) * block), slice(j * block, (j + 1) * block)
-            w[rows, cols] = q[rows, cols].float() * scale[i, j]
-    return w
 
 
 def expected_dequantized(folder: Path) -> dict[str, torch.Tensor]:
