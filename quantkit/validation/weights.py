@@ -50,8 +50,10 @@ def weights_plan(ckpts: dict[str, Checkpoint], owners, group, dev: torch.device,
     def mine(info) -> bool:
         if info.layer is None:
             return True
-        if info.layer >= L:  # MTP: validate does not run it
+        if info.layer > L:  # an MTP layer past the first: validate does not run it
             return False
+        if info.layer == L:  # the first MTP layer: every rank runs all of it, once (quantkit.validation.mtprow)
+            return True
         return info.klass != TensorClass.ROUTED_EXPERT or owners is None or owners[info.layer][info.expert] == group.rank
 
     def order(item) -> tuple:
