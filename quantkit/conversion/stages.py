@@ -63,6 +63,9 @@ def start_calibration(job: Job, tokens) -> Calibration:
     store = ActivationStore(*ids.shape, arch.hidden_size, job.cost.store, job.dev, work)
     # several ranks: each runs the per-token work (attention, expert outputs) on its own micro-batches
     split = group if group.distributed else None
+    mtp_table = embed_name(arch, arch.num_hidden_layers, job.ckpt.tensors)
+    if arch.num_mtp_layers and mtp_table == f"{arch.prefix}embed_tokens.weight":  # the MTP reads it again: kept
+        job.ckpt.hold(mtp_table)
     return Calibration(tokens, store, ctx, [None] * len(list(store.slices())), split)
 
 
@@ -134,7 +137,9 @@ def mtp_inputs(job: Job, calib: Calibration, w: dict[str, torch.Tensor], layer: 
     N, T, D = old.shape
     table = w.get("embed_tokens.weight")  # the layer's own embedding, else the main model's (vocab x D)
     if table is None:
-        table = job.ckpt.get(embed_name(arch, layer, job.ckpt.tensors), torch.bfloat16)
+        name = embed_name(arch, layer, job.ckpt.tensors)
+        table = job.ckpt.get(name, torch.bfloat16)
+        job.ckpt.unhold(name)  # held since start_calibration (a streamed source deletes its shard after this layer)
     old.close_x()
     new = ActivationStore(N, T - 1, D, old.plan, job.dev, old.folder, tag="mtp-")
     positions = torch.arange(T - 1, device=job.dev)
