@@ -188,9 +188,11 @@ def _recipe(report: dict) -> list[str]:
 def _guard_line(report: dict) -> str:
     """The guard's counts and the share of routed experts stored calibrated (not RTN, not reused)."""
     e = report["experts_summary"]
-    made = e["total"] - e["reused"]
-    calibrated = e["gptq"] + e["awq"]  # a guard that kept RTN recorded the expert as rtn
-    return (f"- guard: {e['guarded']} judged against RTN on held-out tokens, {e['guard_kept_rtn']} kept RTN"
+    made = e["total"] - e.get("reused", 0)
+    if not made:
+        return "- guard: nothing to judge (every routed expert reused from the source)"
+    calibrated = e.get("gptq", 0) + e.get("awq", 0)  # a guard that kept RTN recorded the expert as rtn
+    return (f"- guard: {e.get('guarded', 0)} judged against RTN on held-out tokens, {e.get('guard_kept_rtn', 0)} kept RTN"
             + (f", {e['awq_kept_s1']} AWQ kept s = 1" if e.get("awq_kept_s1") else "")
             + f"; {calibrated}/{made} quantized routed experts stored calibrated")
 
