@@ -133,6 +133,7 @@ class Checkpoint:
         self._unread: dict[str, set[str]] = defaultdict(set)  # file -> storage names not read yet
         for name, f in self.weight_map.items():
             self._unread[f].add(name)
+        self._held: set[str] = set()  # storage names that count as unread until released (hold)
         check_index_matches_shards(self.folder, self.weight_map, self.headers)
         self.tensors: dict[str, Stored] = self._group()
         self._by_layer: dict[int | None, list[str]] = defaultdict(list)
@@ -277,7 +278,8 @@ class Checkpoint:
             self._read_kept(self._keep[storage])
             return self._kept[storage]
         f = self.weight_map[storage]
-        self._unread[f].discard(storage)
+        if storage not in self._held:
+            self._unread[f].discard(storage)
         t = self._shard(f).read(storage, self.headers[f][storage])
         self.bytes_read += t.nbytes
         return t
@@ -310,10 +312,24 @@ class Checkpoint:
         at = 0
         for s, n in zip(storages, sizes):
             f = self.weight_map[s]
-            self._unread[f].discard(s)
+            if s not in self._held:
+                self._unread[f].discard(s)
             self._kept[s] = self._shard(f).read(s, self.headers[f][s], into=block[at:at + n]).to(group[1])
             self.bytes_read += n
             at += -(-n // 64) * 64
+
+    def hold(self, name: str) -> None:
+        """Count the logical tensor `name` as unread until `unhold`, however often it is read: its shard
+        stays open (and a streamed source's local copy undeleted) for a later reader. convert holds the
+        embedding table for the MTP layer's calibration, which reads it again after the last main layer."""
+        self._held.update(self.tensors[name].parts.values())
+
+    def unhold(self, name: str) -> None:
+        """The last read of a held tensor is done: its shard can be released once the rest of it is read."""
+        for s in self.tensors[name].parts.values():
+            if s in self._held:
+                self._held.discard(s)
+                self._unread[self.weight_map[s]].discard(s)
 
     def release_finished(self) -> list[str]:
         """Close every shard all of whose tensors have been read, and with a streamed source and

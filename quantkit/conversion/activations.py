@@ -120,14 +120,14 @@ class TokenArray:
 class ActivationStore:
     """h for every calibration token, plus x for the MoE layer being converted."""
 
-    def __init__(self, n: int, t: int, d: int, plan: StorePlan, compute, folder: Path | None = None):
-        self.plan, self.compute, self.folder = plan, torch.device(compute), folder
+    def __init__(self, n: int, t: int, d: int, plan: StorePlan, compute, folder: Path | None = None, tag: str = ""):
+        self.plan, self.compute, self.folder, self.tag = plan, torch.device(compute), folder, tag  # tag: the files' prefix
         self.shape = (n, t, d)
         self.h = self._array("h")
         self.x: TokenArray | None = None
 
     def _array(self, name: str) -> TokenArray:
-        path = self.folder / f"{name}.work" if self.plan.backing == "disk" else None
+        path = self.folder / f"{self.tag}{name}.work" if self.plan.backing == "disk" else None
         device = self.compute if self.plan.location == "device" else torch.device("cpu")
         return TokenArray(self.shape, self.plan.dtype, self.plan.backing, device, self.compute, path)
 

@@ -450,7 +450,7 @@ def _phase_seconds(m: _Memory, r: _Rates, *, method: str, C: int, source_bytes: 
     """Seconds per phase of one rank's run, before the split by micro-batches and the disk overlap."""
     x, tokens, T = m.x, m.tokens, m.T
     D, I = x.hidden, x.expert_width
-    L, Lm = x.calibrated_layers, x.calibrated_moe_layers  # the calibration pass skips MTP layers
+    L, Lm = x.calibrated_layers, x.calibrated_moe_layers  # the calibration pass: every main layer and the first MTP
     attn_flops = tokens * (2 * x.attn_params + 2 * 2 * x.heads * T * (x.qk_head + x.v_head)) * L
     attn_flops += tokens * 2 * 3 * D * (x.dense_width * (L - Lm) + x.shared_width * Lm)  # dense MLP / shared expert
     routed = tokens * x.topk  # token-expert pairs per MoE layer
@@ -630,6 +630,10 @@ def plan_convert(
         seconds["gptq"] *= 1.3  # AWQ's scale search on top (measured ~1.3x GPTQ on the tiny models)
         notes.append("awq: the search gathers the layer's MoE inputs and each expert's routed rows (budgeted); "
                      "time as GPTQ x 1.3")
+    if calibrate and arch.num_mtp_layers:
+        notes.append(f"mtp: the first MTP layer is calibrated on the last main layer's h and the next tokens' embeddings; "
+                     f"for that layer the embedding table ({arch.vocab_size * arch.hidden_size * 2 / GB:.2f} GB BF16) "
+                     "is read into host memory, and the store becomes the MTP's (T - 1 positions, never a third array)")
     notes += _multi_rank_terms(seconds, m, r, N=N, store=store, nproc=nproc)
     every = _overlap_disk(seconds, x.layers, state_bytes, r.disk)
 

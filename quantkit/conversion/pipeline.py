@@ -163,7 +163,8 @@ def convert(
             group.barrier("after the embeddings")
             if group.leader:
                 save_state(state_dir, state, calibration.store, calibration.topks)
-        elif calibration.store is not None:
+        elif calibration.store is not None and state.next_layer <= ckpt.arch.num_hidden_layers:
+            # (past the first MTP layer no layer calibrates, and the saved h is the MTP's, T - 1 long)
             calibration.topks = load_hidden(state_dir, len(calibration.topks), calibration.store, dev)
         bar.update(state.next_layer)
 

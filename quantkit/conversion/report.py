@@ -137,13 +137,27 @@ def reproducibility(dev, used: list[dict]) -> dict:
     }
 
 
-def mtp_report(ckpt) -> dict:
+def mtp_report(ckpt, state: State | None = None) -> dict:
     """The MTP layers converted, and those config.json declared that the shards did not hold
-    (dropped: the outputs' configs say num_nextn_predict_layers 0, and the cards say so)."""
+    (dropped: the outputs' configs say num_nextn_predict_layers 0, and the cards say so); with the
+    state, how the MTP layers' routed experts were made (method counts, fallbacks, guard) and which
+    MTP layers were calibrated on their serving inputs (quantkit.conversion.stages.mtp_inputs)."""
     from quantkit.model.arch import NO_MTP
 
     absent = getattr(ckpt, "absent_mtp_layers", 0)
-    return {"layers": ckpt.arch.num_mtp_layers, "declared_absent": absent, "note": NO_MTP if absent else None}
+    out = {"layers": ckpt.arch.num_mtp_layers, "declared_absent": absent, "note": NO_MTP if absent else None}
+    if state is None or not ckpt.arch.num_mtp_layers:
+        return out
+    first = ckpt.arch.num_hidden_layers
+    experts = [e for e in state.experts if e["layer"] >= first]
+    summary = _experts_summary(experts)
+    made = ", ".join(f"{summary[m]} {m.upper() if m != 'reused' else m}" for m in ("gptq", "awq", "rtn", "reused")
+                     if summary[m])
+    return out | {"calibrated_layers": [lay["layer"] for lay in state.layers if lay["kind"] == "mtp" and lay["calibrated"]],
+                  "experts": made or "none", "experts_summary": summary,
+                  "input": "calibrated on the quantized decode model's last hidden state h_i and the next calibration "
+                           "token's embedding, x_i = eh_proj(cat[enorm(embed(t_{i+1})), hnorm(h_i)]) at positions "
+                           "0..T-2 (vLLM's deepseek_mtp), then the layer's attention and experts like a main MoE layer"}
 
 
 def _experts_summary(experts: list[dict]) -> dict:
@@ -172,7 +186,7 @@ def _pair_report(model, job: Job, tokens, source_files: dict[str, str], out: Pat
                    "commit": ckpt.remote.commit if ckpt.remote else None,
                    "unverified_files": ckpt.remote.unverified if ckpt.remote else [],
                    "files": source_files},
-        "mtp": mtp_report(ckpt),
+        "mtp": mtp_report(ckpt, state),
         "recipe": rec.model_dump(mode="json"),
         "method": rec.method,
         "group_size": G,

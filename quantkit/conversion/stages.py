@@ -22,6 +22,7 @@ from quantkit.conversion.layerpass import LayerRouting, attention_pass, convert_
 from quantkit.conversion.outputs import PairWriter, compute_weight
 from quantkit.conversion.report import expert_entry
 from quantkit.model.kvcache import KVAbsmax
+from quantkit.model.mtp import embed_name, mtp_input, shifted
 from quantkit.model.reference import Context
 from quantkit.model.tensors import TensorClass
 from quantkit.quant.experts import ExpertRecord
@@ -62,6 +63,9 @@ def start_calibration(job: Job, tokens) -> Calibration:
     store = ActivationStore(*ids.shape, arch.hidden_size, job.cost.store, job.dev, work)
     # several ranks: each runs the per-token work (attention, expert outputs) on its own micro-batches
     split = group if group.distributed else None
+    mtp_table = embed_name(arch, arch.num_hidden_layers, job.ckpt.tensors)
+    if arch.num_mtp_layers and mtp_table == f"{arch.prefix}embed_tokens.weight":  # the MTP reads it again: kept
+        job.ckpt.hold(mtp_table)
     return Calibration(tokens, store, ctx, [None] * len(list(store.slices())), split)
 
 
@@ -91,9 +95,13 @@ def convert_layer(job: Job, pair: PairWriter, calib: Calibration, bar, layer: in
     arch, state = job.arch, job.state
     t0 = time.time()
     mtp = layer >= arch.num_hidden_layers
-    calibrate = calib.store is not None and not mtp
+    # the first MTP layer is calibrated on what it sees in serving (its input from the last main
+    # layer's h); a further one would need the previous MTP layer's output: rounded to nearest
+    calibrate = calib.store is not None and layer <= arch.num_hidden_layers
     w = _shared_tensors(job, pair, layer, calibrate)
     routing = kv_stats = None
+    if calibrate and mtp:
+        mtp_inputs(job, calib, w, layer)
     if calibrate:  # h += attention (+ dense MLP, or shared expert), x and routing kept for the experts
         routing = attention_pass(calib.store, w, calib.ctx, layer, calib.topks, arch.is_moe(layer), calib.split)
         kv_stats = write_kv_scales(pair, arch.layer_prefix(layer), calib.ctx.kv, layer)
@@ -117,6 +125,36 @@ def convert_layer(job: Job, pair: PairWriter, calib: Calibration, bar, layer: in
     state.differ = pair.differ
 
 
+def mtp_inputs(job: Job, calib: Calibration, w: dict[str, torch.Tensor], layer: int) -> None:
+    """The MTP layer's calibration input, as in serving (quantkit.model.mtp): for every calibration
+    sequence, x_i = eh_proj(cat[enorm(embed(t_{i+1})), hnorm(h_i)]) over its T - 1 positions, h the
+    store's hidden states after the last main layer (the quantized decode model's, as every layer's
+    calibration), eh_proj & co. as stored. The store of the main model's h is replaced by one of
+    the MTP's (N, T - 1, D) micro-batch by micro-batch (x closed first, so no more than two token
+    arrays exist at any time); the context covers T - 1 positions, keeping the KV-cache maxima."""
+    arch, old = job.arch, calib.store
+    ids = calib.tokens.ids
+    N, T, D = old.shape
+    table = w.get("embed_tokens.weight")  # the layer's own embedding, else the main model's (vocab x D)
+    if table is None:
+        name = embed_name(arch, layer, job.ckpt.tensors)
+        table = job.ckpt.get(name, torch.bfloat16)
+        job.ckpt.unhold(name)  # held since start_calibration (a streamed source deletes its shard after this layer)
+    old.close_x()
+    new = ActivationStore(N, T - 1, D, old.plan, job.dev, old.folder, tag="mtp-")
+    positions = torch.arange(T - 1, device=job.dev)
+    for sl in old.slices():
+        h, e = shifted(old.h.read(sl), ids[sl], table)
+        new.h.write(sl, mtp_input(h, e, w, arch, positions))
+        del h, e
+    del table
+    old.close()
+    calib.store = new
+    calib.ctx = Context.build(arch, T - 1, job.dev, job.dtype, kv=calib.ctx.kv)
+    calib.ctx.dsa_dense = arch.has_dsa and T - 1 <= arch.index_topk
+    calib.topks = [None] * len(calib.topks)
+
+
 def _shared_tensors(job: Job, pair: PairWriter, layer: int, calibrate: bool) -> dict[str, torch.Tensor]:
     """Write the layer's tensors other than the routed experts; returns them as computed with
     (the stored form, dequantized), named within the layer."""
@@ -134,7 +172,7 @@ def _shared_tensors(job: Job, pair: PairWriter, layer: int, calibrate: bool) -> 
 def _routed_experts(job: Job, pair: PairWriter, calib: Calibration, bar, layer: int, routing: LayerRouting | None,
                     calibrate: bool, mtp: bool, shares: dict) -> list[ExpertRecord]:
     """A MoE layer's routed experts: calibrated on the routed tokens when the layer was, else
-    rounded to nearest (RTN, or an MTP layer, which has no calibration path)."""
+    rounded to nearest (RTN, or an MTP layer after the first, which has no calibration path)."""
     rec = job.rec
     if calibrate:  # h += routed experts under the decode weights
         return convert_experts(job.ckpt, pair, job.decisions, layer, calib.store, routing, rec, job.G, rec.method,
@@ -144,7 +182,8 @@ def _routed_experts(job: Job, pair: PairWriter, calib: Calibration, bar, layer: 
     if mtp:
         for r in records:
             if r.method != "reused":
-                r.fallback = "mtp: no calibration path (RTN)"
+                r.fallback = ("mtp: only the first MTP layer is calibrated (RTN)" if calib.store is not None
+                              else "mtp: no calibration path (RTN)")
     return records
 
 

@@ -74,7 +74,7 @@ class LayerShapes:
     largest_tensor: int  # parameters of the largest single tensor (dequantized at once)
     moe_layers: int  # MoE layers, MTP included (they are all written)
     layers: int  # decoder layers, MTP included
-    calibrated_layers: int  # decoder layers the calibration pass runs (not MTP: its experts are RTN)
+    calibrated_layers: int  # decoder layers the calibration pass runs (and the first MTP layer; a further one is RTN)
     calibrated_moe_layers: int
     attn_params: int  # attention parameters of one layer (for time)
     index_heads: int
@@ -109,7 +109,8 @@ def layer_shapes(arch) -> LayerShapes:
         dense_width=a.intermediate_size if not all(a.is_moe(i) for i in range(a.num_hidden_layers)) else 0,
         shared_width=a.moe_intermediate_size * a.n_shared_experts,
         moe_layers=sum(a.is_moe(i) for i in range(a.num_layers_with_mtp)), layers=a.num_layers_with_mtp,
-        calibrated_layers=a.num_hidden_layers, calibrated_moe_layers=sum(a.is_moe(i) for i in range(a.num_hidden_layers)),
+        calibrated_layers=a.num_hidden_layers + min(a.num_mtp_layers, 1),
+        calibrated_moe_layers=sum(a.is_moe(i) for i in range(a.num_hidden_layers + min(a.num_mtp_layers, 1))),
         attn_params=attn, index_heads=a.index_n_heads if a.has_dsa else 0,
         index_topk=a.index_topk if a.has_dsa else 0, has_dsa=a.has_dsa)
 

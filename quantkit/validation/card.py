@@ -190,10 +190,30 @@ def _recipe(report: dict) -> list[str]:
     out.append(f"- routed experts: {e['total']} ({e['gptq']} GPTQ, {e['rtn']} RTN, {e['reused']} reused bit for bit from "
                f"the source); {e['fallbacks']} fallbacks" + (": " + ", ".join(f"{n} x {why}" for why, n in sorted(reasons.items()))
                                                             if reasons else ""))
+    out.append(_guard_line(report))
+    m = report.get("mtp") or {}
+    if m.get("experts_summary"):
+        out.append(f"- MTP layer's routed experts: {m['experts']}"
+                   + ("; calibrated on what the MTP sees in serving (the decode model's last hidden state and the next "
+                      "token's embedding)" if m.get("calibrated_layers") else "; not calibrated"))
     return out
 
 
+def _guard_line(report: dict) -> str:
+    """The guard's counts and the share of routed experts stored calibrated (not RTN, not reused)."""
+    e = report["experts_summary"]
+    made = e["total"] - e.get("reused", 0)
+    if not made:
+        return "- guard: nothing to judge (every routed expert reused from the source)"
+    calibrated = e.get("gptq", 0) + e.get("awq", 0)  # a guard that kept RTN recorded the expert as rtn
+    return (f"- guard: {e.get('guarded', 0)} judged against RTN on held-out tokens, {e.get('guard_kept_rtn', 0)} kept RTN"
+            + (f", {e['awq_kept_s1']} AWQ kept s = 1" if e.get("awq_kept_s1") else "")
+            + f"; {calibrated}/{made} quantized routed experts stored calibrated")
+
+
 def _measured(which: str, v: dict) -> list[str]:
+    from quantkit.validation.mtprow import mtp_card
+
     e = v["eval_data"]
     rows = v["rows"]
     shown = [which, "cross_phase", "decode_kv", "cross_phase_kv"] if which == "decode" else [which]
@@ -217,6 +237,8 @@ def _measured(which: str, v: dict) -> list[str]:
         m = rows[row]["metrics"]
         out.append(f"| {names[row]} | {_f(m.get('kl'), '.4g')} | {_f(m.get('top1'), '.4f')} | {_f(m.get('ppl_delta'), '+.2%')} "
                    f"| {_f(m.get('layer_rel_err'), '.3g')} | {_f(m.get('greedy_agree'), '.3f')} |")
+    mtp_row, mtp_line = mtp_card(which, v)
+    out += mtp_row + ([""] + mtp_line if mtp_line else [])
     by_gate: dict[str, list[dict]] = {}
     for g in v["gates"]:
         if g["row"] in shown and g["passed"] is not None:

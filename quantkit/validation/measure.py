@@ -9,6 +9,8 @@
                    cross-phase path: the prefill checkpoint's caches, the decode checkpoint's weights)
                    and teacher-forced ones fed the reference's tokens, whose KL, top-1 and per-layer
                    error add up step by step
+    MTP row        each checkpoint's MTP layer on its own prompt-pass last hidden states
+                   (quantkit.validation.mtprow)
     rows           the greedy agreement of every continuation, and for a pair the cross-phase row
                    (with INT4-only decoding as its baseline) and the FP8-KV rows (quantkit.validation.kvrows)
 
@@ -29,6 +31,7 @@ from quantkit.runtime import faults
 from quantkit.validation.forward import Stream, fork, heads, new_caches, step
 from quantkit.validation.kvrows import kv_rows
 from quantkit.validation.metrics import agreement, kl_top1, mean_nll, token_kl
+from quantkit.validation.mtprow import mtp_measure
 
 __all__ = ["cross_phase_logits", "measure"]
 
@@ -46,7 +49,10 @@ def measure(ckpts: dict[str, Checkpoint], ids: torch.Tensor, K: int, pair: bool,
 
     prompt = _prompt_streams(ckpts, ids, kv)
     rows, ref_nll, last = _prompt_pass(run, prompt, models, ids, kv)
-    result = {"rows": rows, "reference": {"ppl": math.exp(ref_nll)}, "continuations": {}}
+    mtp = mtp_measure(ckpts, {m: prompt[m].h for m in ckpts}, ids, models, device, dtype, chunk, group)
+    for s in prompt.values():
+        s.h = None
+    result = {"rows": rows, "reference": {"ppl": math.exp(ref_nll)}, "mtp": mtp, "continuations": {}}
     if K == 0:
         return result
 
@@ -143,9 +149,7 @@ def _prompt_pass(run: _Lockstep, prompt: dict[str, Stream], models: list[str], i
         for m in ("decode", "prefill"):
             s = prompt[f"{m}+kv{v}"]
             last[s.name] = heads(ckpts[m], [s.h[:, -1:]], dtype)[0][:, -1]
-    for s in prompt.values():
-        s.h = None
-    return rows, ref_nll, last
+    return rows, ref_nll, last  # the streams' h stay for the MTP row (measure clears them)
 
 
 def _prompt_row(ref_logits: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor, ref_nll: float, curve: list[float]) -> dict:

@@ -261,6 +261,7 @@ def _record(inp: _Inputs, dev: torch.device, dtype, ranks: list[dict], group, m:
         "num_layers": inp.ckpts["reference"].arch.num_hidden_layers,
         "reference_metrics": m["reference"],
         "rows": m["rows"],
+        "mtp": m.get("mtp"),
         "continuations": m["continuations"],
         "kv_cache": kv_info,
         "tasks": m.get("tasks"),

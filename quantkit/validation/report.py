@@ -86,11 +86,22 @@ class ValidationResult:
                      f"({d['gates_from']}){': ' + fails if fails else ''}\n"
                      f"reference ppl {d['reference_metrics']['ppl']:.3f}; eval {e['spec']} {e['num_samples']}x{e['seq_len']} "
                      f"sha256 {e['sha256'][:12]}; {d['gen_tokens']} greedy tokens; {d['device']} {d['dtype']}; "
-                     f"{d['seconds']:.1f}s" + tasks_caption(d) + "".join(f"\nnote: {n}" for n in d["notes"]))
+                     f"{d['seconds']:.1f}s" + tasks_caption(d) + _mtp_caption(d)
+                     + "".join(f"\nnote: {n}" for n in d["notes"]))
         return t
 
     def _repr_html_(self) -> str:
         return rich_html(self.table(), width=120)
+
+
+def _mtp_caption(d: dict) -> str:
+    """The MTP row in the terminal table's caption (nothing without an MTP layer)."""
+    rows = (d.get("mtp") or {}).get("rows")
+    if not rows:
+        return ""
+    return "\nMTP layer: " + "; ".join(f"{SHORT_TITLES.get(k, k)} KL {r['kl']:.3g}, top-1 {r['top1']:.3f}, accuracy "
+                                        f"{r['accuracy']:.3f}" for k, r in rows.items()) + \
+        f" (source accuracy {d['mtp']['reference']['accuracy']:.3f})"
 
 
 def render_markdown(d: dict) -> str:
@@ -136,7 +147,9 @@ def render_markdown(d: dict) -> str:
     for i in range(d["num_layers"]):
         lines.append(f"| {i} | " + " | ".join(_f(c[i], '.4g') for c in curves.values()) + " |")
     from quantkit.validation.kvrows import kv_markdown
+    from quantkit.validation.mtprow import mtp_markdown
 
+    lines += mtp_markdown(d)
     lines += kv_markdown(d)
     from quantkit.validation.tasks import tasks_markdown
 

@@ -50,8 +50,10 @@ def weights_plan(ckpts: dict[str, Checkpoint], owners, group, dev: torch.device,
     def mine(info) -> bool:
         if info.layer is None:
             return True
-        if info.layer >= L:  # MTP: validate does not run it
+        if info.layer > L:  # an MTP layer past the first: validate does not run it
             return False
+        if info.layer == L:  # the first MTP layer: every rank runs all of it, once (quantkit.validation.mtprow)
+            return True
         return info.klass != TensorClass.ROUTED_EXPERT or owners is None or owners[info.layer][info.expert] == group.rank
 
     def order(item) -> tuple:
@@ -82,7 +84,7 @@ def weights_plan(ckpts: dict[str, Checkpoint], owners, group, dev: torch.device,
     chunk = validate_expert_chunk(arch, dev.type, max_host_memory, max_gpu_memory, kept=on_dev, ranks_here=ranks_here,
                                   exchange=exchange)
     experts = sum(1 for m, n in share if ckpts[m].tensors[n].info.klass == TensorClass.ROUTED_EXPERT
-                  and ckpts[m].tensors[n].info.proj == "down_proj")
+                  and ckpts[m].tensors[n].info.proj == "down_proj" and ckpts[m].tensors[n].info.layer < L)  # the split ones
     return {"share_bytes": total, "kept_bytes": kept, "kept_on_device_bytes": on_dev if dev.type == "cuda" else 0,
             "budget_bytes": budget, "chunk": chunk, "experts": experts}
 

@@ -230,7 +230,7 @@ def test_report_says_awq(runs):
     for name in ("glm", "kimi"):
         r = runs[name].report
         assert r["method"] == "awq"
-        calibrated = [e for e in r["experts"] if not (e["fallback"] or "").startswith("mtp")]  # MTP: RTN, said so
+        calibrated = [e for e in r["experts"] if not (e["fallback"] or "").startswith("mtp")]  # an uncalibrated MTP layer: RTN, said so
         # stored as AWQ unless the held-out guard found RTN better for that expert, which it says
         assert calibrated and all(e["method"] == "awq" or e["guard"] == "rtn" for e in calibrated)
         assert all(e["heldout"] > 0 and e["err"] is not None and e["err_rtn"] is not None for e in calibrated)

@@ -168,8 +168,8 @@ def test_two_ranks_equal_one_glm_via_nproc(single, tmp_path):
     d = report["distributed"]
     assert d["world"] == 2 and d["backend"] == "gloo" and all(n > 0 for n in d["experts_per_rank"])
     assert all(n > 0 for n in d["parts_written_per_rank"])  # both ranks wrote shards
-    calibrated = [e for e in report["experts"] if e["layer"] < 5]  # MoE layers 1-4 (5 is the MTP layer: RTN, rank 0)
-    assert sum(d["experts_per_rank"]) == len(calibrated) == sum("rank" in e for e in report["experts"]) == 64
+    calibrated = report["experts"]  # MoE layers 1-4 and the MTP layer 5 (calibrated, split like any layer)
+    assert sum(d["experts_per_rank"]) == len(calibrated) == sum("rank" in e for e in report["experts"]) == 80
     assert {e["rank"] for e in report["experts"] if "rank" in e} == {0, 1}
     assert json.loads(done.stdout)["distributed"]["world"] == 2  # one JSON document: rank 0's
     # the threads these equal bytes were made at, as both reports record them

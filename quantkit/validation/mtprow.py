@@ -1,0 +1,95 @@
+"""validate's MTP row: the MTP layer (speculative decoding's draft, quantkit.model.mtp) of each
+checkpoint run on its own model's last hidden states over the eval windows, as a server runs it.
+
+For a window t_0..t_{T-1} each checkpoint's MTP predicts t_{i+2} at positions i = 0..T-2 from its
+main model's h_i and embed(t_{i+1}). Measured: KL(source MTP || this MTP) and top-1 agreement over
+those T - 1 positions, and each MTP's own top-1 accuracy against the actual t_{i+2} (positions
+0..T-3): the draft-token acceptance rate's proxy. validation.json's `mtp`; a model without an
+MTP layer has `{"layer": None, "note": ...}` and no row anywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantkit.checkpoint.shards import Checkpoint
+from quantkit.model.mtp import embed_name, head_name, mtp_input, mtp_logits, shifted
+from quantkit.model.reference import Context
+from quantkit.validation.layerstream import streamed_layer
+from quantkit.validation.metrics import kl_top1
+
+NO_MTP_ROW = "no MTP layer"
+_TITLES = {"prefill": "prefill (FP8)", "decode": "decode (INT4)"}
+_EXTRAS = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
+
+
+def mtp_forward(ckpt: Checkpoint, h_last: torch.Tensor, ids: torch.Tensor, device, dtype, chunk: int = 16,
+                group=None) -> torch.Tensor:
+    """The first MTP layer's logits (B, T - 1, V) for windows `ids` (B, T) whose main-model last
+    hidden states are `h_last` (B, T, D); its routed experts streamed `chunk` at a time."""
+    a = ckpt.arch
+    layer, pre = a.num_hidden_layers, a.layer_prefix(a.num_hidden_layers)
+    table = ckpt.get(embed_name(a, layer, ckpt.tensors), dtype)
+    h, e = shifted(h_last, ids, table)
+    del table
+    w = {k: ckpt.get(pre + k, dtype).to(device) for k in _EXTRAS}
+    ctx = Context.build(a, h.shape[1], device, dtype)
+    x = mtp_input(h, e, w, a, ctx.positions)
+    del h, e
+    (y,) = streamed_layer(ckpt, layer, [x], [ctx], device, dtype, chunk, group, None)
+    return mtp_logits(y, w, ckpt.get(head_name(a, layer, ckpt.tensors), dtype), a)
+
+
+def _accuracy(logits: torch.Tensor, ids: torch.Tensor) -> float:
+    """Share of positions 0..T-3 whose argmax is the actual token two ahead, t_{i+2}."""
+    return float((logits[:, :-1].argmax(-1).cpu() == ids[:, 2:].cpu()).float().mean())
+
+
+def mtp_measure(ckpts: dict[str, Checkpoint], hs: dict[str, torch.Tensor], ids: torch.Tensor, models: list[str],
+                device, dtype, chunk: int = 16, group=None) -> dict:
+    """validation.json's `mtp`: the source's MTP against each model's (rows), on the prompt pass's
+    last hidden states `hs` (checkpoint -> (B, T, D))."""
+    ref = ckpts["reference"]
+    if not ref.arch.num_mtp_layers or ids.shape[1] < 3:
+        return {"layer": None, "note": NO_MTP_ROW if not ref.arch.num_mtp_layers else "windows too short for MTP"}
+    missing = [m for m in models if not ckpts[m].arch.num_mtp_layers]
+    if missing:
+        return {"layer": None, "note": f"{NO_MTP_ROW} in {', '.join(missing)}"}
+    ref_logits = mtp_forward(ref, hs["reference"], ids, device, dtype, chunk, group)
+    ref_acc = _accuracy(ref_logits, ids)
+    rows = {}
+    for m in models:
+        logits = mtp_forward(ckpts[m], hs[m], ids, device, dtype, chunk, group)
+        kl, agree, n = kl_top1(ref_logits, logits)
+        rows[m] = {"kl": kl / n, "top1": agree / n, "accuracy": _accuracy(logits, ids), "reference_accuracy": ref_acc}
+        del logits
+    T = ids.shape[1]
+    return {"layer": ref.arch.num_hidden_layers, "reference": {"accuracy": ref_acc}, "rows": rows,
+            "measured_on": f"eval windows: {T - 1} MTP positions per window on each model's own last hidden states; "
+                           f"accuracy against the actual token two ahead ({T - 2} positions)"}
+
+
+def mtp_markdown(d: dict) -> list[str]:
+    """validation.md's MTP section (nothing for a model without an MTP layer)."""
+    m = d.get("mtp") or {}
+    if not m.get("rows"):
+        return []
+    lines = ["", f"## MTP layer (layer {m['layer']}, speculative decoding's draft)", "",
+             f"Measured on {m['measured_on']}. Source MTP accuracy {m['reference']['accuracy']:.4f}.", "",
+             "| path | KL vs source MTP (nats) | top-1 vs source MTP | MTP accuracy (t+2) | source MTP accuracy |",
+             "|---|---:|---:|---:|---:|"]
+    for row, r in m["rows"].items():
+        lines.append(f"| {_TITLES.get(row, row)} MTP | {r['kl']:.4g} | {r['top1']:.4f} | {r['accuracy']:.4f} "
+                     f"| {r['reference_accuracy']:.4f} |")
+    return lines
+
+
+def mtp_card(which: str, d: dict) -> tuple[list[str], list[str]]:
+    """The card's MTP row for its 'Measured against the source' table, and the line under it
+    (both empty without an MTP layer)."""
+    r = ((d.get("mtp") or {}).get("rows") or {}).get(which)
+    if r is None:
+        return [], []
+    return ([f"| MTP layer (speculative draft) vs the source's MTP | {r['kl']:.4g} | {r['top1']:.4f} | — | — | — |"],
+            [f"MTP draft accuracy (its top-1 is the actual token two ahead: an acceptance-rate proxy): this checkpoint "
+             f"{r['accuracy']:.4f}, the source {r['reference_accuracy']:.4f}."])

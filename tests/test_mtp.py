@@ -1,0 +1,182 @@
+"""The MTP layer: its forward against an independent oracle, its calibration in convert, its row in
+validate and on the cards; a model without one shows none."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from oracle import dequantized_state_dict, transformers_model
+from safetensors.torch import save_file
+
+from quantkit.checkpoint.shards import Checkpoint
+from quantkit.conversion.pipeline import convert
+from quantkit.validation.forward import layer_weights, run
+from quantkit.validation.metrics import paired, token_kl
+from quantkit.validation.mtprow import NO_MTP_ROW, mtp_card, mtp_forward, mtp_markdown, mtp_measure
+
+TOL = 1e-4
+CALIB = {"num_samples": 8, "seq_len": 64}
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _oracle_mtp(folder, tmp_path, ids: torch.Tensor) -> torch.Tensor:
+    """vLLM's MTP formula, written here: the main model's last decoder-layer output from transformers
+    (a hook, before the final norm), x = eh_proj(cat[enorm(embed(t_{i+1})) (zero at position 0),
+    hnorm(h_i)]), then the MTP block as transformers' own one-layer GlmMoeDsa model fed x as
+    inputs_embeds, its final norm being shared_head.norm and its head the MTP's (else the main) head.
+    Weights dequantized by tests/oracle.py, not by quantkit."""
+    cfg = json.loads((folder / "config.json").read_text())
+    L, eps = cfg["num_hidden_layers"], cfg["rms_norm_eps"]
+    sd = dequantized_state_dict(folder)
+    p = f"model.layers.{L}."
+    main = transformers_model(folder, tmp_path / "main")
+    seen = {}
+    main.model.layers[-1].register_forward_hook(lambda m, a, out: seen.update(h=out[0] if isinstance(out, tuple) else out))
+    with torch.no_grad():
+        main(ids)
+    h = seen["h"][:, :-1]  # h_0..h_{T-2}
+    table = sd.get(p + "embed_tokens.weight", sd["model.embed_tokens.weight"])
+    e = table[ids[:, 1:]]  # embed(t_1..t_{T-1})
+    e[:, 0] = 0  # vLLM masks the embedding at position 0
+    x = torch.cat([_rms(e, sd[p + "enorm.weight"], eps), _rms(h, sd[p + "hnorm.weight"], eps)], -1) @ sd[p + "eh_proj.weight"].T
+    # the MTP block as layer 0 of a one-layer model (MoE, owns a DSA indexer, as the MTP layer does)
+    extras = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")
+    block = {"model.layers.0." + k[len(p):]: v for k, v in sd.items() if k.startswith(p) and not k[len(p):].startswith(extras)}
+    block["model.embed_tokens.weight"] = sd["model.embed_tokens.weight"]
+    block["model.norm.weight"] = sd[p + "shared_head.norm.weight"]
+    block["lm_head.weight"] = sd.get(p + "shared_head.head.weight", sd["lm_head.weight"])
+    one = dict(cfg, num_hidden_layers=1, first_k_dense_replace=0, num_nextn_predict_layers=0)
+    one.pop("quantization_config", None)
+    d = tmp_path / "mtp_block"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(one))
+    save_file({k: v.contiguous() for k, v in block.items()}, str(d / "model.safetensors"), metadata={"format": "pt"})
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return model(inputs_embeds=x).logits  # positions 0..T-2, as vLLM runs the draft
+
+
+def _last_hidden(ckpt: Checkpoint, ids: torch.Tensor) -> torch.Tensor:
+    seen = {}
+    run(ckpt, ids, device="cpu", on_layer=lambda layer, h: seen.update({layer: h}))
+    return seen[ckpt.arch.num_hidden_layers - 1]
+
+
+def test_mtp_forward_equals_the_oracle(tiny_glm, tmp_path):
+    """quantkit's MTP (streamed from the checkpoint, and the weight-dict function) against vLLM's
+    formula computed independently; the MTP layer's logits are not the main model's."""
+    from quantkit.model.mtp import head_name, mtp_layer
+    from quantkit.model.reference import Context
+
+    ckpt = Checkpoint(tiny_glm)
+    ids = torch.randint(3, ckpt.arch.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    theirs = _oracle_mtp(tiny_glm, tmp_path, ids)
+    with torch.no_grad():
+        h = _last_hidden(ckpt, ids)
+        ours = mtp_forward(ckpt, h, ids, "cpu", torch.float32)
+        L = ckpt.arch.num_hidden_layers
+        ctx = Context.build(ckpt.arch, ids.shape[1] - 1, "cpu", torch.float32)
+        table = ckpt.get("model.embed_tokens.weight")
+        whole = mtp_layer(h[:, :-1], ids[:, 1:], layer_weights(ckpt, L, "cpu", torch.float32), ctx, L, table,
+                          ckpt.get(head_name(ckpt.arch, L, ckpt.tensors)))
+    assert ours.shape == theirs.shape == (2, 15, ckpt.arch.vocab_size)
+    for mine in (ours, whole):
+        err = ((mine - theirs).abs().max() / theirs.abs().max()).item()
+        assert err < TOL, f"max relative error {err:.2e}"
+    main = run(ckpt, ids, device="cpu")[:, :-1]
+    assert (main - ours).abs().max() > 1e-2  # a different function than the main head (the test can fail)
+
+
+@pytest.fixture(scope="module")
+def glm_pairs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mtp")
+    return {m: convert("tiny:glm-5.2", root / m, method=m, validate=False, progress=False, device="cpu", **CALIB)
+            for m in ("gptq", "rtn")}
+
+
+def test_convert_calibrates_the_mtp_experts(glm_pairs):
+    r = glm_pairs["gptq"].report
+    L = 5
+    mtp = [e for e in r["experts"] if e["layer"] == L]
+    assert len(mtp) == 16 and all(e["method"] == "gptq" or e["guard"] == "rtn" for e in mtp)
+    assert all(e["heldout"] > 0 for e in mtp)  # judged by the guard like a main layer's
+    # routed on the MTP's own T - 1 positions of every calibration sequence (top-4)
+    assert sum(e["tokens"] for e in mtp) == CALIB["num_samples"] * (CALIB["seq_len"] - 1) * 4
+    assert r["mtp"]["calibrated_layers"] == [L] and r["mtp"]["experts_summary"]["total"] == 16
+    assert r["mtp"]["experts"].endswith("GPTQ") or "RTN" in r["mtp"]["experts"]
+    layer = next(lay for lay in r["layers"] if lay["layer"] == L)
+    assert layer["kind"] == "mtp" and layer["calibrated"] and "kv_cache" in layer
+    rtn = glm_pairs["rtn"].report["mtp"]
+    assert rtn["calibrated_layers"] == [] and rtn["experts"] == "16 RTN"
+
+
+@pytest.fixture(scope="module")
+def measured(glm_pairs, tiny_glm):
+    """The MTP rows of both converts on 8 held-out windows of 48 tokens."""
+    from quantkit.inputs.tokens import load_tokens
+
+    ids = load_tokens("synthetic:heldout", tokenizer=tiny_glm, num_samples=8, seq_len=48).ids
+    out = {}
+    with torch.no_grad():
+        for m, pair in glm_pairs.items():
+            ckpts = {"reference": Checkpoint(tiny_glm), "decode": Checkpoint(pair.decode)}
+            hs = {k: _last_hidden(ck, ids) for k, ck in ckpts.items()}
+            out[m] = mtp_measure(ckpts, hs, ids, ["decode"], "cpu", torch.float32)
+            # the MTP layer alone: the decode MTP on the source's hidden states (the RTN convert's MTP
+            # experts are what the MTP layer had before it was calibrated: RTN)
+            ref = mtp_forward(ckpts["reference"], hs["reference"], ids, "cpu", torch.float32)
+            alone = mtp_forward(ckpts["decode"], hs["reference"], ids, "cpu", torch.float32)
+            out[m + "-alone"] = token_kl(ref, alone).mean(-1)  # per window
+    return out
+
+
+def test_calibrated_mtp_is_closer_to_the_source_than_rtn(measured):
+    """The decode MTP's KL to the source MTP (each on its own model's hidden states): the GPTQ convert
+    (MTP experts calibrated on their serving inputs) below the RTN convert's."""
+    g, r = measured["gptq"]["rows"]["decode"], measured["rtn"]["rows"]["decode"]
+    print(f"MTP KL gptq {g['kl']:.4g} rtn {r['kl']:.4g}; top-1 {g['top1']:.4f} {r['top1']:.4f}; "
+          f"accuracy {g['accuracy']:.4f} {r['accuracy']:.4f} (source {g['reference_accuracy']:.4f})")
+    assert g["kl"] < r["kl"]
+    assert g["top1"] >= r["top1"]
+
+
+def test_calibrated_mtp_layer_alone_beats_rtn(measured):
+    """Both MTP layers on the source's hidden states: only the MTP layer's own weights differ (its
+    experts GPTQ vs RTN; attention and the rest are the same FP8). Paired over windows: clearly lower."""
+    d = paired(measured["gptq-alone"], measured["rtn-alone"])
+    print(f"MTP alone: gptq {float(measured['gptq-alone'].mean()):.3g} rtn {float(measured['rtn-alone'].mean()):.3g}; {d}")
+    assert d.better(z=2.0), f"GPTQ - RTN MTP KL: {d}"
+
+
+def test_validate_has_the_mtp_row_and_the_cards_show_it(glm_pairs):
+    from quantkit.validation.pipeline import validate
+
+    v = validate(glm_pairs["gptq"].out, eval_data="synthetic:heldout", num_samples=2, seq_len=32, gen_tokens=1,
+                 device="cpu", progress=False)
+    m = v.data["mtp"]
+    assert m["layer"] == 5 and set(m["rows"]) == {"prefill", "decode"}
+    assert m["rows"]["prefill"]["kl"] == 0 and m["rows"]["decode"]["kl"] > 0  # prefill's MTP is the source's FP8
+    saved = json.loads((glm_pairs["gptq"].out / "validation.json").read_text())
+    assert saved["mtp"] == json.loads(json.dumps(m))
+    md = (glm_pairs["gptq"].out / "validation.md").read_text()
+    assert "## MTP layer (layer 5" in md and "| decode (INT4) MTP |" in md
+    card = (glm_pairs["gptq"].decode / "README.md").read_text()
+    assert "| MTP layer (speculative draft) vs the source's MTP |" in card and "MTP draft accuracy" in card
+    assert "- MTP layer's routed experts: 16 GPTQ" in card or "RTN" in card.split("MTP layer's routed experts:")[1][:40]
+    assert "- guard: " in card and "quantized routed experts stored calibrated" in card
+    assert "MTP layer:" in str(v.table().caption)
+
+
+def test_kimi_has_no_mtp_row(tiny_kimi):
+    ckpts = {"reference": Checkpoint(tiny_kimi), "decode": Checkpoint(tiny_kimi)}
+    m = mtp_measure(ckpts, {}, torch.zeros(1, 8, dtype=torch.long), ["decode"], "cpu", torch.float32)
+    assert m == {"layer": None, "note": NO_MTP_ROW}
+    d = {"mtp": m}
+    assert mtp_markdown(d) == [] and mtp_card("decode", d) == ([], [])
