@@ -181,7 +181,7 @@ def test_report(pairs, tiny_glm):
     assert len(r["layers"]) == 6 and all(l["seconds"] >= 0 for l in r["layers"])
     assert r["experts_summary"]["total"] == 5 * 16  # 4 MoE layers + the MTP layer
     mtp = [e for e in r["experts"] if e["layer"] == 5]
-    # the MTP layer is calibrated on its serving inputs (tests/test_mtp.py), judged by the guard like any layer
+    # the MTP layer is calibrated on its serving inputs (tests/model/test_mtp.py), judged by the guard like any layer
     assert all(e["method"] == "gptq" or e["guard"] == "rtn" for e in mtp) and r["mtp"]["calibrated_layers"] == [5]
     calibrated = [e for e in r["experts"] if e["layer"] < 5]
     assert sum(e["tokens"] for e in calibrated) == 4 * r["calibration"]["tokens"] * 4  # 4 layers x top-4
