@@ -28,6 +28,8 @@ Classes (each built once, cached under $QUANTKIT_CACHE/bench-calibration):
                         unlike the tiny models' (calibrated and evaluated on that language)
   random-dsv3-outliers  random BF16 DeepSeek-V3 layout, 1/64 of each expert Linear's input columns x4
   random-glm-fp8        random GLM-MoE-DSA weights stored FP8 (GLM-5.2-FP8's format), DSA active
+  realshape-glm         realshape:glm-5.2 (real width, 2 layers, 16 experts top-8) at --realshape-budgets
+                        (RTN, GPTQ, AWQ; no llm-compressor; only when named in --classes)
 
 This is a benchmark that prints tables, not a test: it asserts nothing.
 """
@@ -207,10 +209,10 @@ def variant_recipe(base: str, fields: dict, path: Path) -> Path:
 
 
 def quantkit_run(src: Path, out: Path, method: str, calib: tuple[int, int], G: int, recipe: Path | str, logs: Path,
-                 env: dict, data: str = "synthetic:train") -> dict:
+                 env: dict, data: str = "synthetic:train", rest: str = "bf16") -> dict:
     cmd = [sys.executable, "-m", "quantkit.cli", "convert", str(src), "--out", str(out), "--method", method,
            "--recipe", str(recipe), "--calib", data, "--num-samples", str(calib[0]),
-           "--seq-len", str(calib[1]), "--group-size", str(G), "--decode-rest", "bf16", "--device", "cpu",
+           "--seq-len", str(calib[1]), "--group-size", str(G), "--decode-rest", rest, "--device", "cpu",
            "--no-validate", "--json"]
     m = bc.measured(cmd, logs / f"{out.name}.log", env=env)
     report = json.loads((logs / f"{out.name}.log").read_text())
@@ -282,7 +284,8 @@ def run_class(name: str, args, work: Path, env: dict, say) -> dict:
         for key, all_experts in (("llmc", True), ("llmc-routed", False)):
             say(f"{name}: llm-compressor {key} ...")
             spec = {"model": str(ref), "out": str(wd / key), "ids": str(wd / "calib-ids.pt"), "group_size": G,
-                    "block_size": rec.gptq.block_size, "dampening": rec.gptq.dampening, "actorder": rec.gptq.actorder,
+                    "block_size": rec.gptq.block_size, "dampening": rec.gptq.dampening,
+                    "actorder": rec.gptq.actorder or args.llmc_actorder == "static",
                     "dtype": "float32", "all_experts": all_experts}
             runs[key] = bc.measured([sys.executable, str(Path(bc.__file__)), "_llmc", json.dumps(spec)],
                                     logs / f"{key}.log", env=env)
@@ -306,8 +309,97 @@ def run_class(name: str, args, work: Path, env: dict, say) -> dict:
             row["guard"] = guard_summary(m["experts"])
         table[k] = row
     return {"class": name, "source": str(src), "model_type": arch.model_type, "group_size": G,
+            "llmc_actorder": "static" if rec.gptq.actorder or args.llmc_actorder == "static" else "none",
             "calibration": f"{'synthetic:train' if corpus == 'synthetic' else 'markov'} {calib[0]}x{calib[1]}",
             "eval": {s: list(ids.shape) for s, ids in sets.items()}, "rows": table}
+
+
+REALSHAPE = {"realshape-glm": ("realshape:glm-5.2", "glm-5.2", 128)}  # name: (spec, base recipe, group size)
+
+
+def passthrough_differences(src: Path, decode: Path) -> list[str]:
+    """Names of the decode checkpoint's tensors other than the routed experts whose values differ from
+    the source's (float32): empty when the decode differs from the source only in its experts."""
+    import torch
+
+    from quantkit.checkpoint.shards import Checkpoint
+    from quantkit.model.tensors import TensorClass
+
+    a, b = Checkpoint(src), Checkpoint(decode)
+    bad = []
+    for n in b.names():
+        if b.tensors[n].info.klass == TensorClass.ROUTED_EXPERT:
+            continue
+        if n not in a.tensors or not torch.equal(a.get(n, torch.float32), b.get(n, torch.float32)):
+            bad.append(n)
+    return bad
+
+
+def run_realshape(name: str, args, work: Path, env: dict, say) -> dict:
+    """A real-width class: realshape:glm-5.2 (2 decoder layers, hidden 6144, 16 routed experts top-8,
+    2048 wide), RTN and GPTQ/AWQ at each calibration budget of --realshape-budgets, with the shipped
+    glm-5.2 recipe's GPTQ settings. No float32 reference copy (4 GB a copy at this width): GLM's
+    decode output with `decode.rest: prefill` keeps the source's own FP8 bytes for everything but
+    the routed experts (checked, tensor by tensor, on the RTN output), so each decode folder differs
+    from the source only in its experts, and quality is KL(source || decode) from quantkit's streamed
+    forward, every checkpoint in lockstep. No llm-compressor row: its float32 copy and per-Linear
+    Hessians (gate and up each their own 6144^2) do not fit this 2-core, 23 GB machine's budget."""
+    import torch
+
+    from quantkit.checkpoint.shards import Checkpoint
+    from quantkit.inputs.modelspec import resolve
+    from quantkit.validation.forward import Stream, head, step
+    from quantkit.validation.metrics import paired
+
+    spec, base, G = REALSHAPE[name]
+    src = Path(resolve(spec))
+    arch = Checkpoint(src).arch
+    budgets = [tuple(int(v) for v in b.split("x")) for b in args.realshape_budgets.split(",")]
+    wd = work / name
+    logs = wd / "logs"
+    wd.mkdir(parents=True)
+    plan = [("RTN", "rtn", base, budgets[0])]
+    for b in budgets:
+        tag = f"{b[0]}x{b[1]}"
+        plan += [(f"GPTQ {tag}", "gptq", base, b), (f"AWQ {tag}", "awq", base, b)]
+        for v in args.variant:
+            vname, _, fields = v.partition(":")
+            kv = dict(f.split("=", 1) for f in fields.split(",") if f)
+            method = kv.pop("METHOD", "gptq")
+            plan.append((f"{vname} {tag}", method, variant_recipe(base, kv, wd / f"{vname}.yaml"), b))
+    runs: dict = {}
+    for key, method, recipe, b in plan:
+        say(f"{name}: quantkit {key} ...")
+        runs[key] = quantkit_run(src, wd / key.replace(" ", "-"), method, b, G, recipe, logs, env, rest="prefill")
+        runs[key]["calibration"] = f"{b[0]}x{b[1]}" if method != "rtn" else None
+    bad = passthrough_differences(src, wd / "RTN" / "decode")
+    if bad:
+        raise RuntimeError(f"{name}: the decode output differs from the source outside the experts: {bad[:5]}")
+    say(f"{name}: quality ...")
+    sets = eval_sets(args.eval_samples, args.eval_seq_len, arch.vocab_size)
+    ids = torch.cat(list(sets.values()))
+    ckpts = {"source": Checkpoint(src), **{k: Checkpoint(wd / k.replace(" ", "-") / "decode") for k in runs}}
+    streams = [Stream(k, k, None, ids=ids) for k in ckpts]
+    with torch.no_grad():
+        step(ckpts, streams, "cpu", torch.float32)
+        lp = {s.name: head(ckpts[s.model], s.h, torch.float32).log_softmax(-1) for s in streams}
+    del streams
+    kl, at = {s: {} for s in sets}, 0
+    for s, x in sets.items():
+        for k in runs:
+            kl[s][k] = window_kl(lp["source"][at:at + len(x)], lp[k][at:at + len(x)])
+        at += len(x)
+    table = {}
+    for k, m in runs.items():
+        row = {"wall_s": m["wall_s"], "cpu_s": m["cpu_s"], "peak_rss_bytes": m["peak_rss_bytes"],
+               "calibration": m["calibration"]}
+        for s in sets:
+            row[s] = {"kl": kl[s][k].mean().item(), "vs_rtn": vars(paired(kl[s][k], kl[s]["RTN"]))}
+        row["guard"] = guard_summary(m["experts"])
+        table[k] = row
+    return {"class": name, "source": str(src), "model_type": arch.model_type, "group_size": G,
+            "calibration": "synthetic:train " + ", ".join(f"{b[0]}x{b[1]}" for b in budgets) + f" (recipe {base})",
+            "eval": {s: list(x.shape) for s, x in sets.items()}, "rows": table}
 
 
 # ---- table -------------------------------------------------------------------------------------------
@@ -322,12 +414,14 @@ def render(res: dict) -> str:
     rows = res["rows"]
     sets = list(res["eval"])
     lines = [f"class {res['class']} ({res['model_type']}); calibration {res['calibration']}; INT4 g{res['group_size']}; "
-             f"held-out " + ", ".join(f"{s} {'x'.join(map(str, v))}" for s, v in res["eval"].items())]
-    hdr = f"{'run':<12} {'wall s':>6} {'RSS MB':>6}  {'KL in-dist':>10} {'vs RTN (z)':>24} {'vs llmc (z)':>24}"
+             f"held-out " + ", ".join(f"{s} {'x'.join(map(str, v))}" for s, v in res["eval"].items())
+             + (f"; llmc actorder {res['llmc_actorder']}" if "llmc" in rows else "")]
+    hdr = f"{'run':<{max(12, *(len(k) for k in rows))}} {'wall s':>6} {'RSS MB':>6}  {'KL in-dist':>10} {'vs RTN (z)':>24} {'vs llmc (z)':>24}"
     hdr += "".join(f"  {'KL ' + s:>14} {'vs RTN (z)':>24}" for s in sets[1:]) + "  guard: better/judged, stored"
     lines += [hdr, "-" * len(hdr)]
+    width = max(12, *(len(k) for k in rows))
     for k, r in rows.items():
-        line = f"{k:<12} {r['wall_s']:6.1f} {r['peak_rss_bytes'] / 2**20:6.0f}  {r[sets[0]]['kl']:10.3e} "
+        line = f"{k:<{width}} {r['wall_s']:6.1f} {r['peak_rss_bytes'] / 2**20:6.0f}  {r[sets[0]]['kl']:10.3e} "
         line += f"{_d(r[sets[0]]['vs_rtn']) if k != 'RTN' else '':>24} {_d(r[sets[0]].get('vs_llmc')) if k != 'llmc' else '':>24}"
         for s in sets[1:]:
             line += f"  {r[s]['kl']:14.3e} {_d(r[s]['vs_rtn']) if k != 'RTN' else '':>24}"
@@ -344,20 +438,26 @@ def render(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--classes", default=",".join(CLASSES), help="comma-separated: " + ", ".join(CLASSES))
+    ap.add_argument("--classes", default=",".join(CLASSES),
+                    help="comma-separated: " + ", ".join([*CLASSES, *REALSHAPE]) + " (default: all but realshape-glm)")
+    ap.add_argument("--realshape-budgets", default="16x64,64x64",
+                    help="realshape-glm: calibration budgets, windows x tokens, comma-separated")
     ap.add_argument("--num-samples", type=int, default=None, help="calibration windows (default: the class's)")
     ap.add_argument("--seq-len", type=int, default=None, help="calibration window length (default: the class's)")
     ap.add_argument("--eval-samples", type=int, default=64, help="in-distribution held-out windows (half as many off)")
     ap.add_argument("--eval-seq-len", type=int, default=64)
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE,...")
     ap.add_argument("--no-llmc", action="store_true", help="skip llm-compressor (experiments)")
+    ap.add_argument("--llmc-actorder", choices=["recipe", "static"], default="recipe",
+                    help="llm-compressor's activation order: the recipe's (gptq.actorder; false in every recipe), or "
+                         "static, GPTQModifier's own default when actorder is not passed")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=None, help="work folder, kept (results.json, logs)")
     args = ap.parse_args(argv)
     names = [c for c in args.classes.split(",") if c]
-    bad = [c for c in names if c not in CLASSES]
+    bad = [c for c in names if c not in CLASSES and c not in REALSHAPE]
     if bad:
-        ap.error(f"--classes: unknown {', '.join(bad)}; choose from {', '.join(CLASSES)}")
+        ap.error(f"--classes: unknown {', '.join(bad)}; choose from {', '.join([*CLASSES, *REALSHAPE])}")
     if args.out and args.out.exists() and any(args.out.iterdir()):
         ap.error(f"--out {args.out}: not empty")
     import torch
@@ -373,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results = []
     for name in names:
-        res = run_class(name, args, work, env, say)
+        res = (run_realshape if name in REALSHAPE else run_class)(name, args, work, env, say)
         results.append(res)
         print(render(res) + "\n", flush=True)
         (work / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
