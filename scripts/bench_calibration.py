@@ -335,6 +335,31 @@ def passthrough_differences(src: Path, decode: Path) -> list[str]:
     return bad
 
 
+def last_layer_log_probs(ckpts: dict, ids) -> dict:
+    """Log-probs (N, T, V) of every checkpoint in `ckpts` (the first is the source) on ids (N, T), when
+    they differ only in the routed experts of the last decoder layer (realshape: layer 0 dense,
+    layer 1 MoE): the layers before it run once, from the source; the last layer and the head run
+    per checkpoint, on the same hidden states (quantkit's streamed forward, layer by layer)."""
+    import copy
+
+    import torch
+
+    from quantkit.model.reference import Context
+    from quantkit.validation.forward import embed, head
+    from quantkit.validation.layerstream import streamed_layer
+
+    src = next(iter(ckpts.values()))
+    a = src.arch
+    with torch.no_grad():
+        ctx = Context.build(a, ids.shape[1], "cpu", torch.float32)
+        h = embed(src, ids, "cpu", torch.float32)
+        for layer in range(a.num_hidden_layers - 1):
+            h = streamed_layer(src, layer, [h], [ctx], "cpu", torch.float32)[0]
+        last = a.num_hidden_layers - 1
+        return {k: head(ck, streamed_layer(ck, last, [h], [copy.copy(ctx)], "cpu", torch.float32)[0],
+                        torch.float32).log_softmax(-1) for k, ck in ckpts.items()}
+
+
 def run_realshape(name: str, args, work: Path, env: dict, say) -> dict:
     """A real-width class: realshape:glm-5.2 (2 decoder layers, hidden 6144, 16 routed experts top-8,
     2048 wide), RTN and GPTQ/AWQ at each calibration budget of --realshape-budgets, with the shipped
@@ -348,7 +373,6 @@ def run_realshape(name: str, args, work: Path, env: dict, say) -> dict:
 
     from quantkit.checkpoint.shards import Checkpoint
     from quantkit.inputs.modelspec import resolve
-    from quantkit.validation.forward import Stream, head, step
     from quantkit.validation.metrics import paired
 
     spec, base, G = REALSHAPE[name]
@@ -357,7 +381,7 @@ def run_realshape(name: str, args, work: Path, env: dict, say) -> dict:
     budgets = [tuple(int(v) for v in b.split("x")) for b in args.realshape_budgets.split(",")]
     wd = work / name
     logs = wd / "logs"
-    wd.mkdir(parents=True)
+    wd.mkdir(parents=True, exist_ok=args.resume)
     plan = [("RTN", "rtn", base, budgets[0])]
     for b in budgets:
         tag = f"{b[0]}x{b[1]}"
@@ -369,8 +393,18 @@ def run_realshape(name: str, args, work: Path, env: dict, say) -> dict:
             plan.append((f"{vname} {tag}", method, variant_recipe(base, kv, wd / f"{vname}.yaml"), b))
     runs: dict = {}
     for key, method, recipe, b in plan:
-        say(f"{name}: quantkit {key} ...")
-        runs[key] = quantkit_run(src, wd / key.replace(" ", "-"), method, b, G, recipe, logs, env, rest="prefill")
+        out = wd / key.replace(" ", "-")
+        done = logs / f"{out.name}.rusage.json"
+        if args.resume and done.is_file() and (out / "decode").is_dir():  # a finished conversion of an earlier run
+            say(f"{name}: quantkit {key}: reused from {out}")
+            runs[key] = json.loads(done.read_text())
+            report = json.loads((logs / f"{out.name}.log").read_text())
+            runs[key].update(experts=report["experts"], sha256=(report["calibration"] or {}).get("sha256"))
+        else:
+            say(f"{name}: quantkit {key} ...")
+            if out.exists():
+                shutil.rmtree(out)
+            runs[key] = quantkit_run(src, out, method, b, G, recipe, logs, env, rest="prefill")
         runs[key]["calibration"] = f"{b[0]}x{b[1]}" if method != "rtn" else None
     bad = passthrough_differences(src, wd / "RTN" / "decode")
     if bad:
@@ -379,11 +413,7 @@ def run_realshape(name: str, args, work: Path, env: dict, say) -> dict:
     sets = eval_sets(args.eval_samples, args.eval_seq_len, arch.vocab_size)
     ids = torch.cat(list(sets.values()))
     ckpts = {"source": Checkpoint(src), **{k: Checkpoint(wd / k.replace(" ", "-") / "decode") for k in runs}}
-    streams = [Stream(k, k, None, ids=ids) for k in ckpts]
-    with torch.no_grad():
-        step(ckpts, streams, "cpu", torch.float32)
-        lp = {s.name: head(ckpts[s.model], s.h, torch.float32).log_softmax(-1) for s in streams}
-    del streams
+    lp = last_layer_log_probs(ckpts, ids)
     kl, at = {s: {} for s in sets}, 0
     for s, x in sets.items():
         for k in runs:
@@ -453,12 +483,16 @@ def main(argv: list[str] | None = None) -> int:
                          "static, GPTQModifier's own default when actorder is not passed")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=None, help="work folder, kept (results.json, logs)")
+    ap.add_argument("--resume", action="store_true",
+                    help="realshape-glm: reuse the finished conversions in --out's work folder (same names, same recipes)")
     args = ap.parse_args(argv)
     names = [c for c in args.classes.split(",") if c]
     bad = [c for c in names if c not in CLASSES and c not in REALSHAPE]
     if bad:
         ap.error(f"--classes: unknown {', '.join(bad)}; choose from {', '.join([*CLASSES, *REALSHAPE])}")
-    if args.out and args.out.exists() and any(args.out.iterdir()):
+    if args.resume and not args.out:
+        ap.error("--resume needs --out (the work folder of the earlier run)")
+    if args.out and args.out.exists() and any(args.out.iterdir()) and not args.resume:
         ap.error(f"--out {args.out}: not empty")
     import torch
 
@@ -476,7 +510,8 @@ def main(argv: list[str] | None = None) -> int:
         res = (run_realshape if name in REALSHAPE else run_class)(name, args, work, env, say)
         results.append(res)
         print(render(res) + "\n", flush=True)
-        (work / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+        (work / ("results-resumed.json" if args.resume else "results.json")).write_text(
+            json.dumps(results, indent=2, default=str) + "\n")
     if args.out is None:
         shutil.rmtree(work, ignore_errors=True)
     return 0
