@@ -385,7 +385,7 @@ def run_realshape(name: str, args, work: Path, env: dict, say) -> dict:
     plan = [("RTN", "rtn", base, budgets[0])]
     for b in budgets:
         tag = f"{b[0]}x{b[1]}"
-        plan += [(f"GPTQ {tag}", "gptq", base, b), (f"AWQ {tag}", "awq", base, b)]
+        plan += [(f"{m.upper()} {tag}", m, base, b) for m in args.realshape_methods.split(",") if m]
         for v in args.variant:
             vname, _, fields = v.partition(":")
             kv = dict(f.split("=", 1) for f in fields.split(",") if f)
@@ -472,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated: " + ", ".join([*CLASSES, *REALSHAPE]) + " (default: all but realshape-glm)")
     ap.add_argument("--realshape-budgets", default="16x64,64x64",
                     help="realshape-glm: calibration budgets, windows x tokens, comma-separated")
+    ap.add_argument("--realshape-methods", default="gptq,awq", help="realshape-glm: calibrated methods at each budget")
     ap.add_argument("--num-samples", type=int, default=None, help="calibration windows (default: the class's)")
     ap.add_argument("--seq-len", type=int, default=None, help="calibration window length (default: the class's)")
     ap.add_argument("--eval-samples", type=int, default=64, help="in-distribution held-out windows (half as many off)")
