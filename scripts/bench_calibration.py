@@ -479,9 +479,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-seq-len", type=int, default=64)
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE,...")
     ap.add_argument("--no-llmc", action="store_true", help="skip llm-compressor (experiments)")
-    ap.add_argument("--llmc-actorder", choices=["recipe", "static"], default="recipe",
-                    help="llm-compressor's activation order: the recipe's (gptq.actorder; false in every recipe), or "
-                         "static, GPTQModifier's own default when actorder is not passed")
+    ap.add_argument("--llmc-actorder", choices=["recipe", "static"], default="static",
+                    help="llm-compressor's activation order: static (default), GPTQModifier's own default when "
+                         "actorder is not passed, so the llmc rows are llm-compressor's default GPTQ; or the "
+                         "recipe's gptq.actorder (false in every recipe: the like-for-like quantizer)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=None, help="work folder, kept (results.json, logs)")
     ap.add_argument("--resume", action="store_true",
