@@ -279,7 +279,19 @@ def run_class(name: str, args, work: Path, env: dict, say) -> dict:
     if runs["GPTQ"]["sha256"] != tokens.sha256:
         raise RuntimeError(f"{name}: calibration ids differ between quantkit and llm-compressor")
     ref = bc.reference_copy(src, wd / "ref", "float32")
-    if not args.no_llmc:
+    reused: dict = {}
+    if args.llmc_from:  # llm-compressor's outputs of an earlier run on the same calibration ids
+        old = json.loads((args.llmc_from / "results.json").read_text())
+        old = next((r for r in old if r["class"] == name), None)
+        if old is None or old.get("llmc_actorder") != ("static" if rec.gptq.actorder or args.llmc_actorder == "static"
+                                                        else "none"):
+            raise RuntimeError(f"{name}: no llm-compressor run with this act-order in {args.llmc_from}")
+        for key in ("llmc", "llmc-routed"):
+            reused[key] = args.llmc_from / name / key
+            runs[key] = {k: old["rows"][key][k] for k in ("wall_s", "cpu_s", "peak_rss_bytes")}
+        if not torch.equal(torch.load(args.llmc_from / name / "calib-ids.pt"), tokens.ids):
+            raise RuntimeError(f"{name}: {args.llmc_from}'s llm-compressor runs used other calibration ids")
+    elif not args.no_llmc:
         torch.save(tokens.ids, wd / "calib-ids.pt")
         for key, all_experts in (("llmc", True), ("llmc-routed", False)):
             say(f"{name}: llm-compressor {key} ...")
@@ -291,8 +303,8 @@ def run_class(name: str, args, work: Path, env: dict, say) -> dict:
                                     logs / f"{key}.log", env=env)
     say(f"{name}: quality ...")
     sets = eval_sets(args.eval_samples, args.eval_seq_len, arch.vocab_size, corpus)
-    folders = {k: (wd / k if k.startswith("llmc") else bc.splice_experts(ref, wd / k / "decode", wd / f"{k}-spliced"))
-               for k in runs}
+    folders = {k: (reused.get(k, wd / k) if k.startswith("llmc")
+                   else bc.splice_experts(ref, wd / k / "decode", wd / f"{k}-spliced")) for k in runs}
     kl = {s: {} for s in sets}
     for s, ids in sets.items():
         ref_lp = bc.log_probs(ref, ids)
@@ -479,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-seq-len", type=int, default=64)
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE,...")
     ap.add_argument("--no-llmc", action="store_true", help="skip llm-compressor (experiments)")
+    ap.add_argument("--llmc-from", type=Path, default=None,
+                    help="reuse llm-compressor's outputs from an earlier --out folder (same classes and calibration)")
     ap.add_argument("--llmc-actorder", choices=["recipe", "static"], default="static",
                     help="llm-compressor's activation order: static (default), GPTQModifier's own default when "
                          "actorder is not passed, so the llmc rows are llm-compressor's default GPTQ; or the "
