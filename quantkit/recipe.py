@@ -62,6 +62,13 @@ class GPTQSettings(_Section):
     fallback: Literal["all_tokens", "rtn"] = "all_tokens"
     observer: Literal["minmax", "mse"] = "minmax"  # GPTQ's static group scales: min-max, or a clip search
     prior_tokens: int = Field(0, ge=0)  # p: H_e = (n_e H_e + p H_all) / (n_e + p) (streamed GPTQ; 0: off)
+    static_groups: bool = True  # group scales from the original W (llm-compressor); false: from the updated W
+    # each routed token's Hessian weight (streamed GPTQ): none; gate = its router weight (MoEQuant);
+    # gate2 = the weight squared (the expert's share of the layer output error), normalized per expert
+    hessian_weighting: Literal["none", "gate", "gate2"] = "none"
+    # which calibration tokens the guard judges on, never fitted (streamed GPTQ): every 8th of each
+    # expert's routed tokens ("position"), or every token of every 8th calibration window ("window")
+    holdout: Literal["position", "window"] = "position"
 
 
 class AWQSettings(_Section):  # method: awq (quantkit.quant.awq)
@@ -138,6 +145,9 @@ with warnings.catch_warnings():
             if self.gptq.block_size % self.group_size:
                 problems.append(f"gptq.block_size: {self.gptq.block_size} must be a multiple of "
                                 f"group_size {self.group_size}")
+            if not self.gptq.static_groups and self.gptq.actorder:
+                problems.append("gptq.static_groups: false needs gptq.actorder: false (a group's scale is set "
+                                "when its first column is reached, in the original column order)")
             cal, val = _same_data(self.calibration.dataset), _same_data(self.validate.dataset)
             if val is not None and val == cal:
                 problems.append(f"validate.dataset: {self.validate.dataset} is the calibration data; evaluate on held-out "

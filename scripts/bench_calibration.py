@@ -28,6 +28,8 @@ Classes (each built once, cached under $QUANTKIT_CACHE/bench-calibration):
                         unlike the tiny models' (calibrated and evaluated on that language)
   random-dsv3-outliers  random BF16 DeepSeek-V3 layout, 1/64 of each expert Linear's input columns x4
   random-glm-fp8        random GLM-MoE-DSA weights stored FP8 (GLM-5.2-FP8's format), DSA active
+  realshape-glm         realshape:glm-5.2 (real width, 2 layers, 16 experts top-8) at --realshape-budgets
+                        (RTN, GPTQ, AWQ; no llm-compressor; only when named in --classes)
 
 This is a benchmark that prints tables, not a test: it asserts nothing.
 """
@@ -207,10 +209,10 @@ def variant_recipe(base: str, fields: dict, path: Path) -> Path:
 
 
 def quantkit_run(src: Path, out: Path, method: str, calib: tuple[int, int], G: int, recipe: Path | str, logs: Path,
-                 env: dict, data: str = "synthetic:train") -> dict:
+                 env: dict, data: str = "synthetic:train", rest: str = "bf16") -> dict:
     cmd = [sys.executable, "-m", "quantkit.cli", "convert", str(src), "--out", str(out), "--method", method,
            "--recipe", str(recipe), "--calib", data, "--num-samples", str(calib[0]),
-           "--seq-len", str(calib[1]), "--group-size", str(G), "--decode-rest", "bf16", "--device", "cpu",
+           "--seq-len", str(calib[1]), "--group-size", str(G), "--decode-rest", rest, "--device", "cpu",
            "--no-validate", "--json"]
     m = bc.measured(cmd, logs / f"{out.name}.log", env=env)
     report = json.loads((logs / f"{out.name}.log").read_text())
@@ -277,19 +279,32 @@ def run_class(name: str, args, work: Path, env: dict, say) -> dict:
     if runs["GPTQ"]["sha256"] != tokens.sha256:
         raise RuntimeError(f"{name}: calibration ids differ between quantkit and llm-compressor")
     ref = bc.reference_copy(src, wd / "ref", "float32")
-    if not args.no_llmc:
+    reused: dict = {}
+    if args.llmc_from:  # llm-compressor's outputs of an earlier run on the same calibration ids
+        old = json.loads((args.llmc_from / "results.json").read_text())
+        old = next((r for r in old if r["class"] == name), None)
+        if old is None or old.get("llmc_actorder") != ("static" if rec.gptq.actorder or args.llmc_actorder == "static"
+                                                        else "none"):
+            raise RuntimeError(f"{name}: no llm-compressor run with this act-order in {args.llmc_from}")
+        for key in ("llmc", "llmc-routed"):
+            reused[key] = args.llmc_from / name / key
+            runs[key] = {k: old["rows"][key][k] for k in ("wall_s", "cpu_s", "peak_rss_bytes")}
+        if not torch.equal(torch.load(args.llmc_from / name / "calib-ids.pt"), tokens.ids):
+            raise RuntimeError(f"{name}: {args.llmc_from}'s llm-compressor runs used other calibration ids")
+    elif not args.no_llmc:
         torch.save(tokens.ids, wd / "calib-ids.pt")
         for key, all_experts in (("llmc", True), ("llmc-routed", False)):
             say(f"{name}: llm-compressor {key} ...")
             spec = {"model": str(ref), "out": str(wd / key), "ids": str(wd / "calib-ids.pt"), "group_size": G,
-                    "block_size": rec.gptq.block_size, "dampening": rec.gptq.dampening, "actorder": rec.gptq.actorder,
+                    "block_size": rec.gptq.block_size, "dampening": rec.gptq.dampening,
+                    "actorder": rec.gptq.actorder or args.llmc_actorder == "static",
                     "dtype": "float32", "all_experts": all_experts}
             runs[key] = bc.measured([sys.executable, str(Path(bc.__file__)), "_llmc", json.dumps(spec)],
                                     logs / f"{key}.log", env=env)
     say(f"{name}: quality ...")
     sets = eval_sets(args.eval_samples, args.eval_seq_len, arch.vocab_size, corpus)
-    folders = {k: (wd / k if k.startswith("llmc") else bc.splice_experts(ref, wd / k / "decode", wd / f"{k}-spliced"))
-               for k in runs}
+    folders = {k: (reused.get(k, wd / k) if k.startswith("llmc")
+                   else bc.splice_experts(ref, wd / k / "decode", wd / f"{k}-spliced")) for k in runs}
     kl = {s: {} for s in sets}
     for s, ids in sets.items():
         ref_lp = bc.log_probs(ref, ids)
@@ -306,8 +321,127 @@ def run_class(name: str, args, work: Path, env: dict, say) -> dict:
             row["guard"] = guard_summary(m["experts"])
         table[k] = row
     return {"class": name, "source": str(src), "model_type": arch.model_type, "group_size": G,
+            "llmc_actorder": "static" if rec.gptq.actorder or args.llmc_actorder == "static" else "none",
             "calibration": f"{'synthetic:train' if corpus == 'synthetic' else 'markov'} {calib[0]}x{calib[1]}",
             "eval": {s: list(ids.shape) for s, ids in sets.items()}, "rows": table}
+
+
+REALSHAPE = {"realshape-glm": ("realshape:glm-5.2", "glm-5.2", 128)}  # name: (spec, base recipe, group size)
+
+
+def passthrough_differences(src: Path, decode: Path) -> list[str]:
+    """Names of the decode checkpoint's tensors other than the routed experts whose values differ from
+    the source's (float32): empty when the decode differs from the source only in its experts."""
+    import torch
+
+    from quantkit.checkpoint.shards import Checkpoint
+    from quantkit.model.tensors import TensorClass
+
+    a, b = Checkpoint(src), Checkpoint(decode)
+    bad = []
+    for n in b.names():
+        if b.tensors[n].info.klass == TensorClass.ROUTED_EXPERT:
+            continue
+        if n not in a.tensors or not torch.equal(a.get(n, torch.float32), b.get(n, torch.float32)):
+            bad.append(n)
+    return bad
+
+
+def last_layer_log_probs(ckpts: dict, ids) -> dict:
+    """Log-probs (N, T, V) of every checkpoint in `ckpts` (the first is the source) on ids (N, T), when
+    they differ only in the routed experts of the last decoder layer (realshape: layer 0 dense,
+    layer 1 MoE): the layers before it run once, from the source; the last layer and the head run
+    per checkpoint, on the same hidden states (quantkit's streamed forward, layer by layer)."""
+    import copy
+
+    import torch
+
+    from quantkit.model.reference import Context
+    from quantkit.validation.forward import embed, head
+    from quantkit.validation.layerstream import streamed_layer
+
+    src = next(iter(ckpts.values()))
+    a = src.arch
+    with torch.no_grad():
+        ctx = Context.build(a, ids.shape[1], "cpu", torch.float32)
+        h = embed(src, ids, "cpu", torch.float32)
+        for layer in range(a.num_hidden_layers - 1):
+            h = streamed_layer(src, layer, [h], [ctx], "cpu", torch.float32)[0]
+        last = a.num_hidden_layers - 1
+        return {k: head(ck, streamed_layer(ck, last, [h], [copy.copy(ctx)], "cpu", torch.float32)[0],
+                        torch.float32).log_softmax(-1) for k, ck in ckpts.items()}
+
+
+def run_realshape(name: str, args, work: Path, env: dict, say) -> dict:
+    """A real-width class: realshape:glm-5.2 (2 decoder layers, hidden 6144, 16 routed experts top-8,
+    2048 wide), RTN and GPTQ/AWQ at each calibration budget of --realshape-budgets, with the shipped
+    glm-5.2 recipe's GPTQ settings. No float32 reference copy (4 GB a copy at this width): GLM's
+    decode output with `decode.rest: prefill` keeps the source's own FP8 bytes for everything but
+    the routed experts (checked, tensor by tensor, on the RTN output), so each decode folder differs
+    from the source only in its experts, and quality is KL(source || decode) from quantkit's streamed
+    forward, every checkpoint in lockstep. No llm-compressor row: its float32 copy and per-Linear
+    Hessians (gate and up each their own 6144^2) do not fit this 2-core, 23 GB machine's budget."""
+    import torch
+
+    from quantkit.checkpoint.shards import Checkpoint
+    from quantkit.inputs.modelspec import resolve
+    from quantkit.validation.metrics import paired
+
+    spec, base, G = REALSHAPE[name]
+    src = Path(resolve(spec))
+    arch = Checkpoint(src).arch
+    budgets = [tuple(int(v) for v in b.split("x")) for b in args.realshape_budgets.split(",")]
+    wd = work / name
+    logs = wd / "logs"
+    wd.mkdir(parents=True, exist_ok=args.resume)
+    plan = [("RTN", "rtn", base, budgets[0])]
+    for b in budgets:
+        tag = f"{b[0]}x{b[1]}"
+        plan += [(f"{m.upper()} {tag}", m, base, b) for m in args.realshape_methods.split(",") if m]
+        for v in args.variant:
+            vname, _, fields = v.partition(":")
+            kv = dict(f.split("=", 1) for f in fields.split(",") if f)
+            method = kv.pop("METHOD", "gptq")
+            plan.append((f"{vname} {tag}", method, variant_recipe(base, kv, wd / f"{vname}.yaml"), b))
+    runs: dict = {}
+    for key, method, recipe, b in plan:
+        out = wd / key.replace(" ", "-")
+        done = logs / f"{out.name}.rusage.json"
+        if args.resume and done.is_file() and (out / "decode").is_dir():  # a finished conversion of an earlier run
+            say(f"{name}: quantkit {key}: reused from {out}")
+            runs[key] = json.loads(done.read_text())
+            report = json.loads((logs / f"{out.name}.log").read_text())
+            runs[key].update(experts=report["experts"], sha256=(report["calibration"] or {}).get("sha256"))
+        else:
+            say(f"{name}: quantkit {key} ...")
+            if out.exists():
+                shutil.rmtree(out)
+            runs[key] = quantkit_run(src, out, method, b, G, recipe, logs, env, rest="prefill")
+        runs[key]["calibration"] = f"{b[0]}x{b[1]}" if method != "rtn" else None
+    bad = passthrough_differences(src, wd / "RTN" / "decode")
+    if bad:
+        raise RuntimeError(f"{name}: the decode output differs from the source outside the experts: {bad[:5]}")
+    say(f"{name}: quality ...")
+    sets = eval_sets(args.eval_samples, args.eval_seq_len, arch.vocab_size)
+    ids = torch.cat(list(sets.values()))
+    ckpts = {"source": Checkpoint(src), **{k: Checkpoint(wd / k.replace(" ", "-") / "decode") for k in runs}}
+    lp = last_layer_log_probs(ckpts, ids)
+    kl, at = {s: {} for s in sets}, 0
+    for s, x in sets.items():
+        for k in runs:
+            kl[s][k] = window_kl(lp["source"][at:at + len(x)], lp[k][at:at + len(x)])
+        at += len(x)
+    table = {}
+    for k, m in runs.items():
+        row = {"wall_s": m["wall_s"], "cpu_s": m["cpu_s"], "peak_rss_bytes": m["peak_rss_bytes"],
+               "calibration": m["calibration"]}
+        for s in sets:
+            row[s] = {"kl": kl[s][k].mean().item(), "vs_rtn": vars(paired(kl[s][k], kl[s]["RTN"]))}
+        row["guard"] = guard_summary(m["experts"])
+        table[k] = row
+    return {"class": name, "source": str(src), "model_type": arch.model_type, "group_size": G,
+            "calibration": "synthetic:train " + ", ".join(f"{b[0]}x{b[1]}" for b in budgets) + f" (recipe {base})",
+            "eval": {s: list(x.shape) for s, x in sets.items()}, "rows": table}
 
 
 # ---- table -------------------------------------------------------------------------------------------
@@ -322,12 +456,14 @@ def render(res: dict) -> str:
     rows = res["rows"]
     sets = list(res["eval"])
     lines = [f"class {res['class']} ({res['model_type']}); calibration {res['calibration']}; INT4 g{res['group_size']}; "
-             f"held-out " + ", ".join(f"{s} {'x'.join(map(str, v))}" for s, v in res["eval"].items())]
-    hdr = f"{'run':<12} {'wall s':>6} {'RSS MB':>6}  {'KL in-dist':>10} {'vs RTN (z)':>24} {'vs llmc (z)':>24}"
+             f"held-out " + ", ".join(f"{s} {'x'.join(map(str, v))}" for s, v in res["eval"].items())
+             + (f"; llmc actorder {res['llmc_actorder']}" if "llmc" in rows else "")]
+    hdr = f"{'run':<{max(12, *(len(k) for k in rows))}} {'wall s':>6} {'RSS MB':>6}  {'KL in-dist':>10} {'vs RTN (z)':>24} {'vs llmc (z)':>24}"
     hdr += "".join(f"  {'KL ' + s:>14} {'vs RTN (z)':>24}" for s in sets[1:]) + "  guard: better/judged, stored"
     lines += [hdr, "-" * len(hdr)]
+    width = max(12, *(len(k) for k in rows))
     for k, r in rows.items():
-        line = f"{k:<12} {r['wall_s']:6.1f} {r['peak_rss_bytes'] / 2**20:6.0f}  {r[sets[0]]['kl']:10.3e} "
+        line = f"{k:<{width}} {r['wall_s']:6.1f} {r['peak_rss_bytes'] / 2**20:6.0f}  {r[sets[0]]['kl']:10.3e} "
         line += f"{_d(r[sets[0]]['vs_rtn']) if k != 'RTN' else '':>24} {_d(r[sets[0]].get('vs_llmc')) if k != 'llmc' else '':>24}"
         for s in sets[1:]:
             line += f"  {r[s]['kl']:14.3e} {_d(r[s]['vs_rtn']) if k != 'RTN' else '':>24}"
@@ -344,21 +480,35 @@ def render(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--classes", default=",".join(CLASSES), help="comma-separated: " + ", ".join(CLASSES))
+    ap.add_argument("--classes", default=",".join(CLASSES),
+                    help="comma-separated: " + ", ".join([*CLASSES, *REALSHAPE]) + " (default: all but realshape-glm)")
+    ap.add_argument("--realshape-budgets", default="16x64,64x64",
+                    help="realshape-glm: calibration budgets, windows x tokens, comma-separated")
+    ap.add_argument("--realshape-methods", default="gptq,awq", help="realshape-glm: calibrated methods at each budget")
     ap.add_argument("--num-samples", type=int, default=None, help="calibration windows (default: the class's)")
     ap.add_argument("--seq-len", type=int, default=None, help="calibration window length (default: the class's)")
     ap.add_argument("--eval-samples", type=int, default=64, help="in-distribution held-out windows (half as many off)")
     ap.add_argument("--eval-seq-len", type=int, default=64)
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE,...")
     ap.add_argument("--no-llmc", action="store_true", help="skip llm-compressor (experiments)")
+    ap.add_argument("--llmc-from", type=Path, default=None,
+                    help="reuse llm-compressor's outputs from an earlier --out folder (same classes and calibration)")
+    ap.add_argument("--llmc-actorder", choices=["recipe", "static"], default="static",
+                    help="llm-compressor's activation order: static (default), GPTQModifier's own default when "
+                         "actorder is not passed, so the llmc rows are llm-compressor's default GPTQ; or the "
+                         "recipe's gptq.actorder (false in every recipe: the like-for-like quantizer)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=None, help="work folder, kept (results.json, logs)")
+    ap.add_argument("--resume", action="store_true",
+                    help="realshape-glm: reuse the finished conversions in --out's work folder (same names, same recipes)")
     args = ap.parse_args(argv)
     names = [c for c in args.classes.split(",") if c]
-    bad = [c for c in names if c not in CLASSES]
+    bad = [c for c in names if c not in CLASSES and c not in REALSHAPE]
     if bad:
-        ap.error(f"--classes: unknown {', '.join(bad)}; choose from {', '.join(CLASSES)}")
-    if args.out and args.out.exists() and any(args.out.iterdir()):
+        ap.error(f"--classes: unknown {', '.join(bad)}; choose from {', '.join([*CLASSES, *REALSHAPE])}")
+    if args.resume and not args.out:
+        ap.error("--resume needs --out (the work folder of the earlier run)")
+    if args.out and args.out.exists() and any(args.out.iterdir()) and not args.resume:
         ap.error(f"--out {args.out}: not empty")
     import torch
 
@@ -373,10 +523,11 @@ def main(argv: list[str] | None = None) -> int:
 
     results = []
     for name in names:
-        res = run_class(name, args, work, env, say)
+        res = (run_realshape if name in REALSHAPE else run_class)(name, args, work, env, say)
         results.append(res)
         print(render(res) + "\n", flush=True)
-        (work / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+        (work / ("results-resumed.json" if args.resume else "results.json")).write_text(
+            json.dumps(results, indent=2, default=str) + "\n")
     if args.out is None:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -55,3 +55,18 @@ def test_variant_recipe_changes_only_the_named_field(bench, tmp_path):
     p = bench.variant_recipe("tiny-glm-5.2", {"gptq.dampening": "0.1"}, tmp_path / "v.yaml")
     r, base = load_recipe(p), load_recipe("tiny-glm-5.2")
     assert r.gptq.dampening == 0.1 and r.gptq.block_size == base.gptq.block_size and r.method == base.method
+
+
+def test_last_layer_log_probs_equal_the_full_forward(bench):
+    """realshape-glm's quality: the layers before the last run once, from the source; only the last
+    layer and the head per checkpoint. On one checkpoint that is the full forward."""
+    from quantkit.checkpoint.shards import Checkpoint
+    from quantkit.inputs.modelspec import resolve
+    from quantkit.validation.forward import logits
+
+    src = Path(resolve("tiny:glm-5.2"))
+    ids = torch.randint(3, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    lp = bench.last_layer_log_probs({"source": Checkpoint(src), "again": Checkpoint(src)}, ids)
+    want = logits(src, ids, device="cpu").log_softmax(-1)
+    torch.testing.assert_close(lp["source"], want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(lp["source"], lp["again"])

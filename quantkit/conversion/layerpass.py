@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from quantkit.conversion.activations import ActivationStore
 from quantkit.model.kvcache import KVAbsmax
 from quantkit.model.reference import mla_attention, rms_norm, route, swiglu
-from quantkit.quant.experts import HOLDOUT, is_heldout, run_gptq, starved
+from quantkit.quant.experts import HOLDOUT, is_heldout, is_heldout_window, run_gptq, starved
 from quantkit.quant.gptq import QuantizedWeight
 
 
@@ -129,23 +129,38 @@ def _passes(store: ActivationStore, routing: LayerRouting, group=None):
         yield i, sl, store.x.read(sl).reshape(-1, D), idx_b, wt_b
 
 
-def _rows(idx_b: torch.Tensor, e: int, seen: int, start: int, use_all: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _rows(idx_b: torch.Tensor, e: int, seen: int, start: int, use_all: bool,
+          window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(fit rows, held-out rows) of this micro-batch for expert e, by quantkit.quant.experts' one policy:
     every HOLDOUT-th entry of the expert's routed-token list (or, with use_all, of the layer's
-    token list) is held out. `seen`: the expert's routed tokens in earlier micro-batches; `start`:
-    the micro-batch's first token in the layer."""
+    token list) is held out; with window = seq_len > 0 (gptq.holdout: window), every token of every
+    HOLDOUT-th calibration window instead. `seen`: the expert's routed tokens in earlier
+    micro-batches; `start`: the micro-batch's first token in the layer."""
     if use_all:
         rows = torch.arange(len(idx_b), device=idx_b.device)
         pos = start + rows
     else:
         rows = _tokens(idx_b, e)[0]
         pos = seen + torch.arange(len(rows), device=rows.device)
-    held = is_heldout(pos)
+    held = is_heldout_window(start + rows, window) if window else is_heldout(pos)
     return rows[~held], rows[held]
 
 
+def _gate_norms(routing: LayerRouting, run: list[int], weighting: str) -> list[float]:
+    """Per expert, the mean over its routed tokens of the token weight that hessian_weighting gives
+    (router weight, or its square), so that weighted tokens count as many tokens in all: the
+    prior's and dampening's relative sizes do not change with the weighting."""
+    out = []
+    for e in run:
+        w = routing.weight[routing.idx == e].double()
+        w = w.square() if weighting == "gate2" else w
+        out.append(float(w.mean()) if len(w) and float(w.mean()) > 0 else 1.0)
+    return out
+
+
 def expert_hessians(store: ActivationStore, routing: LayerRouting, run: list[int], all_tokens: set[int],
-                    inputs=None, held: dict | None = None, prior: int = 0) -> torch.Tensor:
+                    inputs=None, held: dict | None = None, prior: int = 0, window: int = 0,
+                    weighting: str = "none") -> torch.Tensor:
     """H_e = 2/n_e sum x x^T [len(run), in, in] over each expert's fit tokens (the layer's fit
     tokens for the experts in `all_tokens`), accumulated one micro-batch at a time; held-out tokens
     never enter. `inputs(j, x_e)` maps an expert's input rows to the rows of the Linear whose Hessian
@@ -155,19 +170,32 @@ def expert_hessians(store: ActivationStore, routing: LayerRouting, run: list[int
     prior = p > 0 (gptq.prior_tokens): H_e = (n_e H_e + p H_all) / (n_e + p), H_all the Hessian of
     the same Linear over every fit token of the layer: an expert with few routed tokens is pulled
     towards the layer's statistics, one with many keeps its own. Accumulated in place (the layer's
-    fit-token count is known up front), so no second (C, in, in) array."""
+    fit-token count is known up front), so no second (C, in, in) array.
+
+    window = seq_len > 0: hold out by calibration window (gptq.holdout: window; `_rows`).
+    weighting (gptq.hessian_weighting): "gate" weights each routed token's x x^T by its router
+    weight for the expert (MoEQuant's affinity-guided Hessian), "gate2" by that weight squared (the
+    factor the token's expert-output error has in the layer output); each divided by the expert's
+    mean of it (`_gate_norms`). Experts fitted on every token (`all_tokens`) stay unweighted."""
     H = None
-    n_all = routing.starts[-1] - routing.starts[-1] // HOLDOUT if prior else 0
+    N = routing.starts[-1]
+    if not prior:
+        n_all = 0
+    elif window:
+        n_all = N - (N // window) // HOLDOUT * window
+    else:
+        n_all = N - N // HOLDOUT
     w_all = prior / max(n_all, 1)
     n = torch.zeros(len(run), dtype=torch.float64)
     seen = {e: 0 for e in run}
     parts: dict[int, list] = {e: [] for e in run}
-    for i, _, xb, idx_b, _ in _passes(store, routing):
+    norms = _gate_norms(routing, run, weighting) if weighting != "none" else None
+    for i, _, xb, idx_b, wt_b in _passes(store, routing):
         start = routing.starts[i]
         for j, e in enumerate(run):
-            fit, out = _rows(idx_b, e, seen[e], start, e in all_tokens)
+            fit, out = _rows(idx_b, e, seen[e], start, e in all_tokens, window)
             if held is not None:  # the guard judges on the expert's own held-out routed tokens
-                routed_out = _rows(idx_b, e, seen[e], start, False)[1] if e in all_tokens else out
+                routed_out = _rows(idx_b, e, seen[e], start, False, window)[1] if e in all_tokens else out
                 if len(routed_out):
                     parts[e].append(xb[routed_out])
             seen[e] += int((idx_b == e).sum())
@@ -176,11 +204,18 @@ def expert_hessians(store: ActivationStore, routing: LayerRouting, run: list[int
                 xe = inputs(j, xe)
             if H is None:
                 H = torch.zeros(len(run), xe.shape[-1], xe.shape[-1], device=xb.device)
-            if len(xe):
-                H[j].addmm_(xe.T, xe)
-            n[j] += len(xe)
+            if norms is not None and e not in all_tokens:
+                c = (wt_b * (idx_b == e)).sum(-1)[fit].to(xe.dtype)  # each fit token's router weight for e
+                c = (c.square() if weighting == "gate2" else c) / norms[j]
+                if len(xe):
+                    H[j].addmm_((xe * c[:, None]).T, xe)
+                n[j] += float(c.sum())
+            else:
+                if len(xe):
+                    H[j].addmm_(xe.T, xe)
+                n[j] += len(xe)
             if prior and e not in all_tokens:
-                xa = xb[_rows(idx_b, e, seen[e], start, True)[0]]
+                xa = xb[_rows(idx_b, e, seen[e], start, True, window)[0]]
                 xa = inputs(j, xa) if inputs is not None else xa
                 H[j].addmm_(xa.T, xa, alpha=w_all)
         del xb
@@ -192,7 +227,7 @@ def expert_hessians(store: ActivationStore, routing: LayerRouting, run: list[int
     return H
 
 
-def _layer_heldout(store: ActivationStore) -> torch.Tensor:
+def _layer_heldout(store: ActivationStore, window: int = 0) -> torch.Tensor:
     """Every held-out token of the layer (the guard's data for an expert with none of its own)."""
     D = store.shape[-1]
     rows = []
@@ -200,7 +235,7 @@ def _layer_heldout(store: ActivationStore) -> torch.Tensor:
         xb = store.x.read(sl).reshape(-1, D)
         start = sl.start * store.shape[1]
         pos = start + torch.arange(len(xb), device=xb.device)
-        rows.append(xb[is_heldout(pos)])
+        rows.append(xb[is_heldout_window(pos, window) if window else is_heldout(pos)])
     return torch.cat(rows)
 
 
@@ -214,7 +249,16 @@ def gptq_experts(store: ActivationStore, routing: LayerRouting, ew: dict[str, to
 
     g = recipe.gptq
     counts = routing.counts
-    hungry = {e for e in experts if starved(int(counts[e]), g)}
+    window = store.shape[1] if getattr(g, "holdout", "position") == "window" else 0
+    weighting = getattr(g, "hessian_weighting", "none")
+    if window:  # starved: too few routed tokens outside the held-out windows
+        N = routing.starts[-1]
+        fit = ~is_heldout_window(torch.arange(N, device=routing.idx.device), window)
+        flat = routing.idx[fit].flatten().long()
+        fit_counts = torch.zeros_like(counts).scatter_add_(0, flat, torch.ones_like(flat))
+        hungry = {e for e in experts if int(fit_counts[e]) < max(g.min_tokens, 1)}
+    else:
+        hungry = {e for e in experts if starved(int(counts[e]), g)}
     records, quantized = {}, {}
     for e in experts:
         if e in hungry and g.fallback == "rtn":
@@ -226,7 +270,8 @@ def gptq_experts(store: ActivationStore, routing: LayerRouting, ew: dict[str, to
         I = ew[f"mlp.experts.{run[0]}.gate_proj.weight"].shape[0]
         # gate and up: one Hessian per expert, shared; the weights stacked by rows [C, 2I, D]
         held: dict = {}
-        H = expert_hessians(store, routing, run, all_tokens, held=held, prior=g.prior_tokens)
+        H = expert_hessians(store, routing, run, all_tokens, held=held, prior=g.prior_tokens, window=window,
+                            weighting=weighting)
         Wgu = torch.stack([torch.cat([ew[f"mlp.experts.{e}.gate_proj.weight"],
                                       ew[f"mlp.experts.{e}.up_proj.weight"]]) for e in run]).float()
         box = [H]
@@ -238,7 +283,8 @@ def gptq_experts(store: ActivationStore, routing: LayerRouting, ew: dict[str, to
         def z(j, xe):  # down's input under the quantized gate/up
             return F.silu(xe @ gu_hat[j, :I].T) * (xe @ gu_hat[j, I:].T)
 
-        Hd = expert_hessians(store, routing, run, all_tokens, inputs=z, prior=g.prior_tokens)
+        Hd = expert_hessians(store, routing, run, all_tokens, inputs=z, prior=g.prior_tokens, window=window,
+                             weighting=weighting)
         del gu_hat
         Wd = torch.stack([ew[f"mlp.experts.{e}.down_proj.weight"] for e in run]).float()  # [C, D, I]
         box = [Hd]
@@ -256,7 +302,7 @@ def gptq_experts(store: ActivationStore, routing: LayerRouting, ew: dict[str, to
                              float(qgu.loss[j] + qd.loss[j]))
             x_held = held.get(e)
             if x_held is None:  # no held-out routed token: every held-out token of the layer
-                layer_held = _layer_heldout(store) if layer_held is None else layer_held
+                layer_held = _layer_heldout(store, window) if layer_held is None else layer_held
                 x_held = layer_held
             quantized[e] = guard_against_rtn(x_held, ew, e, q, group_size, r)
             records[e] = r

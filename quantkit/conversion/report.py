@@ -198,8 +198,10 @@ def _pair_report(model, job: Job, tokens, source_files: dict[str, str], out: Pat
         "layers": state.layers,
         "experts": experts,
         "experts_summary": _experts_summary(experts),
-        "guard": "each calibrated expert is compared with RTN on its held-out routed tokens (every "
-                 f"{HOLDOUT}th calibration token, never fitted on); the lower output error is stored",
+        "guard": "each calibrated expert is compared with RTN on its held-out routed tokens (" + (
+                 f"every token of every {HOLDOUT}th calibration window" if rec.gptq.holdout == "window" and
+                 rec.method == "gptq" else f"every {HOLDOUT}th calibration token") +
+                 ", never fitted on); the lower output error is stored",
         "outputs": {
             "prefill": {"path": "prefill", "bytes": sizes["prefill"], "manifest_sha256": (manifests or {}).get("prefill"),
                         "precision": precision_summary(ckpt, decisions, "prefill", G, block)},

@@ -29,7 +29,7 @@ from quantkit.errors import OutputError
 from quantkit.model.reference import swiglu
 from quantkit.quant.gptq import HessianError, QuantizedWeight, gptq, quantize_rtn
 
-__all__ = ["PROJS", "HOLDOUT", "ExpertRecord", "expert_weights", "is_heldout", "split_heldout", "starved",
+__all__ = ["PROJS", "HOLDOUT", "ExpertRecord", "expert_weights", "is_heldout", "is_heldout_window", "split_heldout", "starved",
            "calibration_inputs",
            "heldout_inputs", "rtn_expert", "run_gptq", "guard_against_rtn", "guard_experts"]
 
@@ -63,6 +63,13 @@ def is_heldout(pos: torch.Tensor) -> torch.Tensor:
     tokens one micro-batch at a time, applies it to running positions; `split_heldout` is the same
     rule for a whole list at once."""
     return pos % HOLDOUT == HOLDOUT - 1
+
+
+def is_heldout_window(pos: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """gptq.holdout: window. For positions (n,) in the layer's token list (window i holds positions
+    i*seq_len ... (i+1)*seq_len - 1): True for every token of every HOLDOUT-th calibration window, so
+    the guard judges on whole windows no Hessian saw, not on the fitted tokens' neighbours."""
+    return (pos // seq_len) % HOLDOUT == HOLDOUT - 1
 
 
 def starved(n_routed: int, g) -> bool:
@@ -116,7 +123,8 @@ def run_gptq(W: torch.Tensor, H: torch.Tensor, group_size: int, g, layer: int, e
     del H  # no reference left here, so that a consumed H is freed inside gptq
     try:
         return gptq(W, box.pop(), group_size, block_size=g.block_size, dampening=g.dampening, actorder=g.actorder,
-                    consume=consume, observer=getattr(g, "observer", "minmax"))
+                    consume=consume, observer=getattr(g, "observer", "minmax"),
+                    static_groups=getattr(g, "static_groups", True))
     except HessianError as e:
         raise OutputError(f"layer {layer}, experts {experts}: {e}; raise gptq.dampening in the recipe") from None
 

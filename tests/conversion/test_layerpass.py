@@ -90,3 +90,95 @@ def test_all_token_prior_mixes_the_layer_hessian_by_token_counts(micro_batch):
         want = (len(x_e) * H_e + p * H_all) / (len(x_e) + p)
         torch.testing.assert_close(H[j], want, rtol=1e-5, atol=1e-5)
         assert not torch.allclose(H[j], H_e, rtol=1e-3, atol=1e-3)  # the prior moved it
+
+
+def _streamed(x, idx, weight, n, t, micro_batch):
+    store = ActivationStore(n, t, x.shape[-1], StorePlan(micro_batch=micro_batch), "cpu")
+    xs = store.open_x()
+    per = micro_batch * t
+    for sl in store.slices():
+        xs.write(sl, x.view(n, t, -1)[sl])
+    n_b = len(list(store.slices()))
+    routing = LayerRouting([idx[i * per:(i + 1) * per] for i in range(n_b)],
+                           [weight[i * per:(i + 1) * per] for i in range(n_b)],
+                           [min(per, n * t - i * per) for i in range(n_b)], E)
+    return store, routing
+
+
+@pytest.mark.parametrize("micro_batch", [N, 1])
+@pytest.mark.parametrize("weighting", ["gate", "gate2"])
+def test_gate_weighted_hessian_weights_each_routed_token_by_its_router_weight(micro_batch, weighting):
+    """gptq.hessian_weighting: H_e = 2 sum c_t x_t x_t^T / sum c_t over the fit tokens, c_t the token's
+    router weight for e (gate) or its square (gate2), divided by the expert's mean of it."""
+    from quantkit.conversion.layerpass import expert_hessians
+    from quantkit.quant.experts import split_heldout
+
+    _, x, idx, weight = _layer()
+    store, routing = _streamed(x, idx, weight, N, T, micro_batch)
+    H = expert_hessians(store, routing, [0, 1], set(), weighting=weighting)
+    H0 = expert_hessians(store, routing, [0, 1], set())
+    for j, e in enumerate([0, 1]):
+        tok = (idx == e).any(-1).nonzero(as_tuple=True)[0]
+        fit = split_heldout(tok)[0]
+        c = (weight * (idx == e)).sum(-1)
+        c = c.square() if weighting == "gate2" else c
+        c = c / c[tok].mean()
+        x_e = x[fit]
+        want = 2 * (x_e * c[fit, None]).T @ x_e / c[fit].sum()
+        torch.testing.assert_close(H[j], want, rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(H[j], H0[j], rtol=1e-3, atol=1e-3)  # the weighting moved it
+
+
+@pytest.mark.parametrize("micro_batch", [16, 3])
+def test_window_holdout_fits_on_other_windows_and_judges_on_whole_windows(micro_batch):
+    """gptq.holdout: window: every token of every 8th calibration window is held out (of the Hessian,
+    kept for the guard), instead of every 8th routed token; the starved check counts fit windows."""
+    from quantkit.conversion.layerpass import expert_hessians
+    from quantkit.quant.experts import HOLDOUT
+
+    n, t = 16, 10  # two held-out windows: 7 and 15
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n * t, D, generator=g)
+    first = torch.randint(0, 3, (n * t,), generator=g)
+    idx = torch.stack([first, (first + 1) % 3], -1)
+    weight = torch.rand(n * t, K, generator=g)
+    store, routing = _streamed(x, idx, weight, n, t, micro_batch)
+    held: dict = {}
+    H = expert_hessians(store, routing, [0, 1], set(), held=held, window=t)
+    win = torch.arange(n * t) // t
+    out = win % HOLDOUT == HOLDOUT - 1
+    assert int(out.sum()) == 2 * t
+    for j, e in enumerate([0, 1]):
+        routed = (idx == e).any(-1)
+        x_e = x[routed & ~out]
+        torch.testing.assert_close(H[j], 2 * x_e.T @ x_e / len(x_e), rtol=1e-4, atol=1e-5)
+        assert torch.equal(held[e], x[routed & out])
+
+    # end to end: the recipe field reaches the guard (it judges on the held-out windows' tokens)
+    rec = load_recipe("tiny-glm-5.2")
+    rec.gptq.holdout = "window"
+    w = _layer()[0]
+    _, recs = gptq_experts(store, routing, w, [0, 1, 2], rec, 32, layer=1)
+    assert [r.heldout for r in recs] == [int(((idx == e).any(-1) & out).sum()) for e in (0, 1, 2)]
+
+
+def test_static_groups_recipe_field_reaches_gptq():
+    from types import SimpleNamespace
+
+    from quantkit.quant.experts import run_gptq
+    from quantkit.quant.gptq import gptq
+
+    g = torch.Generator().manual_seed(2)
+    W = torch.randn(2, 16, 64, generator=g)
+    X = torch.randn(200, 64, generator=g) * torch.linspace(0.1, 3, 64)
+    H = (2 * X.T @ X / 200).expand(2, -1, -1).contiguous()
+    base = dict(block_size=64, dampening=0.01, actorder=False, observer="minmax")
+    dyn = run_gptq(W, H, 32, SimpleNamespace(**base, static_groups=False), 1, [0, 1])
+    stat = run_gptq(W, H, 32, SimpleNamespace(**base, static_groups=True), 1, [0, 1])
+    want = gptq(W, H, 32, block_size=64, static_groups=False)
+    assert torch.equal(dyn.q, want.q) and torch.equal(dyn.scale, want.scale)
+    assert not torch.equal(dyn.scale, stat.scale)
+    data = load_recipe("tiny-glm-5.2").model_dump()
+    data["gptq"].update(static_groups=False, actorder=True)
+    with pytest.raises(ValueError, match="static_groups"):
+        type(load_recipe("tiny-glm-5.2")).model_validate(data)
