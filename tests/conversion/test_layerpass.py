@@ -31,19 +31,24 @@ def _layer(seed: int = 0):
     return w, x, idx, weight
 
 
+def _streamed(x, idx, weight, n, t, micro_batch):
+    store = ActivationStore(n, t, x.shape[-1], StorePlan(micro_batch=micro_batch), "cpu")
+    xs = store.open_x()
+    per = micro_batch * t
+    for sl in store.slices():
+        xs.write(sl, x.view(n, t, -1)[sl])
+    n_b = len(list(store.slices()))
+    routing = LayerRouting([idx[i * per:(i + 1) * per] for i in range(n_b)],
+                           [weight[i * per:(i + 1) * per] for i in range(n_b)],
+                           [min(per, n * t - i * per) for i in range(n_b)], E)
+    return store, routing
+
+
 @pytest.mark.parametrize("micro_batch", [N, 1])
 def test_streamed_gptq_equals_whole_layer_gptq(micro_batch):
     w, x, idx, weight = _layer()
     rec = load_recipe("tiny-glm-5.2")
-    store = ActivationStore(N, T, D, StorePlan(micro_batch=micro_batch), "cpu")
-    xs = store.open_x()
-    per = micro_batch * T
-    for sl in store.slices():
-        xs.write(sl, x.view(N, T, D)[sl])
-    n_b = len(list(store.slices()))
-    routing = LayerRouting([idx[i * per:(i + 1) * per] for i in range(n_b)],
-                           [weight[i * per:(i + 1) * per] for i in range(n_b)],
-                           [min(per, N * T - i * per) for i in range(n_b)], E)
+    store, routing = _streamed(x, idx, weight, N, T, micro_batch)
     experts = list(range(E))
     q_s, rec_s = gptq_experts(store, routing, w, experts, rec, 32, layer=1)
 
@@ -71,15 +76,7 @@ def test_all_token_prior_mixes_the_layer_hessian_by_token_counts(micro_batch):
     from quantkit.quant.experts import split_heldout
 
     w, x, idx, weight = _layer()
-    store = ActivationStore(N, T, D, StorePlan(micro_batch=micro_batch), "cpu")
-    xs = store.open_x()
-    per = micro_batch * T
-    for sl in store.slices():
-        xs.write(sl, x.view(N, T, D)[sl])
-    n_b = len(list(store.slices()))
-    routing = LayerRouting([idx[i * per:(i + 1) * per] for i in range(n_b)],
-                           [weight[i * per:(i + 1) * per] for i in range(n_b)],
-                           [min(per, N * T - i * per) for i in range(n_b)], E)
+    store, routing = _streamed(x, idx, weight, N, T, micro_batch)
     p = 50
     H = expert_hessians(store, routing, [0, 1], set(), prior=p)
     x_all = x[split_heldout(torch.arange(N * T))[0]]
@@ -90,19 +87,6 @@ def test_all_token_prior_mixes_the_layer_hessian_by_token_counts(micro_batch):
         want = (len(x_e) * H_e + p * H_all) / (len(x_e) + p)
         torch.testing.assert_close(H[j], want, rtol=1e-5, atol=1e-5)
         assert not torch.allclose(H[j], H_e, rtol=1e-3, atol=1e-3)  # the prior moved it
-
-
-def _streamed(x, idx, weight, n, t, micro_batch):
-    store = ActivationStore(n, t, x.shape[-1], StorePlan(micro_batch=micro_batch), "cpu")
-    xs = store.open_x()
-    per = micro_batch * t
-    for sl in store.slices():
-        xs.write(sl, x.view(n, t, -1)[sl])
-    n_b = len(list(store.slices()))
-    routing = LayerRouting([idx[i * per:(i + 1) * per] for i in range(n_b)],
-                           [weight[i * per:(i + 1) * per] for i in range(n_b)],
-                           [min(per, n * t - i * per) for i in range(n_b)], E)
-    return store, routing
 
 
 @pytest.mark.parametrize("micro_batch", [N, 1])
