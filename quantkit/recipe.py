@@ -60,7 +60,8 @@ class GPTQSettings(_Section):
     actorder: bool = False  # static activation order (group of a column unchanged: same format)
     min_tokens: int = Field(32, ge=0)  # experts routed fewer tokens take `fallback`
     fallback: Literal["all_tokens", "rtn"] = "all_tokens"
-    observer: Literal["minmax", "mse"] = "minmax"  # GPTQ's static group scales: min-max, or a clip search
+    # GPTQ's static group scales: min-max; a clip search (mse); or the clip search weighted by the damped diag(H) (hessian)
+    observer: Literal["minmax", "mse", "hessian"] = "minmax"
     prior_tokens: int = Field(0, ge=0)  # p: H_e = (n_e H_e + p H_all) / (n_e + p) (streamed GPTQ; 0: off)
     static_groups: bool = True  # group scales from the original W (llm-compressor); false: from the updated W
     # each routed token's Hessian weight (streamed GPTQ): none; gate = its router weight (MoEQuant);

@@ -110,14 +110,18 @@ def group_scales(
 
 def mse_group_scales(
     W: torch.Tensor, group_size: int, num_bits: int = 4, scale_dtype: torch.dtype = torch.bfloat16,
-    grid: int = 100, max_shrink: float = 0.2, norm: float = 2.4,
+    grid: int = 100, max_shrink: float = 0.2, norm: float = 2.4, weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-group scales from a clip-ratio search, as llm-compressor's MSE observer: for each group,
     the range max|w| x r with r in 1, 1 - 1/grid, ... > 1 - max_shrink that minimises
     sum |w - Q(w)|^norm. Distribution-free (no Hessian): it trades one saturated outlier against a
-    finer grid for the rest of the group, the same way on any input. Ties keep r = 1 (min-max)."""
+    finer grid for the rest of the group, the same way on any input. Ties keep r = 1 (min-max).
+    weight [..., in] (optional): each input column's weight in that sum, shared by the rows of a matrix
+    (the "hessian" observer of `gptq` passes the damped diagonal of H)."""
     _check_groups(W, group_size)
     Wg = W.float().unflatten(-1, (-1, group_size))  # [..., out, G, gs]
+    if weight is not None:
+        weight = weight.float().unsqueeze(-2).unflatten(-1, (-1, group_size))  # [..., 1, G, gs]
     amax = Wg.abs().amax(dim=-1)  # [..., out, G]
     half = (2.0 ** num_bits - 1) / 2  # 7.5 for 4 bits, as group_scales
     finfo = torch.finfo(scale_dtype)
@@ -125,7 +129,8 @@ def mse_group_scales(
     for i in range(max(1, int(max_shrink * grid))):
         s = (amax * (1 - i / grid) / half).clamp(finfo.min, finfo.max).to(scale_dtype)
         s = torch.where(s == 0, torch.tensor(finfo.eps, dtype=scale_dtype, device=W.device), s)
-        err = ((_round(Wg, s.float().unsqueeze(-1), num_bits) * s.float().unsqueeze(-1) - Wg).abs() ** norm).sum(-1)
+        err = (_round(Wg, s.float().unsqueeze(-1), num_bits) * s.float().unsqueeze(-1) - Wg).abs() ** norm
+        err = (err if weight is None else err * weight).sum(-1)  # [..., out, G]
         if best is None:
             best, best_err = s, err
             continue
@@ -173,7 +178,9 @@ def gptq(
     consume=True lets gptq work on the caller's float32 W and H in place instead of copying them
     (the caller must not use either afterwards, and should hold no other reference, so that H is
     freed once factored): at real width H and W are the largest things here.
-    observer="mse": static group scales from `mse_group_scales` (a clip search) instead of min-max.
+    observer="mse": static group scales from `mse_group_scales` (a clip search) instead of min-max;
+    "hessian": the same search weighted by the damped diag(H) (squared error: GPTQ's own objective
+    without the off-diagonal terms), so a group's clip is chosen for the inputs the column sees.
     Raises HessianError naming the batch indices whose damped H is not positive definite.
     """
     _check_groups(W, group_size)
@@ -192,6 +199,11 @@ def gptq(
     # Group scales from the original weights (llm-compressor's observer runs before GPTQ).
     if observer == "mse":
         scale = mse_group_scales(W, group_size, num_bits, scale_dtype)  # [E, out, G]
+    elif observer == "hessian":  # the clip search on GPTQ's own objective, diagonal part: d_j (w_j - q_j)^2
+        d = torch.diagonal(H, dim1=-2, dim2=-1)  # [E, in]
+        d = d + dampening * d.mean(dim=-1, keepdim=True)  # the damped diagonal GPTQ factors below
+        scale = mse_group_scales(W, group_size, num_bits, scale_dtype, norm=2.0, weight=d)  # [E, out, G]
+        del d
     else:
         scale = group_scales(W, group_size, num_bits, scale_dtype)  # [E, out, G]
     # g_idx [E, in]: the group of each column

@@ -181,7 +181,7 @@ def _recipe(report: dict) -> list[str]:
     ]
     if r["method"] == "gptq":
         out.append(f"- GPTQ: dampening {g.get('dampening')}, block {g.get('block_size')}, actorder {g.get('actorder')}, "
-                   f"experts with fewer than {g.get('min_tokens')} routed tokens take `{g.get('fallback')}`")
+                   f"group scales {g.get('observer', 'minmax')}, experts with fewer than {g.get('min_tokens')} routed tokens take `{g.get('fallback')}`")
     if cal:
         out.append(f"- calibration data: `{cal['spec']}`, {cal['num_samples']} x {cal['seq_len']} = {cal['tokens']} tokens, "
                    f"sha256 `{cal['sha256']}`; {report.get('calibration_choice', '')}")

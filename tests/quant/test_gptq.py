@@ -267,3 +267,28 @@ def test_mse_observer_never_worse_than_minmax_and_clips_an_outlier():
     assert bool((mse[:, 0] < mm[:, 0]).all()) and err(mse)[:, 0].sum() < 0.9 * err(mm)[:, 0].sum()
     q = gptq(W, torch.eye(256) * 2, 128, observer="mse")  # GPTQ stores the observer's scales
     assert torch.equal(q.scale, mse)
+
+
+def test_hessian_observer_weights_the_clip_search_by_the_damped_diagonal():
+    """observer="hessian": each group's clip minimises sum_j d_j (w_j - q_j)^2 with d the damped diag(H).
+    Flat d is the unweighted squared-error search; a column H says is busy decides its group's clip."""
+    from quantkit.quant.gptq import QuantizedWeight, group_scales, mse_group_scales
+
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(16, 256, generator=g)
+    W[:, 3] *= 6  # a heavy column: an unweighted search clips it to refine the other 127
+    flat = gptq(W, torch.eye(256) * 2, 128, observer="hessian", dampening=0.1)
+    assert torch.equal(flat.scale, mse_group_scales(W, 128, norm=2.0))
+
+    d = torch.ones(256)
+    d[3] = 1e4  # ... unless H says column 3 carries nearly all of the input energy
+    busy = gptq(W, torch.diag(d), 128, observer="hessian", dampening=1e-6)
+    mm = group_scales(W, 128)
+
+    def col3_err(scale):
+        q = torch.clamp(torch.round(W.unflatten(-1, (-1, 128)) / scale.float().unsqueeze(-1)), -8, 7)
+        return (QuantizedWeight(q.flatten(-2).to(torch.int8), scale).dequantize() - W)[:, 3].abs()
+
+    assert bool((flat.scale[:, 0] < mm[:, 0]).any())  # the flat search clips the heavy column's group
+    assert col3_err(busy.scale).sum() < 0.5 * col3_err(flat.scale).sum()  # the weighted one keeps it exact(er)
+    assert torch.equal(busy.scale[:, 1], mse_group_scales(W, 128, norm=2.0)[:, 1])  # group 2: flat d, same search
