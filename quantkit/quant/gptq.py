@@ -129,8 +129,11 @@ def mse_group_scales(
     for i in range(max(1, int(max_shrink * grid))):
         s = (amax * (1 - i / grid) / half).clamp(finfo.min, finfo.max).to(scale_dtype)
         s = torch.where(s == 0, torch.tensor(finfo.eps, dtype=scale_dtype, device=W.device), s)
-        err = (_round(Wg, s.float().unsqueeze(-1), num_bits) * s.float().unsqueeze(-1) - Wg).abs() ** norm
-        err = (err if weight is None else err * weight).sum(-1)  # [..., out, G]
+        sf = s.float().unsqueeze(-1)
+        e = _round(Wg, sf, num_bits).mul_(sf).sub_(Wg)  # Q(w) - w, in place: at real width each temporary is W's size
+        e = e.square_() if norm == 2 else e.abs_().pow_(norm)
+        err = (e if weight is None else e.mul_(weight)).sum(-1)  # [..., out, G]
+        del e
         if best is None:
             best, best_err = s, err
             continue
@@ -142,7 +145,7 @@ def mse_group_scales(
 def _round(W: torch.Tensor, scale: torch.Tensor, num_bits: int) -> torch.Tensor:
     """clamp(round(W / scale)) with torch's own type promotion (bf16 W stays bf16), as a float."""
     qmin, qmax = _qrange(num_bits)
-    return torch.round(torch.clamp(W / scale, qmin, qmax))
+    return (W / scale).clamp_(qmin, qmax).round_()
 
 
 def quantize_rtn(
