@@ -20,6 +20,21 @@ from quantkit.synthetic.tiny import GLM, KIMI_TEXT, init_weights, tiny_path
 torch.set_num_threads(2)
 
 
+# Files that run for minutes (the real-width conversions), started before every other file.
+LONGEST_FILES = ("synthetic/test_realshape.py",)
+
+
+def pytest_collection_modifyitems(config, items):
+    """LONGEST_FILES first, then the other files that hold a test marked `slow`, then the rest, each
+    group in collection order (a stable sort: no test moves within its file). The test command runs
+    whole files on two workers (`-n 2 --dist loadfile`): a file of minutes started last would leave
+    the other worker idle at the end."""
+    here = Path(__file__).parent
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    first = {here / f for f in LONGEST_FILES}
+    items.sort(key=lambda item: (item.path not in first, item.path not in slow_files))
+
+
 @pytest.fixture(scope="session")
 def tiny_kimi() -> Path:
     return tiny_path("kimi-k2.6")

@@ -46,11 +46,14 @@ SHARD_BYTES = 2**30
 INT4_GROUP = 32
 
 
-def realshape_config(name: str) -> dict:
-    """The preset config with depth, experts and vocabulary cut (everything else as published)."""
+def realshape_config(name: str, experts: int = EXPERTS) -> dict:
+    """The preset config with depth, experts and vocabulary cut (everything else as published).
+
+    `experts`: the routed experts per MoE layer (EXPERTS, what `realshape:` specs build; tests may
+    take fewer, at least num_experts_per_tok, to spend less time on the same per-expert shapes)."""
     from quantkit.synthetic.tiny import tiny_config
 
-    cut = dict(num_hidden_layers=LAYERS, n_routed_experts=EXPERTS, first_k_dense_replace=1, vocab_size=VOCAB,
+    cut = dict(num_hidden_layers=LAYERS, n_routed_experts=experts, first_k_dense_replace=1, vocab_size=VOCAB,
                bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if name == "glm-5.2":
         cfg = load_preset("glm-5.2")
@@ -118,11 +121,11 @@ def _int4_expert(name: str, out: int, inp: int) -> dict[str, torch.Tensor]:
     return int4.store(q, scale.to(torch.bfloat16))
 
 
-def build(name: str, out: Path) -> Path:
+def build(name: str, out: Path, experts: int = EXPERTS) -> Path:
     """Write realshape model `name` into folder `out` (which must not exist), one tensor at a time."""
     from quantkit.synthetic.tiny import glm_keeps_bf16, tokenizer_files, vision_stub
 
-    config = realshape_config(name)
+    config = realshape_config(name, experts)
     a = arch_from_config(config)
     glm = name == "glm-5.2"
     w = CheckpointWriter(out, digits=5 if glm else 6, max_shard_bytes=SHARD_BYTES)
@@ -165,8 +168,9 @@ def build(name: str, out: Path) -> Path:
     return w.finish(config, extra=tokenizer_files())
 
 
-def realshape_path(name: str) -> Path:
-    """Folder of realshape model `name`, building it on first use (about a minute, ~1.2-1.7 GB)."""
+def realshape_path(name: str, experts: int = EXPERTS) -> Path:
+    """Folder of realshape model `name`, building it on first use (about a minute, ~1.2-1.7 GB);
+    `experts` as in `realshape_config` (the default is the `realshape:` spec's model)."""
     if name not in REALSHAPE_NAMES:
         from quantkit.errors import ConfigError
 
@@ -175,5 +179,6 @@ def realshape_path(name: str) -> Path:
     from quantkit.runtime.files import cache_dir
     from quantkit.synthetic.tiny import cached_build
 
-    key = hashlib.sha256(json.dumps([REALSHAPE_VERSION, realshape_config(name)], sort_keys=True).encode()).hexdigest()[:12]
-    return cached_build(cache_dir() / "realshape" / f"{name}-{key}", lambda tmp: build(name, tmp))
+    config = realshape_config(name, experts)
+    key = hashlib.sha256(json.dumps([REALSHAPE_VERSION, config], sort_keys=True).encode()).hexdigest()[:12]
+    return cached_build(cache_dir() / "realshape" / f"{name}-{key}", lambda tmp: build(name, tmp, experts))
