@@ -214,13 +214,11 @@ def gptq(
 
     perm = None
     if actorder:  # most active inputs first; permute W's columns and both axes of H
-        Hdiag = torch.diagonal(H, dim1=-2, dim2=-1)  # [E, in]
-        perm = torch.argsort(Hdiag, dim=-1, descending=True)  # [E, in]
-        W = W.gather(-1, perm.unsqueeze(-2).expand(-1, rows, -1))
-        H = H.gather(-1, perm.unsqueeze(-2).expand(-1, columns, -1))
-        H = H.gather(-2, perm.unsqueeze(-1).expand(-1, -1, columns))
+        perm = torch.argsort(torch.diagonal(H, dim1=-2, dim2=-1), dim=-1, descending=True)  # [E, in]
+        for e in range(E):  # in place, one expert at a time: a batched gather would hold a second [E, in, in] H
+            W[e] = W[e].index_select(-1, perm[e])  # [out, in]
+            H[e] = H[e].index_select(0, perm[e]).index_select(1, perm[e])  # [in, in]
         g_idx = g_idx.gather(-1, perm)
-        del Hdiag
 
     # Dead inputs never contribute to the output: pin their H diagonal, zero their weights.
     diag = torch.diagonal(H, dim1=-2, dim2=-1)  # [E, in], a view into H

@@ -292,3 +292,22 @@ def test_hessian_observer_weights_the_clip_search_by_the_damped_diagonal():
     assert bool((flat.scale[:, 0] < mm[:, 0]).any())  # the flat search clips the heavy column's group
     assert col3_err(busy.scale).sum() < 0.5 * col3_err(flat.scale).sum()  # the weighted one keeps it exact(er)
     assert torch.equal(busy.scale[:, 1], mse_group_scales(W, 128, norm=2.0)[:, 1])  # group 2: flat d, same search
+
+
+def test_hessian_observer_lowers_gptq_error_in_and_off_the_calibration_span():
+    """The shipped real recipes' setting (act-order, dampening 0.1, observer hessian) against the same
+    GPTQ with min-max scales, when calibration inputs span 1/8 of the input space (an expert's thin
+    statistics): lower error on inputs like the calibration's (tr dW H dW^T) and on inputs in every
+    direction (||dW||_F^2, where GPTQ's error feedback costs most). Measured margins ~7% and ~14%."""
+    g = torch.Generator().manual_seed(0)
+    D, k = 512, 64
+    X = torch.randn(1024, k, generator=g) @ torch.randn(k, D, generator=g)  # [n, D], rank k
+    H = hessian_from_inputs(X)
+    W = torch.randn(4, 256, D, generator=g)
+
+    def errors(observer):
+        dW = gptq(W, H.expand(4, D, D), 128, actorder=True, dampening=0.1, observer=observer).dequantize() - W
+        return torch.einsum("eoi,ij,eoj->", dW, H, dW).item(), dW.square().sum().item()
+
+    (h_mm, f_mm), (h_h, f_h) = errors("minmax"), errors("hessian")
+    assert h_h < 0.98 * h_mm and f_h < 0.95 * f_mm, (h_h / h_mm, f_h / f_mm)
