@@ -206,7 +206,6 @@ def gptq(
         d = torch.diagonal(H, dim1=-2, dim2=-1)  # [E, in]
         d = d + dampening * d.mean(dim=-1, keepdim=True)  # the damped diagonal GPTQ factors below
         scale = mse_group_scales(W, group_size, num_bits, scale_dtype, norm=2.0, weight=d)  # [E, out, G]
-        del d
     else:
         scale = group_scales(W, group_size, num_bits, scale_dtype)  # [E, out, G]
     # g_idx [E, in]: the group of each column

@@ -277,12 +277,14 @@ def test_hessian_observer_weights_the_clip_search_by_the_damped_diagonal():
     g = torch.Generator().manual_seed(0)
     W = torch.randn(16, 256, generator=g)
     W[:, 3] *= 6  # a heavy column: an unweighted search clips it to refine the other 127
-    flat = gptq(W, torch.eye(256) * 2, 128, observer="hessian", dampening=0.1)
+    # d = 2 + 1.0 * 2 = 4 everywhere: a power of two, so each weighted sum is exactly 4x the unweighted
+    # one on any CPU (no rounding can turn a near-tie between two clips)
+    flat = gptq(W, torch.eye(256) * 2, 128, observer="hessian", dampening=1.0)
     assert torch.equal(flat.scale, mse_group_scales(W, 128, norm=2.0))
 
     d = torch.ones(256)
-    d[3] = 1e4  # ... unless H says column 3 carries nearly all of the input energy
-    busy = gptq(W, torch.diag(d), 128, observer="hessian", dampening=1e-6)
+    d[3] = 8192 - 255  # ... unless H says column 3 carries nearly all of the input energy (mean(d) = 32)
+    busy = gptq(W, torch.diag(d), 128, observer="hessian", dampening=1 / 32)  # d + 1: group 2's d is exactly 2
     mm = group_scales(W, 128)
 
     def col3_err(scale):
