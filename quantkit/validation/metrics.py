@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Paired", "agreement", "kl_terms", "kl_top1", "mean_se", "mean_nll", "paired", "token_kl", "window_mean_se"]
+__all__ = ["Paired", "agreement", "kl_terms", "kl_top1", "mean_se", "mean_nll", "paired", "token_kl", "window_kl_top1",
+           "window_mean_se"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,18 @@ def kl_top1(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[float, floa
         kl += float(kl_terms(r, m).sum())  # one sum over (T, V), as validation.json has always had it
         agree += float((r.argmax(-1) == m.argmax(-1)).sum())
     return kl, agree, ref_logits.shape[0] * ref_logits.shape[1]
+
+
+def window_kl_top1(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per window (B,): mean KL(ref || model) over its positions and the share of positions whose
+    argmax agrees, from (B, T, V) logits, one window at a time in float64 (as kl_top1). Windows are the
+    independent units a standard error is taken over (positions of one window are correlated), and
+    the same windows under two checkpoints give a paired comparison (`paired`)."""
+    kl, top1 = torch.empty(ref_logits.shape[0], dtype=torch.float64), torch.empty(ref_logits.shape[0], dtype=torch.float64)
+    for i, (r, m) in enumerate(zip(ref_logits, logits)):  # (T, V)
+        kl[i] = kl_terms(r, m).sum(-1).mean()
+        top1[i] = (r.argmax(-1) == m.argmax(-1)).double().mean()
+    return kl, top1
 
 
 def mean_nll(logits: torch.Tensor, ids: torch.Tensor) -> float:

@@ -18,6 +18,12 @@ from quantkit.validation.mtprow import NO_MTP_ROW, mtp_card, mtp_forward, mtp_ma
 
 TOL = 1e-4
 CALIB = {"num_samples": 8, "seq_len": 64}
+# Held-out windows the MTP comparisons are paired over. Each CPU trains its own tiny GLM (another
+# model), and the row is mostly the main model's drift, a heavy-tailed KL: on 8 windows two point
+# estimates swapped order on some builds (issue 33), on 32 the paired difference was only 1.3 SE on
+# one. On 128 windows of 48 tokens GPTQ's row is 4.0-4.5 SE below RTN's on the two hardest builds
+# seen (scripts/mtp_row.py; docs/benchmarks.md "The MTP row").
+WINDOWS = {"num_samples": 128, "seq_len": 48}
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -119,10 +125,10 @@ def test_convert_calibrates_the_mtp_experts(glm_pairs):
 
 @pytest.fixture(scope="module")
 def measured(glm_pairs, tiny_glm):
-    """The MTP rows of both converts on 8 held-out windows of 48 tokens."""
+    """The MTP rows of both converts on WINDOWS held-out windows."""
     from quantkit.inputs.tokens import load_tokens
 
-    ids = load_tokens("synthetic:heldout", tokenizer=tiny_glm, num_samples=8, seq_len=48).ids
+    ids = load_tokens("synthetic:heldout", tokenizer=tiny_glm, **WINDOWS).ids
     out = {}
     with torch.no_grad():
         for m, pair in glm_pairs.items():
@@ -138,13 +144,18 @@ def measured(glm_pairs, tiny_glm):
 
 
 def test_calibrated_mtp_is_closer_to_the_source_than_rtn(measured):
-    """The decode MTP's KL to the source MTP (each on its own model's hidden states): the GPTQ convert
-    (MTP experts calibrated on their serving inputs) below the RTN convert's."""
+    """validate's MTP row, the decode MTP's KL to the source MTP (each on its own model's hidden
+    states): the GPTQ convert (main and MTP experts calibrated) below the RTN convert's by more than
+    one standard error, paired over the same held-out windows; top-1 agreement not worse beyond 2 SE.
+    The row is mostly the main model's drift (the next test isolates the MTP layer's own share)."""
     g, r = measured["gptq"]["rows"]["decode"], measured["rtn"]["rows"]["decode"]
-    print(f"MTP KL gptq {g['kl']:.4g} rtn {r['kl']:.4g}; top-1 {g['top1']:.4f} {r['top1']:.4f}; "
-          f"accuracy {g['accuracy']:.4f} {r['accuracy']:.4f} (source {g['reference_accuracy']:.4f})")
-    assert g["kl"] < r["kl"]
-    assert g["top1"] >= r["top1"]
+    kl = paired(torch.tensor(g["windows"]["kl"]), torch.tensor(r["windows"]["kl"]))
+    top1 = paired(torch.tensor(r["windows"]["top1"]), torch.tensor(g["windows"]["top1"]))  # RTN - GPTQ: higher is better
+    print(f"MTP KL gptq {g['kl']:.4g} ± {g['kl_se']:.2g} rtn {r['kl']:.4g} ± {r['kl_se']:.2g}; paired {kl}; "
+          f"top-1 {g['top1']:.4f} {r['top1']:.4f}, RTN - GPTQ {top1}")
+    assert g["kl"] == pytest.approx(sum(g["windows"]["kl"]) / WINDOWS["num_samples"])
+    assert kl.better(z=1.0), f"GPTQ - RTN MTP row KL: {kl}"
+    assert top1.not_worse(z=2.0), f"RTN - GPTQ MTP top-1: {top1}"
 
 
 def test_calibrated_mtp_layer_alone_beats_rtn(measured):
@@ -153,6 +164,9 @@ def test_calibrated_mtp_layer_alone_beats_rtn(measured):
     d = paired(measured["gptq-alone"], measured["rtn-alone"])
     print(f"MTP alone: gptq {float(measured['gptq-alone'].mean()):.3g} rtn {float(measured['rtn-alone'].mean()):.3g}; {d}")
     assert d.better(z=2.0), f"GPTQ - RTN MTP KL: {d}"
+    # the MTP layer's own share of the row: a few percent (0.01-0.04 on five builds); the rest is the
+    # main model's drift of the hidden state the MTP reads
+    assert float(measured["gptq-alone"].mean()) < 0.1 * measured["gptq"]["rows"]["decode"]["kl"]
 
 
 def test_validate_has_the_mtp_row_and_the_cards_show_it(glm_pairs):
