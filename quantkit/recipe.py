@@ -24,6 +24,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from quantkit.errors import ConfigError
+from quantkit.quant.methods import METHODS, unknown_method
 
 __all__ = ["Recipe", "load_recipe", "default_recipe", "recipe_overrides", "resolve_recipe", "recipe_dirs", "available_recipes"]
 
@@ -48,7 +49,7 @@ class _Section(BaseModel):
 
 
 class Calibration(_Section):
-    dataset: str | None = None  # a quantkit.inputs.tokens spec; required unless method is rtn
+    dataset: str | None = None  # a quantkit.inputs.tokens spec; required by a calibrated method (gptq, awq)
     num_samples: int = Field(128, ge=1)
     seq_len: int = Field(512, ge=1)
     seed: int = Field(0, ge=0)
@@ -128,7 +129,7 @@ with warnings.catch_warnings():
 
     class Recipe(_Section):
         name: str = Field(min_length=1)
-        method: Literal["gptq", "rtn", "awq"] = "gptq"
+        method: str = "gptq"  # a registered method (quantkit.quant.methods.METHODS)
         group_size: Literal[32, 64, 128] = 128  # Marlin MoE kernels accept these
         calibration: Calibration = Field(default_factory=Calibration)
         gptq: GPTQSettings = Field(default_factory=GPTQSettings)
@@ -137,12 +138,20 @@ with warnings.catch_warnings():
         decode: DecodeSettings = Field(default_factory=DecodeSettings)
         validate: ValidateSettings = Field(default_factory=ValidateSettings)
 
+        @field_validator("method")
+        @classmethod
+        def _registered(cls, name: str) -> str:
+            if name not in METHODS:
+                raise ValueError(unknown_method(name))
+            return name
+
         @model_validator(mode="after")
         def _consistent(self) -> "Recipe":
             problems = []
-            if self.method != "rtn" and not self.calibration.dataset:
+            if METHODS[self.method].calibrated and not self.calibration.dataset:
+                free = " or ".join(n for n, m in METHODS.items() if not m.calibrated)
                 problems.append(f"calibration.dataset: method {self.method} needs calibration data; "
-                                "add a spec such as synthetic:train or hf:org/name@split, or use method: rtn")
+                                f"add a spec such as synthetic:train or hf:org/name@split, or use method: {free}")
             if self.gptq.block_size % self.group_size:
                 problems.append(f"gptq.block_size: {self.gptq.block_size} must be a multiple of "
                                 f"group_size {self.group_size}")

@@ -226,7 +226,9 @@ def guard_summary(experts: list[dict]) -> dict:
     held-out tokens, and how many are stored calibrated (the rest RTN)."""
     judged = [e for e in experts if e.get("err") is not None and e.get("err_rtn") is not None]
     better = sum(1 for e in judged if e["err"] < e["err_rtn"])
-    stored = sum(1 for e in experts if e["method"] in ("gptq", "awq"))
+    from quantkit.quant.methods import METHODS
+
+    stored = sum(1 for e in experts if e["method"] in METHODS and METHODS[e["method"]].calibrated)
     rel = [(e["err"] - e["err_rtn"]) / e["err_rtn"] for e in judged if e["err_rtn"] > 0]
     return {"judged": len(judged), "calibrated_better": better, "stored_calibrated": stored, "total": len(experts),
             "mean_rel_err_vs_rtn": sum(rel) / len(rel) if rel else None}

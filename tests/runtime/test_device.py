@@ -59,7 +59,7 @@ from quantkit.formats import fp8, int4
 from quantkit.model import reference
 from quantkit.model.arch import arch_from_config
 from quantkit.quant import awq, gptq
-from quantkit.quant.moe import quantize_experts
+from quantkit.quant.methods import quantize_experts
 from quantkit.recipe import load_recipe
 from quantkit.synthetic.tiny import init_weights
 
