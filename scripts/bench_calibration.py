@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Does calibration pay? RTN, GPTQ, AWQ and llm-compressor's GPTQ on a suite of model classes.
+"""Does calibration pay? RTN, GPTQ, AWQ, RTN-clip (data-free) and llm-compressor's GPTQ on a suite of model classes.
 
 One table per class. Every method quantizes the routed experts from the same calibration token ids;
 quality is the experts' alone: each quantkit output's INT4 experts are spliced into the float32
@@ -267,7 +267,7 @@ def run_class(name: str, args, work: Path, env: dict, say) -> dict:
         data = str(wd / "calib.npy")
         np.save(data, markov_windows(*calib, 0).numpy())
     runs: dict = {}
-    plan = [("RTN", "rtn", base), ("GPTQ", "gptq", base), ("AWQ", "awq", base)]
+    plan = [("RTN", "rtn", base), ("GPTQ", "gptq", base), ("AWQ", "awq", base), ("RTN-clip", "rtn-clip", base)]
     for spec in args.variant:
         vname, _, fields = spec.partition(":")
         kv = dict(f.split("=", 1) for f in fields.split(",") if f)

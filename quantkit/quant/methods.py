@@ -10,7 +10,7 @@ method's maths.
 
 Adding a method: its class here and its entry in METHODS, its pure tensor function beside the
 others (if it needs a new one), its recipe section in quantkit/recipe.py (if it has settings),
-tests and docs.
+tests and docs. `RTNClip` is the worked example.
 
 Nothing here imports torch at load: quantkit.recipe validates method names with this module.
 """
@@ -126,8 +126,28 @@ class RTN(Method):
                 [ExpertRecord(layer, e, len(tokens[e]) if tokens is not None else 0, self.name) for e in experts])
 
 
+class RTNClip(Method):
+    name, display, help = "rtn-clip", "RTN-clip", "data-free: round to nearest, group scales by a clip search"
+    inputs, section = Inputs.NONE, "rtn_clip"
+    flops_per_weight = 20.0 * 20  # RTN's work for each of the search's candidate ranges (grid x max_shrink)
+
+    def quantize(self, w, experts, recipe, group_size, layer, *, x=None, tokens=None, alternatives=None):
+        from quantkit.quant.experts import PROJS, ExpertRecord, expert_weights
+        from quantkit.quant.gptq import quantize_rtn_clip
+
+        c = recipe.rtn_clip
+        return ({e: {p: quantize_rtn_clip(t, group_size, grid=c.grid, max_shrink=c.max_shrink, norm=c.norm)
+                     for p, t in zip(PROJS, expert_weights(w, e))} for e in experts},
+                [ExpertRecord(layer, e, len(tokens[e]) if tokens is not None else 0, self.name) for e in experts])
+
+    def settings_line(self, recipe: dict) -> str | None:
+        c = recipe.get("rtn_clip") or {}
+        return (f"- RTN-clip: each group's range max|w| x r, r in steps of 1/{c.get('grid')} from 1 down to above "
+                f"{1 - c.get('max_shrink', 0):g}, for the least sum |w - q|^{c.get('norm')}; no calibration data")
+
+
 # The registry: one entry per method, in the order help texts and reports list them.
-METHODS: dict[str, Method] = {m.name: m() for m in (GPTQ, AWQ, RTN)}
+METHODS: dict[str, Method] = {m.name: m() for m in (GPTQ, AWQ, RTN, RTNClip)}
 
 
 def unknown_method(name: object) -> str:
