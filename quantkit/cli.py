@@ -17,6 +17,8 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from quantkit.quant.methods import METHODS, unknown_method
+
 app = typer.Typer(
     name="quantkit",
     help="Quantize trillion-parameter MoE checkpoints (Kimi K2.6, GLM 5.2) into a matched FP8-prefill / INT4-decode pair.",
@@ -48,7 +50,8 @@ def _shared(kind: type, convert_help: str, plan_help: str, shown: str | bool = F
 Recipe, PlanRecipe = _shared(str, "Recipe file or name (default: the model family's).",
                              "--convert: recipe file or name (default: the model family's).")
 RECIPES = "the recipe's"
-Method, PlanMethod = _shared(str, "gptq (calibrated), awq, or rtn (data-free baseline).", "--convert: gptq, awq or rtn.", RECIPES)
+Method, PlanMethod = _shared(str, "; ".join(f"{n} ({m.help})" for n, m in METHODS.items()) + ".",
+                             f"--convert: {', '.join(METHODS)}.", RECIPES)
 NumSamples, PlanNumSamples = _shared(int, "Calibration samples.", "--convert: calibration samples.", RECIPES)
 SeqLen, PlanSeqLen = _shared(int, "Tokens per calibration sample.", "--convert: tokens per calibration sample.", RECIPES)
 GroupSize, PlanGroupSize = _shared(int, "INT4 group size: 32, 64 or 128.",
@@ -243,6 +246,10 @@ def convert(
 
     if recipe and preset:
         raise typer.BadParameter("give --recipe or --preset, not both")
+    if method is not None and method not in METHODS:  # before any rank starts; the recipe load says the same
+        from quantkit.errors import ConfigError
+
+        raise ConfigError(f"--method: {unknown_method(method)}")
     _relaunch_under_torchrun(ctx, nproc, out)
     try:
         result = run_convert(model, out, recipe=recipe or preset, method=method, calib=calib, num_samples=num_samples,

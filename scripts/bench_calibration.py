@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Does calibration pay? RTN, GPTQ, AWQ and llm-compressor's GPTQ on a suite of model classes.
+"""Does calibration pay? RTN, GPTQ, AWQ, RTN-clip (data-free) and llm-compressor's GPTQ on a suite of model classes.
 
 One table per class. Every method quantizes the routed experts from the same calibration token ids;
 quality is the experts' alone: each quantkit output's INT4 experts are spliced into the float32
@@ -226,7 +226,9 @@ def guard_summary(experts: list[dict]) -> dict:
     held-out tokens, and how many are stored calibrated (the rest RTN)."""
     judged = [e for e in experts if e.get("err") is not None and e.get("err_rtn") is not None]
     better = sum(1 for e in judged if e["err"] < e["err_rtn"])
-    stored = sum(1 for e in experts if e["method"] in ("gptq", "awq"))
+    from quantkit.quant.methods import METHODS
+
+    stored = sum(1 for e in experts if e["method"] in METHODS and METHODS[e["method"]].calibrated)
     rel = [(e["err"] - e["err_rtn"]) / e["err_rtn"] for e in judged if e["err_rtn"] > 0]
     return {"judged": len(judged), "calibrated_better": better, "stored_calibrated": stored, "total": len(experts),
             "mean_rel_err_vs_rtn": sum(rel) / len(rel) if rel else None}
@@ -265,7 +267,7 @@ def run_class(name: str, args, work: Path, env: dict, say) -> dict:
         data = str(wd / "calib.npy")
         np.save(data, markov_windows(*calib, 0).numpy())
     runs: dict = {}
-    plan = [("RTN", "rtn", base), ("GPTQ", "gptq", base), ("AWQ", "awq", base)]
+    plan = [("RTN", "rtn", base), ("GPTQ", "gptq", base), ("AWQ", "awq", base), ("RTN-clip", "rtn-clip", base)]
     for spec in args.variant:
         vname, _, fields = spec.partition(":")
         kv = dict(f.split("=", 1) for f in fields.split(",") if f)

@@ -181,7 +181,8 @@ def test_overrides():
     for kwargs, line in [
         (dict(group_size=100), "command line (recipe kimi-k2.6): --group-size: must be one of 32, 64 or 128 (got 100)"),
         (dict(num_samples=0), "command line (recipe kimi-k2.6): --num-samples: must be >= 1 (got 0)"),
-        (dict(method="hqq"), "command line (recipe kimi-k2.6): --method: must be one of 'gptq', 'rtn' or 'awq' (got 'hqq')"),
+        (dict(method="hqq"), "command line (recipe kimi-k2.6): --method: unknown method 'hqq'; use one of the registered "
+         "methods: gptq, awq, rtn, rtn-clip"),
         (dict(calib="hf:HuggingFaceH4/ultrachat_200k@test_sft"), "command line (recipe kimi-k2.6): validate.dataset: "
          "hf:HuggingFaceH4/ultrachat_200k@test_sft is the calibration data; evaluate on held-out data "
          "(synthetic:heldout, a test split, or another file)"),

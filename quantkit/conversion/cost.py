@@ -97,6 +97,7 @@ from quantkit.planner.budgets import (  # noqa: F401  (GB, parse_bytes, expert_f
     validate_exchange,
     validate_room,
 )
+from quantkit.quant.methods import Inputs, method_for
 from quantkit.runtime.machine import available_host_memory, peak_rss  # noqa: F401
 
 MIN_SHARD = 256 * 2**20
@@ -308,9 +309,9 @@ def _memory_terms(x: LayerShapes, *, method: str, group_size: int, calibrate: bo
     # from the exchange to the end of the h update; taken from the room before the chunk is sized
     # (an expert's GPTQ bytes do not depend on its chunk, so the output stays the single-process one)
     E4 = round(quantized * x.experts)
-    shared_work = nproc > 1 and calibrate and method != "rtn" and E4 > 0
+    shared_work = nproc > 1 and calibrate and method_for(method).calibrated and E4 > 0
     received = E4 * 3 * x.expert_width * x.hidden * (1 + 2 / group_size) if shared_work else 0
-    awq = calibrate and method == "awq"
+    awq = calibrate and method_for(method).inputs is Inputs.LAYER  # the search's gathered inputs (AWQ)
     return _Memory(
         x=x, calibrate=calibrate, awq=awq, T=T, tokens=tokens, on_gpu=on_gpu, host=host, budget=budget,
         chunk_max=CHUNK_MAX_GPU if on_gpu else CHUNK_MAX, w_dense=x.dense_layer_params * F32,
@@ -454,7 +455,7 @@ def _phase_seconds(m: _Memory, r: _Rates, *, method: str, C: int, source_bytes: 
     attn_flops = tokens * (2 * x.attn_params + 2 * 2 * x.heads * T * (x.qk_head + x.v_head)) * L
     attn_flops += tokens * 2 * 3 * D * (x.dense_width * (L - Lm) + x.shared_width * Lm)  # dense MLP / shared expert
     routed = tokens * x.topk  # token-expert pairs per MoE layer
-    gptq_on = m.calibrate and method in ("gptq", "awq")
+    gptq_on = m.calibrate and method_for(method).calibrated
     # the experts that get Hessians and GPTQ (not the reused source INT4 ones), this rank's part of them
     share = quantized / (nproc if m.shared_work else 1)
     per_token_hess, per_expert_gptq = expert_flops(D, I)
@@ -463,7 +464,8 @@ def _phase_seconds(m: _Memory, r: _Rates, *, method: str, C: int, source_bytes: 
     gptq_flops = share * x.experts * Lm * per_expert_gptq if gptq_on else 0
     chunks = Lm * math.ceil(share * x.experts / C)
     gptq_launch = chunks * (D + I) * LAUNCHES_PER_COLUMN * r.launch if gptq_on else 0.0
-    rtn_flops = x.experts * (x.moe_layers - (Lm if gptq_on else 0)) * 3 * I * D * 20  # RTN'd experts (MTP, or all)
+    data_free = method_for(method).data_free().flops_per_weight  # its data-free form's experts (MTP, or all)
+    rtn_flops = x.experts * (x.moe_layers - (Lm if gptq_on else 0)) * 3 * I * D * data_free
     return {
         "read": source_bytes / r.disk,
         "attention": attn_flops / r.flops,
@@ -626,10 +628,11 @@ def plan_convert(
     r = _device_rates(on_gpu, gpu, rates)
     seconds = _phase_seconds(m, r, method=method, C=C, source_bytes=source_bytes, output_bytes=output_bytes,
                              quantized=quantized, nproc=nproc)
-    if method == "awq" and calibrate:
-        seconds["gptq"] *= 1.3  # AWQ's scale search on top (measured ~1.3x GPTQ on the tiny models)
-        notes.append("awq: the search gathers the layer's MoE inputs and each expert's routed rows (budgeted); "
-                     "time as GPTQ x 1.3")
+    quantizer = method_for(method)
+    if quantizer.calibrated and calibrate:
+        seconds["gptq"] *= quantizer.time_factor  # e.g. AWQ's scale search on top of GPTQ
+        if quantizer.cost_note:
+            notes.append(quantizer.cost_note)
     if calibrate and arch.num_mtp_layers:
         notes.append(f"mtp: the first MTP layer is calibrated on the last main layer's h and the next tokens' embeddings; "
                      f"for that layer the embedding table ({arch.vocab_size * arch.hidden_size * 2 / GB:.2f} GB BF16) "

@@ -332,9 +332,11 @@ def convert_experts(ckpt, pair, decisions, layer: int, store: ActivationStore | 
     """The routed experts of one MoE layer, `chunk` at a time: loaded (dequantized), quantized when
     decode stores them as new INT4, written to both outputs, and, when calibrating (store given),
     their outputs under the decode weights added to h. Never the whole layer's experts in memory:
-    for Kimi K2.6 that would be 17G parameters. Without a store (RTN, or an MTP layer) the experts
-    are rounded to nearest. GPTQ's Hessians stream from the store (gptq_experts); AWQ's search
-    gathers the layer's inputs (budgeted by quantkit.conversion.cost). Returns one ExpertRecord per expert.
+    for Kimi K2.6 that would be 17G parameters. Without a store (a data-free method, or an MTP layer)
+    the experts get the method's data-free form (quantkit.quant.methods.Method.data_free). What a
+    calibrated method gets is its `inputs`: GPTQ's Hessians stream from the store (gptq_experts);
+    AWQ's search gathers the layer's inputs (budgeted by quantkit.conversion.cost). Returns one
+    ExpertRecord per expert.
 
     With several ranks (`group`, quantkit.runtime.distributed) and a store, each rank first quantizes only
     the experts the partition gives it, the results are exchanged, and then every rank runs the
@@ -343,11 +345,12 @@ def convert_experts(ckpt, pair, decisions, layer: int, store: ActivationStore | 
     rank's experts, their routed tokens and the seconds it spent quantizing them (the balance)."""
     from quantkit.conversion.precision import layer_experts
     from quantkit.quant.experts import PROJS, ExpertRecord, expert_weights
+    from quantkit.quant.methods import method_for
 
     pre = ckpt.arch.layer_prefix(layer)
     by_expert, int4 = layer_experts(ckpt, decisions, layer)
     experts = sorted(by_expert)
-    method = method if store is not None else "rtn"
+    method = method if store is not None else method_for(method).data_free().name
     counts = routing.counts.tolist() if routing is not None else [0] * (max(experts, default=-1) + 1)
 
     def load(part):  # the experts' source weights, dequantized, on the compute device
@@ -394,11 +397,12 @@ def _quantize_share(group, store: ActivationStore, routing: LayerRouting, load, 
     by routed tokens), `chunk` at a time, then exchange, so that every rank returns every INT4
     expert's quantized weights; `records` receives every rank's ExpertRecords."""
     from quantkit.planner.budgets import expert_fixed_tokens
+    from quantkit.quant.methods import method_for
     from quantkit.runtime import distributed
 
     distributed.check_same(group, routing.counts, f"layer {layer}: routed-token counts")
     tokens = {e: counts[e] for e in int4}
-    owner = distributed.partition(tokens, group.world, expert_fixed_tokens(arch) if method != "rtn" else 0.0)
+    owner = distributed.partition(tokens, group.world, expert_fixed_tokens(arch) if method_for(method).calibrated else 0.0)
     mine = [e for e in int4 if owner[e] == group.rank]
     quantized, own_records = {}, []
     t0 = time.time()
@@ -424,21 +428,23 @@ def _quantize_share(group, store: ActivationStore, routing: LayerRouting, load, 
 
 def _quantize_chunk(store: ActivationStore | None, routing: LayerRouting | None, ew: dict, need: list[int], recipe,
                     group_size: int, method: str, layer: int, dev) -> tuple[dict, list]:
-    """Quantize the experts `need` (their source weights in `ew`) by `method`; calibrated ones pass
-    the held-out guard (never worse than RTN, quantkit.quant.experts)."""
-    from quantkit.quant.experts import ExpertRecord, guard_experts, rtn_expert
-    from quantkit.quant.moe import quantize_experts
+    """Quantize the experts `need` (their source weights in `ew`) by `method`, with the inputs the
+    registered method asks for (quantkit.quant.methods.Inputs); calibrated ones pass the held-out
+    guard (never worse than RTN, quantkit.quant.experts)."""
+    from quantkit.quant.experts import guard_experts
+    from quantkit.quant.methods import Inputs, method_for
 
-    if method == "gptq":
+    m = method_for(method)
+    if m.inputs is Inputs.HESSIANS:
         return gptq_experts(store, routing, ew, need, recipe, group_size, layer)
-    if method == "rtn":
-        return {e: rtn_expert(ew, e, group_size) for e in need}, [ExpertRecord(layer, e, 0, "rtn") for e in need]
-    # awq: the search needs the per-expert inputs, gathered (budgeted by quantkit.conversion.cost)
+    if m.inputs is Inputs.NONE:
+        return m.quantize(ew, need, recipe, group_size, layer)
+    # Inputs.LAYER (AWQ's search): the per-expert inputs, gathered (budgeted by quantkit.conversion.cost)
     D = store.shape[-1]
     x = torch.cat([store.x.read(sl).reshape(-1, D) for sl in store.slices()])
     idx = routing.idx.to(dev)
     tokens = {e: (idx == e).any(-1).nonzero(as_tuple=True)[0] for e in need}
     alternatives: dict = {}
-    quantized, recs = quantize_experts(x, ew, tokens, need, recipe, group_size, method, layer, alternatives)
+    quantized, recs = m.quantize(ew, need, recipe, group_size, layer, x=x, tokens=tokens, alternatives=alternatives)
     guard_experts(recs, quantized, x, tokens, ew, group_size, alternatives)
     return quantized, recs

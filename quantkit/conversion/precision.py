@@ -27,6 +27,7 @@ from quantkit.errors import ConfigError
 from quantkit.formats import fp8, int4
 from quantkit.model.arch import ModelArch
 from quantkit.model.tensors import TensorClass
+from quantkit.quant.methods import method_for
 
 # Storage actions
 PASS = "pass"  # copy the stored tensors byte for byte
@@ -324,8 +325,8 @@ def check_groups(ckpt: Checkpoint, decisions: dict[str, Decision], group_size: i
 
 
 def needs_calibration(rec) -> bool:
-    """Any method but RTN calibrates: the experts' Hessians need the tokens, and the FP8 KV cache's
-    scales are measured on them too (quantkit.model.kvcache), so a source whose experts are all
-    reused (Kimi's INT4) still gets its pass. An RTN convert reads no data and carries no KV scales
-    (engines then run the cache at 1.0)."""
-    return rec.method != "rtn"
+    """A calibrated method (quantkit.quant.methods.Method.calibrated) calibrates: the experts' Hessians
+    need the tokens, and the FP8 KV cache's scales are measured on them too (quantkit.model.kvcache),
+    so a source whose experts are all reused (Kimi's INT4) still gets its pass. A data-free convert
+    (RTN) reads no data and carries no KV scales (engines then run the cache at 1.0)."""
+    return method_for(rec.method).calibrated

@@ -20,6 +20,7 @@ from quantkit.conversion.kvscales import kv_cache_report
 from quantkit.conversion.precision import PASS, precision_summary
 from quantkit.conversion.resume import State
 from quantkit.quant.experts import HOLDOUT, ExpertRecord
+from quantkit.quant.methods import METHODS, Inputs, method_for
 from quantkit.runtime.machine import peak_rss
 from quantkit.runtime.progress import rich_html
 from quantkit.runtime.units import decimal_bytes
@@ -51,9 +52,8 @@ class ConvertResult:
             t.add_row(cls, r["outputs"]["prefill"]["precision"].get(cls, ""), r["outputs"]["decode"]["precision"].get(cls, ""))
         t.add_row("size", _gb(r["outputs"]["prefill"]["bytes"]), _gb(r["outputs"]["decode"]["bytes"]), style="bold")
         e = r["experts_summary"]
-        methods = ", ".join(f"{e[m]} {m.upper() if m != 'reused' else m}" for m in ("gptq", "awq", "rtn", "reused") if e.get(m))
         t.caption = (
-            f"{e['total']} routed experts: {methods}; {e['fallbacks']} fallbacks; "
+            f"{e['total']} routed experts: {made_by(e)}; {e['fallbacks']} fallbacks; "
             f"{r['seconds']:.1f}s, peak RSS {_gb(r['peak_rss_bytes'])}"
         )
         return t
@@ -64,6 +64,12 @@ class ConvertResult:
 
 def _gb(n: int) -> str:
     return decimal_bytes(n, digits=3)
+
+
+def made_by(summary: dict) -> str:
+    """'16 GPTQ, 2 RTN, 48 reused': the experts' counts by method (display names), those present."""
+    return ", ".join(f"{summary[m]} {METHODS[m].display if m in METHODS else m}" for m in (*METHODS, "reused")
+                     if summary.get(m))
 
 
 def expert_entry(r: ExpertRecord) -> dict:
@@ -151,8 +157,7 @@ def mtp_report(ckpt, state: State | None = None) -> dict:
     first = ckpt.arch.num_hidden_layers
     experts = [e for e in state.experts if e["layer"] >= first]
     summary = _experts_summary(experts)
-    made = ", ".join(f"{summary[m]} {m.upper() if m != 'reused' else m}" for m in ("gptq", "awq", "rtn", "reused")
-                     if summary[m])
+    made = made_by(summary)
     return out | {"calibrated_layers": [lay["layer"] for lay in state.layers if lay["kind"] == "mtp" and lay["calibrated"]],
                   "experts": made or "none", "experts_summary": summary,
                   "input": "calibrated on the quantized decode model's last hidden state h_i and the next calibration "
@@ -162,7 +167,7 @@ def mtp_report(ckpt, state: State | None = None) -> dict:
 
 def _experts_summary(experts: list[dict]) -> dict:
     """The experts' counts by method, fallback and guard outcome."""
-    counts = {m: sum(1 for e in experts if e["method"] == m) for m in ("gptq", "awq", "rtn", "reused")}
+    counts = {m: sum(1 for e in experts if e["method"] == m) for m in (*METHODS, "reused")}
     fallbacks = [e for e in experts if e["fallback"]]
     return {"total": len(experts), **counts, "fallbacks": len(fallbacks),
             "starved": sum(1 for e in experts if e["fallback"] == "all_tokens" or e["fallback"] == "rtn"),
@@ -200,7 +205,7 @@ def _pair_report(model, job: Job, tokens, source_files: dict[str, str], out: Pat
         "experts_summary": _experts_summary(experts),
         "guard": "each calibrated expert is compared with RTN on its held-out routed tokens (" + (
                  f"every token of every {HOLDOUT}th calibration window" if rec.gptq.holdout == "window" and
-                 rec.method == "gptq" else f"every {HOLDOUT}th calibration token") +
+                 method_for(rec.method).inputs is Inputs.HESSIANS else f"every {HOLDOUT}th calibration token") +
                  ", never fitted on); the lower output error is stored",
         "outputs": {
             "prefill": {"path": "prefill", "bytes": sizes["prefill"], "manifest_sha256": (manifests or {}).get("prefill"),

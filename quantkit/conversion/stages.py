@@ -26,6 +26,7 @@ from quantkit.model.mtp import embed_name, mtp_input, shifted
 from quantkit.model.reference import Context
 from quantkit.model.tensors import TensorClass
 from quantkit.quant.experts import ExpertRecord
+from quantkit.quant.methods import method_for
 from quantkit.runtime import distributed, faults
 
 
@@ -171,19 +172,21 @@ def _shared_tensors(job: Job, pair: PairWriter, layer: int, calibrate: bool) -> 
 
 def _routed_experts(job: Job, pair: PairWriter, calib: Calibration, bar, layer: int, routing: LayerRouting | None,
                     calibrate: bool, mtp: bool, shares: dict) -> list[ExpertRecord]:
-    """A MoE layer's routed experts: calibrated on the routed tokens when the layer was, else
-    rounded to nearest (RTN, or an MTP layer after the first, which has no calibration path)."""
+    """A MoE layer's routed experts: calibrated on the routed tokens when the layer was, else the
+    method's data-free form (a data-free method itself; RTN for a calibrated method in an MTP layer
+    after the first, which has no calibration path)."""
     rec = job.rec
     if calibrate:  # h += routed experts under the decode weights
         return convert_experts(job.ckpt, pair, job.decisions, layer, calib.store, routing, rec, job.G, rec.method,
                                job.dtype, job.dev, bar, job.cost.expert_chunk, job.group, shares)
-    records = convert_experts(job.ckpt, pair, job.decisions, layer, None, None, rec, job.G, "rtn", job.dtype, job.dev,
-                              bar, job.cost.expert_chunk)
+    records = convert_experts(job.ckpt, pair, job.decisions, layer, None, None, rec, job.G, rec.method, job.dtype,
+                              job.dev, bar, job.cost.expert_chunk)
     if mtp:
+        made = method_for(rec.method).data_free().display
         for r in records:
             if r.method != "reused":
-                r.fallback = ("mtp: only the first MTP layer is calibrated (RTN)" if calib.store is not None
-                              else "mtp: no calibration path (RTN)")
+                r.fallback = (f"mtp: only the first MTP layer is calibrated ({made})" if calib.store is not None
+                              else f"mtp: no calibration path ({made})")
     return records
 
 

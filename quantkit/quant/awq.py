@@ -321,7 +321,7 @@ def quantize_experts_awq(
     quantizer: Literal["gptq", "rtn"] = "gptq",
     alternatives: dict | None = None,
 ):
-    """AWQ for the given routed experts of one layer; the contract of `conversion.quantize_experts`.
+    """AWQ for the given routed experts of one layer; the contract of `quantkit.quant.methods.Method.quantize`.
 
     x: (N, D) the MoE input of every calibration token (after post_attention_layernorm);
     tokens[e]: indices of the tokens routed to expert e; w: the layer's weights, read only (the

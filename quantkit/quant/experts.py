@@ -163,6 +163,6 @@ def guard_experts(records: list[ExpertRecord], quantized: dict[int, dict[str, Qu
     """`guard_against_rtn` for every calibrated expert of one `quantize_experts` result, in place:
     x (N, D) the layer's MoE inputs, tokens[e] the expert's routed token indices."""
     for r in records:
-        if r.method != "rtn":
+        if r.fallback != "rtn":  # a starved expert that took gptq.fallback: rtn is RTN already
             quantized[r.expert] = guard_against_rtn(heldout_inputs(x, tokens[r.expert]), w, r.expert,
                                                     quantized[r.expert], group_size, r, (alternatives or {}).get(r.expert))

@@ -53,6 +53,7 @@ __all__ = [
     "group_scales",
     "mse_group_scales",
     "quantize_rtn",
+    "quantize_rtn_clip",
     "gptq",
     "gptq_shared_h",
     "hessian_from_inputs",
@@ -155,6 +156,22 @@ def quantize_rtn(
     scale = group_scales(W, group_size, num_bits, scale_dtype)  # [..., out, G]
     Wg = W.unflatten(-1, (scale.shape[-1], group_size))  # [..., out, G, group_size]
     q = _round(Wg, scale.unsqueeze(-1), num_bits).to(W.dtype).to(torch.int8)
+    return QuantizedWeight(q=q.flatten(-2), scale=scale)
+
+
+def quantize_rtn_clip(
+    W: torch.Tensor, group_size: int, num_bits: int = 4, scale_dtype: torch.dtype = torch.bfloat16, *,
+    grid: int = 100, max_shrink: float = 0.2, norm: float = 3.0,
+) -> QuantizedWeight:
+    """Round-to-nearest with searched clipping: each group's scale from `mse_group_scales` (the range
+    max|w| x r, r in 1, 1 - 1/grid, ... > 1 - max_shrink, with the least sum |w - Q(w)|^norm), then
+    rounded as the search scored it (in float32). Data-free, like RTN; r = 1 is RTN's own scale and
+    ties keep it, so no group's error in that norm exceeds RTN's, scored as the search scores it
+    (q x scale in float32; `dequantize`'s bf16 product can put a group up to ~2% above). Same format
+    as RTN and GPTQ."""
+    scale = mse_group_scales(W, group_size, num_bits, scale_dtype, grid=grid, max_shrink=max_shrink, norm=norm)
+    Wg = W.float().unflatten(-1, (scale.shape[-1], group_size))  # [..., out, G, group_size]
+    q = _round(Wg, scale.float().unsqueeze(-1), num_bits).to(torch.int8)
     return QuantizedWeight(q=q.flatten(-2), scale=scale)
 
 

@@ -1,5 +1,5 @@
-"""The MoE expert batch: GPTQ, AWQ or RTN for a chunk of one layer's routed experts, batched across
-experts, from the layer's MoE inputs held whole in memory. Tensors in, tensors out.
+"""GPTQ's whole-layer form: a chunk of one layer's routed experts, batched across experts, from the
+layer's MoE inputs held whole in memory. Tensors in, tensors out.
 """
 
 from __future__ import annotations
@@ -12,38 +12,27 @@ from quantkit.quant.experts import ExpertRecord, calibration_inputs, expert_weig
 from quantkit.quant.gptq import QuantizedWeight, hessian_from_inputs
 
 
-def quantize_experts(
+def quantize_experts_gptq(
     x: torch.Tensor,
     w: dict[str, torch.Tensor],
     tokens: dict[int, torch.Tensor],
     experts: list[int],
     recipe,
     group_size: int,
-    method: str,
     layer: int,
-    alternatives: dict | None = None,
 ) -> tuple[dict[int, dict[str, QuantizedWeight]], list[ExpertRecord]]:
-    """GPTQ, AWQ or RTN for the given routed experts of one layer, batched across experts, from
-    the layer's MoE inputs held whole in memory.
+    """GPTQ for the given routed experts of one layer, batched across experts, from the layer's MoE
+    inputs held whole in memory (quantkit.quant.methods.GPTQ.quantize).
 
     convert's GPTQ streams its Hessians instead (quantkit.conversion.layerpass.gptq_experts, the same policy
-    and arithmetic; tests/conversion/test_layerpass.py holds the two equal); this whole-layer form is AWQ's
-    path, the oracle of that test, and what tests/runtime/test_device.py runs on a fake device.
+    and arithmetic; tests/conversion/test_layerpass.py holds the two equal); this whole-layer form is
+    the oracle of that test, and what tests/runtime/test_device.py runs on a fake device.
 
     x: (N, D) the MoE input of every calibration token; tokens[e]: indices of the tokens routed to e.
     Which tokens an expert is fitted on, and what a starved one gets, is quantkit.quant.experts' one
     policy (held-out tokens never enter a Hessian). GPTQ: gate and up share the Hessian of their
     input; down's Hessian comes from the *quantized* gate/up output on the same tokens.
-    `alternatives`, when a dict, receives other candidates per expert for the held-out guard (AWQ: s = 1).
     """
-    if method == "awq":  # activation-aware smoothing + clipping per expert (quantkit.quant.awq), same contract
-        from quantkit.quant.awq import quantize_experts_awq  # awq builds on this module's helpers
-
-        return quantize_experts_awq(x, w, tokens, experts, recipe, group_size, layer, alternatives=alternatives)
-    if method == "rtn":
-        return ({e: rtn_expert(w, e, group_size) for e in experts},
-                [ExpertRecord(layer, e, len(tokens[e]), "rtn") for e in experts])
-
     g = recipe.gptq
     records, quantized, inputs, fallback = [], {}, {}, {}
     for e in experts:

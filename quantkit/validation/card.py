@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from quantkit.checkpoint.manifest import atomic_write_text
+from quantkit.quant.methods import METHODS, method_for
 from quantkit.runtime.units import decimal_bytes
 
 ROLE = {
@@ -164,7 +165,7 @@ def _front_matter(which: str, src: dict, license: dict[str, str]) -> list[str]:
 
 def _recipe(report: dict) -> list[str]:
     r = report["recipe"]
-    g = r.get("gptq") or {}
+    method = method_for(r["method"])
     cal = report.get("calibration")
     e = report["experts_summary"]
     reasons: dict[str, int] = {}
@@ -179,15 +180,17 @@ def _recipe(report: dict) -> list[str]:
         f"{r['prefill']['shared_experts']}, dense MLP {r['prefill']['dense_mlp']}; reuse source INT4: "
         f"{r['decode']['reuse_source_int4']}",
     ]
-    if r["method"] == "gptq":
-        out.append(f"- GPTQ: dampening {g.get('dampening')}, block {g.get('block_size')}, actorder {g.get('actorder')}, "
-                   f"group scales {g.get('observer', 'minmax')}, experts with fewer than {g.get('min_tokens')} routed tokens take `{g.get('fallback')}`")
+    if method.settings_line(r):
+        out.append(method.settings_line(r))
     if cal:
         out.append(f"- calibration data: `{cal['spec']}`, {cal['num_samples']} x {cal['seq_len']} = {cal['tokens']} tokens, "
                    f"sha256 `{cal['sha256']}`; {report.get('calibration_choice', '')}")
     else:
         out.append("- calibration data: none (no expert needed it)")
-    out.append(f"- routed experts: {e['total']} ({e['gptq']} GPTQ, {e['rtn']} RTN, {e['reused']} reused bit for bit from "
+    shown = dict.fromkeys((method, method.data_free()))  # the method and its data-free form, always
+    made = ", ".join(f"{e.get(m.name, 0)} {m.display}" for m in shown)
+    made += "".join(f", {e[n]} {m.display}" for n, m in METHODS.items() if m not in shown and e.get(n))
+    out.append(f"- routed experts: {e['total']} ({made}, {e['reused']} reused bit for bit from "
                f"the source); {e['fallbacks']} fallbacks" + (": " + ", ".join(f"{n} x {why}" for why, n in sorted(reasons.items()))
                                                             if reasons else ""))
     out.append(_guard_line(report))
@@ -205,7 +208,7 @@ def _guard_line(report: dict) -> str:
     made = e["total"] - e.get("reused", 0)
     if not made:
         return "- guard: nothing to judge (every routed expert reused from the source)"
-    calibrated = e.get("gptq", 0) + e.get("awq", 0)  # a guard that kept RTN recorded the expert as rtn
+    calibrated = sum(e.get(n, 0) for n, m in METHODS.items() if m.calibrated)  # a guard that kept RTN recorded rtn
     return (f"- guard: {e.get('guarded', 0)} judged against RTN on held-out tokens, {e.get('guard_kept_rtn', 0)} kept RTN"
             + (f", {e['awq_kept_s1']} AWQ kept s = 1" if e.get("awq_kept_s1") else "")
             + f"; {calibrated}/{made} quantized routed experts stored calibrated")

@@ -11,7 +11,7 @@ import torch
 from quantkit.conversion.activations import ActivationStore, StorePlan
 from quantkit.conversion.layerpass import LayerRouting, gptq_experts
 from quantkit.quant.experts import PROJS, guard_experts
-from quantkit.quant.moe import quantize_experts
+from quantkit.quant.methods import quantize_experts
 from quantkit.recipe import load_recipe
 
 N, T, D, I, E, K = 4, 40, 64, 32, 4, 2  # samples, tokens per sample, hidden, expert width, experts, top-k

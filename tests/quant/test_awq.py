@@ -17,7 +17,7 @@ from quantkit.model.reference import Context, decoder_layer, route, swiglu
 from quantkit.quant import awq
 from quantkit.quant.experts import expert_weights
 from quantkit.quant.gptq import quantize_rtn
-from quantkit.quant.moe import quantize_experts
+from quantkit.quant.methods import quantize_experts
 from quantkit.recipe import load_recipe
 from quantkit.synthetic.tiny import batches
 from quantkit.validation.forward import embed, layer_weights, logits

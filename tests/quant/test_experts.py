@@ -15,7 +15,7 @@ from quantkit.quant.experts import (
     split_heldout,
 )
 from quantkit.quant.gptq import quantize_rtn
-from quantkit.quant.moe import quantize_experts
+from quantkit.quant.methods import quantize_experts
 from quantkit.recipe import load_recipe
 
 D, I, E = 64, 32, 3

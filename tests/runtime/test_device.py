@@ -24,7 +24,7 @@ What runs here, on the device:
   formats.int4 pack / unpack / dequantize / store; formats.fp8 quantize / dequantize;
   gptq: quantize_rtn, gptq (static and dynamic groups, actorder), hessian_from_inputs;
   awq: the smoothing search, the clip search, the fold, clipped quantization;
-  conversion.quantize_experts with rtn, gptq and awq (starved experts included);
+  quant.methods.quantize_experts with every registered method (starved experts included);
   calibrate.attention_pass through the activation store over every layer (DSA indexer, IndexShare);
   reference: Context.build, every layer's attention (MLA, DSA indexer with both tie rules,
   incremental decode with caches), dense decoder layers, route, Routing.tokens_of / counts,
@@ -59,7 +59,7 @@ from quantkit.formats import fp8, int4
 from quantkit.model import reference
 from quantkit.model.arch import arch_from_config
 from quantkit.quant import awq, gptq
-from quantkit.quant.moe import quantize_experts
+from quantkit.quant.methods import METHODS, quantize_experts
 from quantkit.recipe import load_recipe
 from quantkit.synthetic.tiny import init_weights
 
@@ -165,7 +165,7 @@ def model(request):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
+@pytest.mark.parametrize("method", list(METHODS))  # every registered method
 def test_quantize_experts_on_device(model, method):
     arch, weights = model
     recipe = load_recipe("tiny-glm-5.2")

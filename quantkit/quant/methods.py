@@ -1,0 +1,172 @@
+"""The quantization methods, one registered class each, and the one place a method's name is read.
+
+A method says what it needs from the layer pass (`Inputs`), quantizes a chunk of one layer's routed
+experts by delegating to its pure tensor function (named as in its paper: quantkit.quant.gptq,
+quantkit.quant.awq), and states what the other stages print or count for it: its display name and
+one-line help (reports, cards, the CLI), its recipe section and the card's line on its settings,
+and its cost terms for the planner (quantkit.conversion.cost). Every caller asks `method_for(name)`;
+a name not in METHODS is refused with the registered ones, so a new name can never run another
+method's maths.
+
+Adding a method: its class here and its entry in METHODS, its pure tensor function beside the
+others (if it needs a new one), its recipe section in quantkit/recipe.py (if it has settings),
+tests and docs. `RTNClip` is the worked example.
+
+Nothing here imports torch at load: quantkit.recipe validates method names with this module.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import TYPE_CHECKING, ClassVar
+
+from quantkit.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from quantkit.quant.experts import ExpertRecord
+    from quantkit.quant.gptq import QuantizedWeight
+
+__all__ = ["Inputs", "Method", "METHODS", "method_for", "unknown_method", "quantize_experts"]
+
+
+class Inputs(Enum):
+    """What a method needs from the layer pass (quantkit.conversion.layerpass)."""
+
+    NONE = "none"  # the weights alone: no calibration pass, and every layer (MTP included) gets the method
+    LAYER = "layer inputs"  # the layer's MoE inputs x (N, D) gathered whole, and each expert's routed token ids
+    # per-expert Hessians streamed one micro-batch at a time, solved by GPTQ (layerpass.gptq_experts; a
+    # second Hessian method would hand that function its solver)
+    HESSIANS = "streamed Hessians"
+
+
+class Method:
+    """One quantization method. Subclasses set the class attributes and `quantize`."""
+
+    name: ClassVar[str]  # what recipes, --method and reports call it
+    display: ClassVar[str]  # how tables and cards write it
+    help: ClassVar[str]  # a few words for --method's help
+    inputs: ClassVar[Inputs]
+    section: ClassVar[str | None] = None  # its recipe section (quantkit.recipe.Recipe field), if it has settings
+    # planner (quantkit.conversion.cost): a calibrated method's quantizing phase as a multiple of GPTQ's,
+    # and what the plan's notes say about it; a data-free one's work per weight entry, in FLOPs
+    time_factor: ClassVar[float] = 1.0
+    cost_note: ClassVar[str | None] = None
+    flops_per_weight: ClassVar[float] = 20.0
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether it needs calibration data (then convert runs the calibration pass)."""
+        return self.inputs is not Inputs.NONE
+
+    def data_free(self) -> Method:
+        """What it stores where there is no calibration path (an uncalibrated MTP layer): itself
+        when it needs no data, else RTN."""
+        return self if not self.calibrated else METHODS["rtn"]
+
+    def quantize(self, w: dict[str, torch.Tensor], experts: list[int], recipe, group_size: int, layer: int, *,
+                 x: torch.Tensor | None = None, tokens: dict[int, torch.Tensor] | None = None,
+                 alternatives: dict | None = None) -> tuple[dict[int, dict[str, QuantizedWeight]], list[ExpertRecord]]:
+        """({expert: {proj: QuantizedWeight}}, [ExpertRecord]) for `experts` of one layer.
+
+        w: the layer's expert weights (mlp.experts.{e}.{proj}.weight), read only. A calibrated
+        method also takes x (N, D), the layer's MoE inputs held whole, and tokens[e], the indices of
+        the tokens routed to e (the whole-layer form; GPTQ's convert streams its Hessians instead).
+        `alternatives`, when a dict, receives other candidates per expert for the held-out guard."""
+        raise NotImplementedError
+
+    def settings_line(self, recipe: dict) -> str | None:
+        """The model card's line on this method's settings (recipe: as in convert-report.json)."""
+        return None
+
+
+class GPTQ(Method):
+    name, display, help = "gptq", "GPTQ", "calibrated: per-expert Hessians, streamed"
+    inputs, section = Inputs.HESSIANS, "gptq"
+
+    def quantize(self, w, experts, recipe, group_size, layer, *, x=None, tokens=None, alternatives=None):
+        from quantkit.quant.moe import quantize_experts_gptq
+
+        return quantize_experts_gptq(x, w, tokens, experts, recipe, group_size, layer)
+
+    def settings_line(self, recipe: dict) -> str | None:
+        g = recipe.get("gptq") or {}
+        return (f"- GPTQ: dampening {g.get('dampening')}, block {g.get('block_size')}, actorder {g.get('actorder')}, "
+                f"group scales {g.get('observer', 'minmax')}, experts with fewer than {g.get('min_tokens')} routed "
+                f"tokens take `{g.get('fallback')}`")
+
+
+class AWQ(Method):
+    name, display, help = "awq", "AWQ", "calibrated: activation-aware smoothing, then GPTQ"
+    inputs, section = Inputs.LAYER, "awq"
+    time_factor = 1.3  # the scale search on top of GPTQ (measured ~1.3x GPTQ on the tiny models)
+    cost_note = ("awq: the search gathers the layer's MoE inputs and each expert's routed rows (budgeted); "
+                 "time as GPTQ x 1.3")
+
+    def quantize(self, w, experts, recipe, group_size, layer, *, x=None, tokens=None, alternatives=None):
+        from quantkit.quant.awq import quantize_experts_awq
+
+        return quantize_experts_awq(x, w, tokens, experts, recipe, group_size, layer, alternatives=alternatives)
+
+    def settings_line(self, recipe: dict) -> str | None:
+        a, g = recipe.get("awq") or {}, recipe.get("gptq") or {}
+        return (f"- AWQ: grid {a.get('grid')}, duo scaling {a.get('duo_scaling')}, then GPTQ on the smoothed weights "
+                f"(dampening {g.get('dampening')}, block {g.get('block_size')}, actorder {g.get('actorder')})")
+
+
+class RTN(Method):
+    name, display, help = "rtn", "RTN", "data-free baseline: round to nearest, min-max group scales"
+    inputs = Inputs.NONE
+
+    def quantize(self, w, experts, recipe, group_size, layer, *, x=None, tokens=None, alternatives=None):
+        from quantkit.quant.experts import ExpertRecord, rtn_expert
+
+        return ({e: rtn_expert(w, e, group_size) for e in experts},
+                [ExpertRecord(layer, e, len(tokens[e]) if tokens is not None else 0, self.name) for e in experts])
+
+
+class RTNClip(Method):
+    name, display, help = "rtn-clip", "RTN-clip", "data-free: round to nearest, group scales by a clip search"
+    inputs, section = Inputs.NONE, "rtn_clip"
+    flops_per_weight = 20.0 * 20  # RTN's work for each of the search's candidate ranges (grid x max_shrink)
+
+    def quantize(self, w, experts, recipe, group_size, layer, *, x=None, tokens=None, alternatives=None):
+        from quantkit.quant.experts import PROJS, ExpertRecord, expert_weights
+        from quantkit.quant.gptq import quantize_rtn_clip
+
+        c = recipe.rtn_clip
+        return ({e: {p: quantize_rtn_clip(t, group_size, grid=c.grid, max_shrink=c.max_shrink, norm=c.norm)
+                     for p, t in zip(PROJS, expert_weights(w, e))} for e in experts},
+                [ExpertRecord(layer, e, len(tokens[e]) if tokens is not None else 0, self.name) for e in experts])
+
+    def settings_line(self, recipe: dict) -> str | None:
+        c = recipe.get("rtn_clip") or {}
+        return (f"- RTN-clip: each group's range max|w| x r, r in steps of 1/{c.get('grid')} from 1 down to above "
+                f"{1 - c.get('max_shrink', 0):g}, for the least sum |w - q|^{c.get('norm')}; no calibration data")
+
+
+# The registry: one entry per method, in the order help texts and reports list them.
+METHODS: dict[str, Method] = {m.name: m() for m in (GPTQ, AWQ, RTN, RTNClip)}
+
+
+def unknown_method(name: object) -> str:
+    """The one-line complaint for a name that is not registered."""
+    return f"unknown method {name!r}; use one of the registered methods: {', '.join(METHODS)}"
+
+
+def method_for(name: str) -> Method:
+    """The registered method called `name`; a ConfigError naming the registered ones otherwise."""
+    m = METHODS.get(name)
+    if m is None:
+        raise ConfigError(unknown_method(name))
+    return m
+
+
+def quantize_experts(x: torch.Tensor, w: dict[str, torch.Tensor], tokens: dict[int, torch.Tensor], experts: list[int],
+                     recipe, group_size: int, method: str, layer: int, alternatives: dict | None = None):
+    """`method`'s whole-layer form for the given routed experts of one layer (`Method.quantize`), from
+    the layer's MoE inputs held whole: the oracle of convert's streamed GPTQ
+    (tests/conversion/test_layerpass.py) and what tests/runtime/test_device.py runs on a fake device."""
+    return method_for(method).quantize(w, experts, recipe, group_size, layer, x=x, tokens=tokens,
+                                       alternatives=alternatives)
