@@ -7,7 +7,7 @@ field path and the fix:
     recipes/x.yaml: gptq.dampening: must be > 0 (got 0)
     recipes/x.yaml: gptq.dampning: unknown field; did you mean 'dampening'?
 
-Shipped recipes live in `quantkit/recipes/` (kimi-k2.6, glm-5.2, deepseek-v3 and the
+Shipped recipes live in `recipes/` at the top of the repo (kimi-k2.6, glm-5.2, deepseek-v3 and the
 tiny-* ones for the embedded tiny models); `load_recipe("kimi-k2.6")` finds them by name. docs/recipes.md is the
 field reference.
 """
@@ -189,9 +189,10 @@ def _same_data(spec: str | None) -> str | None:
 
 # ---- loading -------------------------------------------------------------------------------------
 def recipe_dirs() -> list[Path]:
-    """Where recipe names are looked up: the package's recipes/ (the same folder in a checkout and in the wheel)."""
+    """Where recipe names are looked up: one folder, the first that exists of quantkit/recipes/ (an
+    installed wheel, which ships the repo's recipes/ there: setup.py) and the checkout's top-level recipes/."""
     here = Path(__file__).resolve().parent
-    return [d for d in (here / "recipes",) if d.is_dir()]
+    return [d for d in (here / "recipes", here.parent / "recipes") if d.is_dir()][:1]
 
 
 def available_recipes() -> list[str]:

@@ -7,7 +7,7 @@
 #
 # usage: scripts/ci_quantize.sh MODEL RECIPE OUTDIR [GROUP_SIZE]
 #   MODEL       a folder, hf://org/repo@rev, or tiny:kimi-k2.6 / tiny:glm-5.2
-#   RECIPE      a recipe name (quantkit/recipes/*.yaml) or file; "" for the model family's default
+#   RECIPE      a recipe name (recipes/*.yaml) or file; "" for the model family's default
 #   OUTDIR      where the artifacts go (must not already hold prefill/ or decode/)
 #   GROUP_SIZE  optional INT4 group size override (32, 64, 128)
 #

@@ -424,6 +424,31 @@ class _Handler(BaseHTTPRequestHandler):
                     pass
 
 
+def hf_cache_snapshot(cache, repo_id: str, folder, *, tags: tuple[str, ...] = ()) -> str:
+    """Lay `folder` out in the HF hub cache `cache` as `hf download` / transformers leave it: blobs
+    named by sha256 (LFS files) or git blob sha1 (small files), snapshots/<commit>/<file> ->
+    ../../blobs/<blob>, refs/main and refs/<tag> naming the commit. Returns the commit."""
+    import os
+    from pathlib import Path
+
+    repo_dir = Path(cache) / ("models--" + repo_id.replace("/", "--"))
+    commit = hashlib.sha1(repo_id.encode()).hexdigest()
+    snap = repo_dir / "snapshots" / commit
+    (repo_dir / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for p in sorted(Path(folder).iterdir()):
+        if not p.is_file():
+            continue
+        data = p.read_bytes()
+        blob = hashlib.sha256(data).hexdigest() if default_is_lfs(p.name) else git_blob_id(data)
+        (repo_dir / "blobs" / blob).write_bytes(data)
+        os.symlink(f"../../blobs/{blob}", snap / p.name)
+    (repo_dir / "refs").mkdir()
+    for ref in ("main", *tags):
+        (repo_dir / "refs" / ref).write_text(commit)
+    return commit
+
+
 def serve_folder(monkeypatch, tmp_path, repo_id: str, folder) -> FakeHub:
     """A started FakeHub serving every file of `folder` as `repo_id` at one commit, with HF_HOME, the
     Hub cache and the quantkit cache private to the test and HF_ENDPOINT pointing at it (the caller

@@ -208,7 +208,11 @@ def test_gpu_check_script_on_cpu(tmp_path):
         "QK_GPU_CHECK_PARALLEL": "1",  # the GPU machine's order: CPU converts beside the device steps
     }
     out = tmp_path / "out"
-    r = subprocess.run(["bash", str(SCRIPT), str(out)], env=env, capture_output=True, text=True, timeout=600)
+    # The timeout only catches a hung script, it is not a speed bound: every step is a real convert, validate
+    # or GPTQ study, with the CPU reference converts beside the device steps. 600 s failed under load: the
+    # script took 576 s (install 20 s + 556 s) at a load average of 9-10 on 2 cores, 213 s quietly with the
+    # tiny models trained again (docs/benchmarks.md), so a CLI job beside the suite pushed it past 600.
+    r = subprocess.run(["bash", str(SCRIPT), str(out)], env=env, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:] + (out / "log.txt").read_text()[-3000:]
     assert sorted(p.name for p in out.iterdir()) == ["env.json", "install.log", "log.txt", "reports.json", "summary.json",
                                                      "summary.md"]

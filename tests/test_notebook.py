@@ -18,6 +18,7 @@ import pytest
 nbformat = pytest.importorskip("nbformat", reason="nbformat not installed: pip install -e '.[test]'")
 nbclient = pytest.importorskip("nbclient", reason="nbclient not installed: pip install -e '.[test]'")
 pytest.importorskip("ipykernel", reason="ipykernel not installed: pip install -e '.[test]'")
+psutil = pytest.importorskip("psutil", reason="psutil not installed (ipykernel brings it): pip install -e '.[test]'")
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "docs" / "notebook.ipynb"
 
@@ -86,26 +87,33 @@ def executed(tmp_path_factory):
     nb = nbformat.read(NOTEBOOK, as_version=4)
     client = nbclient.NotebookClient(nb, km=km, timeout=120, allow_errors=False,
                                      resources={"metadata": {"path": str(work)}})
+    kernel = psutil.Process(km.provisioner.pid)
     t0 = time.time()
     try:
         client.execute()
+        cpu = kernel.cpu_times()
     finally:
         km.shutdown_kernel(now=True)
-    return nb, work, time.time() - t0
+    return nb, work, time.time() - t0, cpu.user + cpu.system + cpu.children_user + cpu.children_system
 
 
 def test_notebook_runs(executed):
-    nb, work, seconds = executed
+    nb, work, seconds, cpu_seconds = executed
     for c in nb.cells:
         if c.cell_type == "code":
             assert not [o for o in c.outputs if o["output_type"] == "error"], c.source
     assert (work / "out/glm/prefill/config.json").is_file() and (work / "out/glm/decode/config.json").is_file()
     assert (work / "out/glm/validation.png").is_file()
-    assert seconds < 120, f"the notebook took {seconds:.0f}s; keep it under two minutes"
+    # The notebook's own cost, in the kernel's CPU seconds (one thread: OMP_NUM_THREADS=1 above, so on a
+    # quiet machine the same as its wall time): a wall-clock bound failed whenever other jobs shared the
+    # cores, with the notebook unchanged. The wall time is reported, and bounded by nbclient's timeout.
+    print(f"notebook: {cpu_seconds:.1f} CPU seconds, {seconds:.1f}s wall")
+    assert cpu_seconds < 120, (f"the notebook took {cpu_seconds:.0f} CPU seconds ({seconds:.0f}s wall); "
+                               "keep it under two minutes")
 
 
 def test_results_display_as_tables(executed):
-    nb, _, _ = executed
+    nb, *_ = executed
     plan = _data(_tagged(nb, "plan"), "text/html", "execute_result")
     assert plan and "<table" in plan[0] and "checkpoints" in plan[0]
     for tag in ("inspect", "inspect-decode"):
@@ -125,6 +133,6 @@ def test_results_display_as_tables(executed):
 def test_progress_is_a_live_widget_in_jupyter(executed):
     """rich draws progress in Jupyter through an ipywidgets Output; without ipywidgets it draws nothing."""
     pytest.importorskip("ipywidgets", reason="ipywidgets not installed: no live progress in Jupyter")
-    nb, _, _ = executed
+    nb, *_ = executed
     for tag in ("convert", "validate"):
         assert _data(_tagged(nb, tag), "application/vnd.jupyter.widget-view+json"), tag

@@ -18,7 +18,7 @@ from quantkit.recipe import Recipe, available_recipes, default_recipe, load_reci
 from quantkit.synthetic.tiny import tiny_config
 
 SHIPPED = ["deepseek-v3", "glm-5.2", "kimi-k2.6", "tiny-glm-5.2", "tiny-kimi-k2.6"]
-REPO_RECIPES = Path(__file__).resolve().parent.parent / "quantkit" / "recipes"
+REPO_RECIPES = Path(__file__).resolve().parent.parent / "recipes"  # the one place they live (setup.py ships them)
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -66,6 +66,30 @@ def test_shipped_recipe_settings():
         assert (t.validate.dataset, t.validate.num_samples, t.validate.seq_len, t.validate.gen_tokens) == (
             "synthetic:heldout", 8, 64, 8)
     assert load_recipe("tiny-kimi-k2.6").group_size == 32 and load_recipe("tiny-glm-5.2").group_size == 128
+
+
+def test_recipes_live_at_the_top_of_the_repo():
+    """recipes/ beside quantkit/, as the layout promises (a user copies one from there to edit);
+    no second copy inside the package (setup.py ships recipes/ as quantkit/recipes/ in the wheel)."""
+    assert sorted(p.stem for p in REPO_RECIPES.glob("*.yaml")) == SHIPPED
+    assert not (REPO_RECIPES.parent / "quantkit" / "recipes").exists() and recipe_dirs() == [REPO_RECIPES]
+
+
+def test_an_edited_copy_converts_with_its_settings(tmp_path):
+    """The documented way to tune a recipe: copy it, edit it, `quantkit convert --recipe path`."""
+    from typer.testing import CliRunner
+
+    from quantkit.cli import app
+
+    src, _ = write_random(tmp_path / "src", small_config("glm"))
+    edited = tmp_path / "my-glm.yaml"
+    edited.write_text((REPO_RECIPES / "tiny-glm-5.2.yaml").read_text().replace("group_size: 128", "group_size: 64")
+                      .replace("name: tiny-glm-5.2", "name: my-glm"))
+    res = CliRunner().invoke(app, ["convert", str(src), "--out", str(tmp_path / "out"), "--recipe", str(edited),
+                                   "--method", "rtn", "--device", "cpu", "--no-validate", "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads((tmp_path / "out" / "convert-report.json").read_text())
+    assert (report["recipe"]["name"], report["recipe"]["group_size"]) == ("my-glm", 64)
 
 
 def test_defaults_of_a_minimal_recipe(tmp_path):

@@ -485,10 +485,10 @@ def test_a_validate_dataset_that_cannot_load_fails_convert_before_any_layer(tmp_
     before any layer is written (no .partial, no crash point of the layer loop passed); with
     --eval-data and the other eval options the same recipe converts, and the chained validate
     uses them."""
-    from importlib.resources import files
+    from quantkit.recipe import recipe_dirs
 
     missing = "hf:quantkit-test/no-such-dataset@test"
-    text = (files("quantkit") / "recipes" / "tiny-glm-5.2.yaml").read_text()
+    text = (recipe_dirs()[0] / "tiny-glm-5.2.yaml").read_text()
     recipe = tmp_path / "r.yaml"
     recipe.write_text(text.replace("dataset: synthetic:heldout", f"dataset: {missing}"))
     assert missing in recipe.read_text()

@@ -47,6 +47,13 @@ def test_wheel_installs_and_converts(tmp_path):
                            check=True, capture_output=True, text=True).stdout.strip()
     assert Path(where).is_relative_to(site), where
 
+    # the repo's top-level recipes/ ships inside the package (setup.py), and an installed quantkit finds them there
+    found = subprocess.run([str(py), "-c", "from quantkit.recipe import available_recipes, recipe_dirs; "
+                            "print(recipe_dirs()[0]); print(*available_recipes())"], cwd=run, env=env, check=True,
+                           capture_output=True, text=True).stdout.split("\n")
+    assert Path(found[0]) == Path(where).parent / "recipes", found
+    assert found[1].split() == sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml")), found
+
     cli = [str(env_dir / "bin" / "quantkit")]  # the console script the wheel installed
     assert "convert" in subprocess.run([*cli, "--help"], cwd=run, env=env, check=True, capture_output=True,
                                        text=True).stdout

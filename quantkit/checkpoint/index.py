@@ -136,9 +136,11 @@ def read_weight_map(folder: Path, remote=None) -> dict[str, str]:
             if not present:
                 raise CheckpointError(f"index names missing shard {f!r}; re-download it", file=str(index), tensor=name)
         return dict(wm)
+    # A single-file model's weights are not among the small files a streamed source fetches up front:
+    # the Hub listing says whether it has one, and its header comes by ranged reads like a shard's.
     single = folder / SINGLE
-    if single.is_file():
-        return {name: SINGLE for name in read_header(single)}
+    if (SINGLE in remote.files) if remote is not None else single.is_file():
+        return {name: SINGLE for name in read_header(single, remote)}
     raise CheckpointError(f"no {INDEX} or {SINGLE}; is this a model folder?", file=str(folder))
 
 

@@ -15,9 +15,9 @@ from huggingface_hub import constants as hf_constants
 from quantkit.hub.download import ChecksumError, HubError, HubSource, PullResult, parse_hf_id, pull
 
 try:
-    from hub_server import FakeHub
+    from hub_server import FakeHub, hf_cache_snapshot
 except ImportError:  # tests/ imported as a package
-    from tests.hub_server import FakeHub
+    from tests.hub_server import FakeHub, hf_cache_snapshot
 
 REPO = "moonshot-fake/Kimi-Tiny"
 SHARD1 = "model-00001-of-00002.safetensors"
@@ -386,29 +386,6 @@ def test_token_used_but_never_printed(env, monkeypatch, capsys, caplog):
 
 
 # issue 21 item 2 -----------------------------------------------------------------------------------------------
-def _hf_cache_snapshot(cache, repo_id: str, folder) -> str:
-    """The HF cache layout as `hf download` / transformers leave it: blobs named by sha256 (LFS files)
-    or git blob sha1 (small files), snapshots/<commit>/<file> -> ../../blobs/<blob>, refs/main."""
-    import os
-
-    repo_dir = cache / ("models--" + repo_id.replace("/", "--"))
-    commit = hashlib.sha1(repo_id.encode()).hexdigest()
-    snap = repo_dir / "snapshots" / commit
-    (repo_dir / "blobs").mkdir(parents=True)
-    snap.mkdir(parents=True)
-    for p in sorted(folder.iterdir()):
-        if not p.is_file():
-            continue
-        data = p.read_bytes()
-        blob = (hashlib.sha256(data).hexdigest() if p.suffix == ".safetensors"
-                else hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest())
-        (repo_dir / "blobs" / blob).write_bytes(data)
-        os.symlink(f"../../blobs/{blob}", snap / p.name)
-    (repo_dir / "refs").mkdir()
-    (repo_dir / "refs" / "main").write_text(commit)
-    return commit
-
-
 def test_hf_cache_snapshot_converts_offline_end_to_end(env, monkeypatch, tiny_glm):
     """An hf:// source found only in the HF cache (offline): every file, config.json included, is read
     from where it was found. config.json used to be looked for in quantkit's own cache folder ("not found")."""
@@ -418,7 +395,7 @@ def test_hf_cache_snapshot_converts_offline_end_to_end(env, monkeypatch, tiny_gl
 
     repo = "zai-org/GLM-Cache-Tiny"
     cache = env / "hf_home" / "hub"
-    commit = _hf_cache_snapshot(cache, repo, tiny_glm)
+    commit = hf_cache_snapshot(cache, repo, tiny_glm)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setenv("QUANTKIT_CACHE", str(env / "qk"))
