@@ -73,6 +73,11 @@ class ModelArch:
     # mtp: extra decoder layers after the last one (index num_hidden_layers...), carried, never run
     num_mtp_layers: int = 0
 
+    # gqa (Qwen3-MoE): key/value heads and the head width; 0 for MLA. A GQA arch sets qk_rope_head_dim
+    # and v_head_dim to head_dim (rope turns the whole head) and the MLA ranks to 0.
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+
     quantization_config: dict[str, Any] | None = None  # the source's, as found
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -181,12 +186,27 @@ def _check_types(text: dict[str, Any], source: str) -> None:
             raise ConfigError(f"{source}: {key} is {v!r} ({type(v).__name__}); it must be a number, fix config.json")
 
 
+def _attention_fields(text: dict[str, Any], fam: Family, need, source: str) -> dict[str, int]:
+    """The attention's sizes: MLA's ranks and head dims, or GQA's key/value heads and head width."""
+    if fam.attention == "gqa":
+        hd = int(text.get("head_dim") or int(need("hidden_size")) // int(need("num_attention_heads")))
+        return dict(num_key_value_heads=int(need("num_key_value_heads")), head_dim=hd, q_lora_rank=0, kv_lora_rank=0,
+                    qk_nope_head_dim=0, qk_rope_head_dim=hd, v_head_dim=hd)
+    if text.get("q_lora_rank") is None:
+        raise ConfigError(f"{source}: q_lora_rank null (DeepSeek-V2-Lite style q_proj) is not supported")
+    return dict(q_lora_rank=int(need("q_lora_rank")), kv_lora_rank=int(need("kv_lora_rank")),
+                qk_nope_head_dim=int(need("qk_nope_head_dim")), qk_rope_head_dim=int(need("qk_rope_head_dim")),
+                v_head_dim=int(need("v_head_dim")))
+
+
 def arch_from_config(cfg: dict[str, Any], *, source: str = "config.json") -> ModelArch:
     """Parse a config.json dict of a supported family into a ModelArch."""
     model_type = cfg.get("model_type")
     fam = family_of(model_type, source=source)
     text = _text_config(cfg, fam)
     _check_types(text, source)
+    if fam.config_view is not None:  # a family whose config.json names the fields otherwise
+        text = fam.config_view(text)
 
     def need(key: str) -> Any:
         if key not in text:
@@ -202,8 +222,6 @@ def arch_from_config(cfg: dict[str, Any], *, source: str = "config.json") -> Mod
         moe_layers = tuple(i >= first_dense and i % moe_freq == 0 for i in range(n_layers))
     if text.get("scoring_func", "sigmoid") != "sigmoid":
         raise ConfigError(f"{source}: scoring_func {text['scoring_func']!r} is not supported (sigmoid)")
-    if text.get("q_lora_rank") is None:
-        raise ConfigError(f"{source}: q_lora_rank null (DeepSeek-V2-Lite style q_proj) is not supported")
 
     dsa = fam.indexer
     n_mtp = int(text.get("num_nextn_predict_layers", 0) or 0)
@@ -228,11 +246,7 @@ def arch_from_config(cfg: dict[str, Any], *, source: str = "config.json") -> Mod
         norm_topk_prob=bool(text.get("norm_topk_prob", True)),
         moe_layers=moe_layers,
         num_attention_heads=int(need("num_attention_heads")),
-        q_lora_rank=int(need("q_lora_rank")),
-        kv_lora_rank=int(need("kv_lora_rank")),
-        qk_nope_head_dim=int(need("qk_nope_head_dim")),
-        qk_rope_head_dim=int(need("qk_rope_head_dim")),
-        v_head_dim=int(need("v_head_dim")),
+        **_attention_fields(text, fam, need, source),
         rope=_rope(text),
         # transformers' DeepSeek-V3 defaults to interleaved rope (the original weights' layout);
         # a family whose modelling code ignores the field (GLM) declares its layout.

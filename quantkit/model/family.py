@@ -48,8 +48,9 @@ class Family:
     vision: bool  # a vision tower ships beside the text model (carried byte for byte)
 
     # layer kinds
-    attention: str  # "mla": the reference forward's attention flavour (quantkit.model.reference)
-    router: str  # "sigmoid_group_topk": sigmoid scores, bias-corrected group-limited top-k (quantkit.model.moe)
+    attention: str  # "mla" or "gqa": the reference forward's attention flavour (quantkit.model.reference)
+    router: str  # "sigmoid_group_topk" or "softmax_topk": the router's flavour (quantkit.model.moe)
+    router_bias: bool  # the router stores a correction bias (`mlp.gate.e_score_correction_bias`)
     indexer: bool  # DeepSeek Sparse Attention's lightning indexer (GLM), per layer or shared (IndexShare)
     forced_rope_interleave: bool | None  # the modelling code's rope layout when it ignores the config
 
@@ -68,8 +69,10 @@ class Family:
     trust_remote_code: bool  # the tokenizer (or model) ships its own code
 
     # what ships with quantkit
-    recipe: str  # the shipped recipe `convert` uses by default
+    recipe: str | None  # the shipped recipe `convert` uses by default (None: none yet, --recipe needed)
     presets: tuple[str, ...] = ()  # shipped config.json presets (quantkit.model.presets)
+    # the text config in DeepSeek-V3's field names, for a family whose config.json names them otherwise
+    config_view: Callable[[dict], dict] | None = None
 
     @property
     def recipe_projections(self) -> tuple[str, ...]:

@@ -99,7 +99,8 @@ def tensor_inventory(
         if a.is_moe(layer):
             E, I_e = a.n_routed_experts, a.moe_intermediate_size
             add(f"{L}mlp.gate.weight", (E, h), replicated=True)
-            add(f"{L}mlp.gate.e_score_correction_bias", (E,), replicated=True)
+            if fam.router_bias:
+                add(f"{L}mlp.gate.e_score_correction_bias", (E,), replicated=True)
             add(f"{L}mlp.experts.0.gate_proj.weight", (I_e, h), E, linear=True)
             add(f"{L}mlp.experts.0.up_proj.weight", (I_e, h), E, linear=True)
             add(f"{L}mlp.experts.0.down_proj.weight", (h, I_e), E, linear=True)

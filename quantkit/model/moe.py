@@ -52,9 +52,17 @@ def _sigmoid_group_topk(x: torch.Tensor, w: W, arch: ModelArch) -> tuple[torch.T
     return topk_idx, scores.gather(1, topk_idx)
 
 
+def _softmax_topk(x: torch.Tensor, w: W, arch: ModelArch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts, then the top k (Qwen3-MoE, transformers' Qwen3MoeTopKRouter)."""
+    probs = F.linear(x.float(), w["mlp.gate.weight"].float()).softmax(dim=-1)  # (N, E)
+    topk_weight, topk_idx = probs.topk(arch.num_experts_per_tok, dim=-1)
+    return topk_idx, topk_weight
+
+
 # router flavour (a family definition's `router`) -> (N, D) inputs to top-k ids and raw weights
 ROUTERS: dict[str, Callable[[torch.Tensor, W, ModelArch], tuple[torch.Tensor, torch.Tensor]]] = {
     "sigmoid_group_topk": _sigmoid_group_topk,
+    "softmax_topk": _softmax_topk,
 }
 
 

@@ -119,15 +119,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 # ---- attention ---------------------------------------------------------------------------------
 @dataclass
 class LayerCache:
-    """What decode needs from earlier tokens of one layer: MLA's latent and rope key, DSA's index keys."""
+    """What decode needs from earlier tokens of one layer: MLA's latent and rope key, DSA's index keys,
+    or GQA's keys and values."""
 
     latent: torch.Tensor | None = None  # (B, S, kv_lora) after kv_a_layernorm
     k_rot: torch.Tensor | None = None  # (B, S, rope) after rope
     index_k: torch.Tensor | None = None  # (B, S, index_head_dim)
+    key: torch.Tensor | None = None  # GQA: (B, S, n_kv, head_dim) after k_norm and rope
+    value: torch.Tensor | None = None  # GQA: (B, S, n_kv, head_dim)
 
     @property
     def length(self) -> int:
-        return 0 if self.latent is None else self.latent.shape[1]
+        first = self.latent if self.latent is not None else self.key
+        return 0 if first is None else first.shape[1]
 
 
 def _append(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
@@ -235,6 +239,36 @@ def mla_attention(x: torch.Tensor, w: W, ctx: Context, layer: int) -> torch.Tens
     return linear(out, w["self_attn.o_proj.weight"])
 
 
+def gqa_attention(x: torch.Tensor, w: W, ctx: Context, layer: int) -> torch.Tensor:
+    """Grouped-query attention with per-head q/k RMSNorm before rope (Qwen3-MoE)."""
+    a = ctx.arch
+    B, T, _ = x.shape
+    nh, nkv, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+    if ctx.kv is not None:
+        from quantkit.errors import ConfigError
+
+        raise ConfigError(f"model_type {a.model_type}: the FP8 KV-cache simulation covers MLA only; run without it")
+    q = rms_norm(linear(x, w["self_attn.q_proj.weight"]).view(B, T, nh, hd), w["self_attn.q_norm.weight"], a.rms_norm_eps)
+    k = rms_norm(linear(x, w["self_attn.k_proj.weight"]).view(B, T, nkv, hd), w["self_attn.k_norm.weight"], a.rms_norm_eps)
+    v = linear(x, w["self_attn.v_proj.weight"]).view(B, T, nkv, hd)
+    cos, sin = ctx.cos[:, None, :], ctx.sin[:, None, :]  # (T, 1, hd/2): broadcast over heads
+    q, k = apply_rope(q, cos, sin, a.rope_interleave), apply_rope(k, cos, sin, a.rope_interleave)  # (B, T, h, hd)
+    cache = ctx.caches[layer] if ctx.caches is not None else None
+    if cache is not None:
+        k = cache.key = _append(cache.key, k)  # (B, S, nkv, hd)
+        v = cache.value = _append(cache.value, v)
+    S = k.shape[1]
+    k = k.transpose(1, 2).repeat_interleave(nh // nkv, dim=1)  # (B, nh, S, hd)
+    v = v.transpose(1, 2).repeat_interleave(nh // nkv, dim=1)
+    key_pos = torch.arange(S, device=x.device)
+    allowed = key_pos[None, :] <= ctx.positions[:, None]  # (T, S) causal
+    scores = torch.matmul(q.transpose(1, 2), k.transpose(-1, -2)) * softmax_scale(a)  # (B, nh, T, S)
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs, v).transpose(1, 2).reshape(B, T, nh * hd)
+    return linear(out, w["self_attn.o_proj.weight"])
+
+
 # ---- decoder layer and model -------------------------------------------------------------------
 @dataclass
 class LayerOutput:
@@ -244,7 +278,7 @@ class LayerOutput:
 
 
 # attention flavour (a family definition's `attention`) -> its forward
-ATTENTIONS = {"mla": mla_attention}
+ATTENTIONS = {"mla": mla_attention, "gqa": gqa_attention}
 
 
 def attention(x: torch.Tensor, w: W, ctx: Context, layer: int) -> torch.Tensor:

@@ -8,9 +8,10 @@ from __future__ import annotations
 from quantkit.errors import ConfigError
 from quantkit.model.families.deepseek_v3 import DEEPSEEK_V3, KIMI_K2, KIMI_K25
 from quantkit.model.families.glm import GLM_MOE_DSA
+from quantkit.model.families.qwen3_moe import QWEN3_MOE
 from quantkit.model.family import Family
 
-REGISTRY: dict[str, Family] = {f.model_type: f for f in (DEEPSEEK_V3, KIMI_K2, KIMI_K25, GLM_MOE_DSA)}
+REGISTRY: dict[str, Family] = {f.model_type: f for f in (DEEPSEEK_V3, KIMI_K2, KIMI_K25, GLM_MOE_DSA, QWEN3_MOE)}
 
 
 def family_of(model_type: str, *, source: str = "config.json") -> Family:

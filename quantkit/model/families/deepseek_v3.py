@@ -50,6 +50,7 @@ DEEPSEEK_V3 = Family(
     vision=False,
     attention="mla",
     router="sigmoid_group_topk",
+    router_bias=True,
     indexer=False,
     forced_rope_interleave=None,  # transformers' DeepSeek-V3 defaults to interleaved (the config says)
     attention_projections=MLA_PROJECTIONS,

@@ -36,6 +36,7 @@ GLM_MOE_DSA = Family(
     vision=False,
     attention="mla",
     router="sigmoid_group_topk",
+    router_bias=True,
     indexer=True,
     forced_rope_interleave=True,
     attention_projections=MLA_PROJECTIONS,
