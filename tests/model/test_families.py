@@ -51,6 +51,19 @@ def test_no_family_checks_outside_model():
     assert bad == [], "ask arch.definition (quantkit.model.family) instead:\n" + "\n".join(bad)
 
 
+def test_only_the_registry_imports_a_definition():
+    """A family's module is reached through REGISTRY only (families/__init__.py, or a sibling that
+    builds on it, as glm on deepseek_v3's MLA): adding one is that module and one registry line."""
+    bad = []
+    for p in sorted((ROOT / "quantkit").rglob("*.py")):
+        if p.parent == ROOT / "quantkit" / "model" / "families":
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("quantkit.model.families."):
+                bad.append(f"{p.relative_to(ROOT)}:{node.lineno}: from {node.module} import ...")
+    assert bad == []
+
+
 def test_the_grep_finds_what_it_looks_for(tmp_path):
     (tmp_path / "m.py").write_text('a = arch.family == "kimi"\nb = cfg.get("model_type") != "glm_moe_dsa"\n'
                                    'c = {"kimi_k25": 1}\nd = x == 1\ne = fam.indexer\n')
