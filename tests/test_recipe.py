@@ -14,15 +14,7 @@ from quantkit.conversion.pipeline import convert
 from quantkit.errors import ConfigError
 from quantkit.inputs.tokens import parse_spec
 from quantkit.model.arch import arch_from_config
-from quantkit.recipe import (
-    Recipe,
-    available_recipes,
-    default_recipe,
-    load_recipe,
-    recipe_dirs,
-    recipe_overrides,
-    resolve_recipe,
-)
+from quantkit.recipe import Recipe, available_recipes, default_recipe, load_recipe, recipe_dirs, recipe_overrides, resolve_recipe
 from quantkit.synthetic.tiny import tiny_config
 
 SHIPPED = ["deepseek-v3", "glm-5.2", "kimi-k2.6", "tiny-glm-5.2", "tiny-kimi-k2.6"]
