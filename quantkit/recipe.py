@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 import warnings
 from pathlib import Path
 from typing import Any, Literal
@@ -28,8 +29,9 @@ from quantkit.quant.methods import METHODS, unknown_method
 
 __all__ = ["Recipe", "load_recipe", "default_recipe", "recipe_overrides", "resolve_recipe", "recipe_dirs", "available_recipes"]
 
-# Projections `prefill.keep_bf16` may name (the last component of the module name).
-ATTENTION_PROJECTIONS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "wq_b", "wk")
+# A projection `prefill.keep_bf16` may name: the last component of a module name. Which ones a model
+# has is its family definition's (quantkit.model.family); `resolve_recipe` checks them against it.
+_PROJECTION = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 # CLI option -> field path, for recipe_overrides and its error messages.
 _OVERRIDES = {
@@ -94,12 +96,10 @@ class PrefillSettings(_Section):
 
     @field_validator("keep_bf16")
     @classmethod
-    def _known_projections(cls, names: list[str]) -> list[str]:
+    def _projection_names(cls, names: list[str]) -> list[str]:
         for n in names:
-            if n not in ATTENTION_PROJECTIONS:
-                close = difflib.get_close_matches(n, ATTENTION_PROJECTIONS, n=1)
-                hint = f"did you mean {close[0]!r}? " if close else ""
-                raise ValueError(f"unknown projection {n!r}; {hint}choose from {', '.join(ATTENTION_PROJECTIONS)}")
+            if not _PROJECTION.match(n):
+                raise ValueError(f"{n!r} is not a projection name (the last part of a module name, e.g. q_a_proj)")
         if len(set(names)) != len(names):
             raise ValueError("lists a projection twice; remove the duplicate")
         return names
@@ -241,19 +241,33 @@ def default_recipe(model_spec: str, arch) -> Recipe:
     spec = str(model_spec)
     if spec.startswith("tiny:"):
         return load_recipe(f"tiny-{spec[len('tiny:'):]}")
-    family = getattr(arch, "family", arch)
-    by_family = {"kimi": "kimi-k2.6", "glm": "glm-5.2", "deepseek_v3": "deepseek-v3"}
-    if family not in by_family:
-        raise ConfigError(f"{spec}: no default recipe for the {family} family; pass one with --recipe "
-                          f"(start from {' or '.join(by_family.values())})")
-    return load_recipe(by_family[family])
+    name = getattr(getattr(arch, "definition", None), "recipe", None)  # the family definition's (quantkit.model.family)
+    if name is None:
+        raise ConfigError(f"{spec}: no default recipe for {getattr(arch, 'model_type', arch)}; pass one with --recipe "
+                          f"(start from one of {', '.join(available_recipes())})")
+    return load_recipe(name)
 
 
 def resolve_recipe(model_spec, arch, recipe: str | Path | None = None, **cli_options: Any) -> Recipe:
     """The recipe convert and `plan --convert` run with: the one named, else the model family's
     (`default_recipe`), with the options given overriding its fields (`recipe_overrides`)."""
     rec = load_recipe(recipe) if recipe is not None else default_recipe(str(model_spec), arch)
+    check_projections(rec, arch)
     return recipe_overrides(rec, **cli_options)
+
+
+def check_projections(rec: Recipe, arch) -> None:
+    """`prefill.keep_bf16` names projections the model has (its family definition's
+    `recipe_projections`); a one-line error with the closest name otherwise."""
+    known = getattr(getattr(arch, "definition", None), "recipe_projections", None)
+    if known is None:
+        return
+    for n in rec.prefill.keep_bf16:
+        if n not in known:
+            close = difflib.get_close_matches(n, known, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(f"recipe {rec.name}: prefill.keep_bf16: unknown projection {n!r} for model_type "
+                              f"{arch.model_type}; {hint}choose from {', '.join(known)}")
 
 
 def recipe_overrides(recipe: Recipe, **cli_options: Any) -> Recipe:

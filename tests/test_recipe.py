@@ -14,7 +14,7 @@ from quantkit.conversion.pipeline import convert
 from quantkit.errors import ConfigError
 from quantkit.inputs.tokens import parse_spec
 from quantkit.model.arch import arch_from_config
-from quantkit.recipe import Recipe, available_recipes, default_recipe, load_recipe, recipe_dirs, recipe_overrides
+from quantkit.recipe import Recipe, available_recipes, default_recipe, load_recipe, recipe_dirs, recipe_overrides, resolve_recipe
 from quantkit.synthetic.tiny import tiny_config
 
 SHIPPED = ["deepseek-v3", "glm-5.2", "kimi-k2.6", "tiny-glm-5.2", "tiny-kimi-k2.6"]
@@ -120,7 +120,7 @@ gptq:
   dampening: 0
   fallback: zeros
 prefill:
-  keep_bf16: [q_a_prj]
+  keep_bf16: [q-a-proj]
 validate:
   seq_len: 1.5
   gates: {kl: 0.1}
@@ -133,8 +133,7 @@ validate:
         f"{where}: gptq.dampening: must be > 0.0 (got 0)",
         f"{where}: gptq.fallback: must be one of 'all_tokens' or 'rtn' (got 'zeros')",
         f"{where}: gptq.dampning: unknown field; did you mean 'dampening'?",
-        f"{where}: prefill.keep_bf16: unknown projection 'q_a_prj'; did you mean 'q_a_proj'? "
-        "choose from q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj, wq_b, wk",
+        f"{where}: prefill.keep_bf16: 'q-a-proj' is not a projection name (the last part of a module name, e.g. q_a_proj)",
         f"{where}: validate.seq_len: must be an integer (got 1.5)",
         f"{where}: validate.gates: gate 'kl' must end in _max or _min (an upper or lower bound), e.g. kl_max, top1_min",
     ]
@@ -170,8 +169,24 @@ def test_default_recipe_by_model():
     assert default_recipe("/models/Kimi-K2.6", kimi_arch).name == "kimi-k2.6"
     assert default_recipe("hf://zai-org/GLM-5.2-FP8", glm_arch).name == "glm-5.2"
     assert default_recipe("/models/DeepSeek-V3", arch_from_config(small_config("deepseek_v3"))).name == "deepseek-v3"
-    with pytest.raises(ConfigError, match="no default recipe for the qwen3_moe family; pass one with --recipe"):
+    with pytest.raises(ConfigError, match="no default recipe for qwen3_moe; pass one with --recipe"):
         default_recipe("/models/Qwen3", "qwen3_moe")
+
+
+def test_keep_bf16_names_the_models_projections(tmp_path):
+    """Which projections a recipe may keep BF16 is the model family's (its definition), checked when
+    the recipe meets the model: GLM's indexer wq_b is one, a typo is one line with the closest name."""
+    glm = arch_from_config(tiny_config("glm-5.2"))
+    kimi = arch_from_config(tiny_config("kimi-k2.6"))
+    path = write(tmp_path, "name: typo\nmethod: rtn\nprefill: {keep_bf16: [q_a_prj]}\n")
+    with pytest.raises(ConfigError) as e:
+        resolve_recipe("/models/GLM", glm, path)
+    assert str(e.value) == ("recipe typo: prefill.keep_bf16: unknown projection 'q_a_prj' for model_type glm_moe_dsa; "
+                            "did you mean 'q_a_proj'? choose from q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, "
+                            "o_proj, wq_b, wk")
+    assert resolve_recipe("/models/GLM", glm, write(tmp_path, "name: w\nmethod: rtn\nprefill: {keep_bf16: [wq_b]}\n")).prefill.keep_bf16 == ["wq_b"]
+    with pytest.raises(ConfigError, match="unknown projection 'wq_b' for model_type kimi_k25; choose from q_a_proj"):
+        resolve_recipe("/models/Kimi", kimi, write(tmp_path, "name: w\nmethod: rtn\nprefill: {keep_bf16: [wq_b]}\n"))
 
 
 @pytest.mark.slow

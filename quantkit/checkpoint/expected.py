@@ -11,9 +11,9 @@ from quantkit.model.tensors import TensorClass, TensorInfo
 
 def required_layer_tensors(a: ModelArch, layer: int) -> list[str]:
     """Logical names (relative to the layer prefix) every decoder layer of this architecture holds."""
+    fam = a.definition
     req = ["input_layernorm.weight", "post_attention_layernorm.weight"]
-    req += [f"self_attn.{p}.weight" for p in ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa",
-                                               "kv_a_layernorm", "kv_b_proj", "o_proj")]
+    req += [f"self_attn.{p}.weight" for p in fam.attention_projections + tuple(n for n, _ in fam.attention_norms)]
     projs = ("gate_proj", "up_proj", "down_proj")
     if a.is_moe(layer):
         req.append("mlp.gate.weight")
@@ -28,9 +28,10 @@ def required_layer_tensors(a: ModelArch, layer: int) -> list[str]:
 def expected_shape(info: TensorInfo, a: ModelArch) -> tuple[int, ...] | None:
     """The [out, in] a config implies for a projection, the length of a norm; None where the
     config does not say."""
-    h, k = a.hidden_size, a.kv_lora_rank
+    h, fam = a.hidden_size, a.definition
     if info.klass == TensorClass.NORM:
-        return {"q_a_layernorm": (a.q_lora_rank,), "kv_a_layernorm": (k,)}.get(info.name.rsplit(".", 2)[-2], (h,))
+        sizes = {norm: (getattr(a, size),) for norm, size in fam.attention_norms}
+        return sizes.get(info.name.rsplit(".", 2)[-2], (h,))
     if info.klass == TensorClass.MTP and info.name.endswith(("enorm.weight", "hnorm.weight", "shared_head.norm.weight")):
         return (h,)
     if info.klass == TensorClass.MTP and info.proj == "eh_proj":
@@ -45,22 +46,11 @@ def expected_shape(info: TensorInfo, a: ModelArch) -> tuple[int, ...] | None:
         }[info.klass]
         return (h, inter) if info.proj == "down_proj" else (inter, h)
     if info.klass == TensorClass.ATTENTION and info.name.endswith(".weight"):
-        n = a.num_attention_heads
-        return {
-            "q_a_proj": (a.q_lora_rank, h),
-            "q_b_proj": (n * a.qk_head_dim, a.q_lora_rank),
-            "kv_a_proj_with_mqa": (k + a.qk_rope_head_dim, h),
-            "kv_b_proj": (n * (a.qk_nope_head_dim + a.v_head_dim), k),
-            "o_proj": (h, n * a.v_head_dim),
-        }.get(info.proj)
+        return fam.attention_shapes(a).get(info.proj)
     if info.klass == TensorClass.ROUTER:
         return (a.n_routed_experts, h) if info.name.endswith(".weight") else (a.n_routed_experts,)
     if info.klass == TensorClass.INDEXER and info.proj is not None:
-        return {
-            "wq_b": (a.index_n_heads * a.index_head_dim, a.q_lora_rank),
-            "wk": (a.index_head_dim, h),
-            "weights_proj": (a.index_n_heads, h),
-        }[info.proj]
+        return fam.attention_shapes(a)[f"indexer.{info.proj}"]
     if info.klass == TensorClass.EMBEDDING or info.klass == TensorClass.HEAD:
         return (a.vocab_size, h)
     return None

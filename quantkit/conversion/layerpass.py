@@ -34,7 +34,8 @@ import torch.nn.functional as F
 
 from quantkit.conversion.activations import ActivationStore
 from quantkit.model.kvcache import KVAbsmax
-from quantkit.model.reference import mla_attention, rms_norm, route, swiglu
+from quantkit.model.moe import mlp, route, shared_expert, swiglu, weighted
+from quantkit.model.reference import attention, rms_norm
 from quantkit.quant.experts import HOLDOUT, is_heldout, is_heldout_window, run_gptq, starved
 from quantkit.quant.gptq import QuantizedWeight
 
@@ -76,18 +77,17 @@ def attention_pass(store: ActivationStore, w: dict, ctx, layer: int, topks: list
             continue
         hb = store.h.read(sl)  # (B, T, D) float32
         ctx.topk = topks[i]
-        hb += mla_attention(rms_norm(hb, w["input_layernorm.weight"], eps), w, ctx, layer)
+        hb += attention(rms_norm(hb, w["input_layernorm.weight"], eps), w, ctx, layer)
         topks[i] = ctx.topk
         xb = rms_norm(hb, w["post_attention_layernorm.weight"], eps)
         if moe:
             x_arr.write(sl, xb)
             ti, tw = route(xb.reshape(-1, xb.shape[-1]), w, a)  # (B*T, k)
             idx[i], wt[i] = ti.to(small), tw.float()
-            if a.n_shared_experts:
-                p = "mlp.shared_experts."
-                hb += swiglu(xb, w[p + "gate_proj.weight"], w[p + "up_proj.weight"], w[p + "down_proj.weight"])
+            if (shared := shared_expert(xb, w, a)) is not None:
+                hb += shared
         else:
-            hb += swiglu(xb, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
+            hb += mlp(xb, w, "mlp.")
         store.h.write(sl, hb)
         del hb, xb
     if group is not None and group.distributed:
@@ -321,7 +321,7 @@ def add_expert_outputs(store: ActivationStore, routing: LayerRouting, weights: d
         for e, we in weights.items():
             tok, slot = _tokens(idx_b, e)
             if len(tok):
-                flat.index_add_(0, tok, swiglu(xb[tok], *we) * wt_b[tok, slot, None].to(xb.dtype))
+                flat.index_add_(0, tok, weighted(swiglu(xb[tok], *we), wt_b[tok, slot]))
         store.h.write(sl, hb)
         del hb, xb
 

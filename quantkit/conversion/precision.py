@@ -48,19 +48,20 @@ def _fp8_or_pass(st: Stored) -> str:
     return PASS if st.format == "fp8" else FP8
 
 
-def decide(st: Stored, recipe, group_size: int, source_group: int | None) -> Decision:
-    """Where one source tensor goes in each output; pure, so a dry run can check every name."""
-    d = _decide_both(st, recipe, group_size, source_group)
+def decide(st: Stored, recipe, group_size: int, source_group: int | None, always_bf16: tuple[str, ...] = ()) -> Decision:
+    """Where one source tensor goes in each output; pure, so a dry run can check every name.
+    `always_bf16`: the projections the model family never stores FP8 (its definition's)."""
+    d = _decide_both(st, recipe, group_size, source_group, always_bf16)
     info = st.info
     linear = info.is_linear and info.klass in (TensorClass.ATTENTION, TensorClass.INDEXER, TensorClass.SHARED_EXPERT,
-                                               TensorClass.DENSE_MLP) and info.proj != "weights_proj"
+                                               TensorClass.DENSE_MLP) and info.proj not in always_bf16
     if linear and recipe.decode.rest == "bf16" and stored_as(d.decode, st) != "dense":
         # decode.rest: bf16 (Kimi's official look): the decode pool's non-expert weights differ from prefill's
         return Decision(d.prefill, BF16, "recipe decode.rest: bf16")
     return d
 
 
-def _decide_both(st: Stored, recipe, group_size: int, source_group: int | None) -> Decision:
+def _decide_both(st: Stored, recipe, group_size: int, source_group: int | None, always_bf16: tuple[str, ...]) -> Decision:
     info = st.info
     k = info.klass
     if k == TensorClass.ROUTED_EXPERT:
@@ -70,7 +71,7 @@ def _decide_both(st: Stored, recipe, group_size: int, source_group: int | None) 
             return Decision(prefill, REUSE_INT4, "source INT4 in the target scheme")
         return Decision(prefill, INT4)
     linear = info.is_linear and k in (TensorClass.ATTENTION, TensorClass.INDEXER, TensorClass.SHARED_EXPERT, TensorClass.DENSE_MLP)
-    if linear and info.proj != "weights_proj":
+    if linear and info.proj not in always_bf16:
         if st.format == "fp8":
             return Decision(PASS, PASS, "source FP8")
         setting = {TensorClass.SHARED_EXPERT: recipe.prefill.shared_experts, TensorClass.DENSE_MLP: recipe.prefill.dense_mlp}.get(k, "fp8")
@@ -120,13 +121,11 @@ def _vision(module: str) -> bool:
     return module.startswith(("vision_tower.", "mm_projector.", "multi_modal_projector."))
 
 
-# Fused modules the engines build from two stored projections (SGLang `fused_qkv_a_proj_with_mqa`
-# and vLLM `fused_qkv_a_proj` in deepseek_v2.py; `gate_up_proj` in both). A fused module is in one
-# scheme only when both shards are, so its name is listed only when both shards are.
-FUSED = {
-    ("q_a_proj", "kv_a_proj_with_mqa"): ("fused_qkv_a_proj_with_mqa", "fused_qkv_a_proj"),
-    ("gate_proj", "up_proj"): ("gate_up_proj",),
-}
+# Fused modules the engines build from two stored projections: the attention's come from the model
+# family's definition (MLA: SGLang `fused_qkv_a_proj_with_mqa` and vLLM `fused_qkv_a_proj` in
+# deepseek_v2.py), `gate_up_proj` is every MLP's. A fused module is in one scheme only when both
+# shards are, so its name is listed only when both shards are.
+MLP_FUSED = {("gate_proj", "up_proj"): ("gate_up_proj",)}
 # The MTP layer's extras that SGLang's draft model (deepseek_nextn.py) keeps at `model.`, not
 # under `model.decoder.` with the rest of the layer.
 MTP_EXTRAS = ("eh_proj", "enorm", "hnorm", "shared_head")
@@ -138,9 +137,10 @@ def engine_names(modules: list[str], arch: ModelArch) -> list[str]:
     `model.<extra>` for eh_proj & co.; vLLM keeps `model.layers.N.`)."""
     listed = set(modules)
     out = set(modules)
+    fused_modules = arch.definition.fused() | MLP_FUSED
     for m in modules:
         parent, _, leaf = m.rpartition(".")
-        for shards, fused in FUSED.items():
+        for shards, fused in fused_modules.items():
             if leaf == shards[0] and all(f"{parent}.{s}" in listed for s in shards):
                 out |= {f"{parent}.{f}" for f in fused}
     for m in list(out):
@@ -305,7 +305,8 @@ def decide_all(ckpt: Checkpoint, rec) -> dict[str, Decision]:
     """Every tensor's storage in both outputs under `rec`: what convert does, and what
     `plan --convert` sizes (one call, so the plan is the engine's own accounting)."""
     source_group = source_int4_group(ckpt.arch)
-    decisions = {n: decide(st, rec, rec.group_size, source_group) for n, st in ckpt.tensors.items()}
+    keep = ckpt.arch.definition.always_bf16
+    decisions = {n: decide(st, rec, rec.group_size, source_group, keep) for n, st in ckpt.tensors.items()}
     check_groups(ckpt, decisions, rec.group_size)
     return decisions
 

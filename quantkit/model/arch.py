@@ -1,4 +1,6 @@
-"""Architectures: one dataclass for the DeepSeek-V3 family, built from config.json.
+"""Architectures: one dataclass for the DeepSeek-V3 family, built from config.json with the help of
+the family's definition (quantkit.model.families: where the text config and tensors sit, whether
+there is an indexer, the rope layout).
 
 DeepSeek-V3, Kimi K2/K2.5/K2.6 and GLM-5.x share one skeleton: MLA attention (low-rank q and
 kv projections, a 576-wide latent cache), a few dense MLP layers, then MoE layers with a sigmoid
@@ -18,15 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.errors import ConfigError
-
-# model_type (outer) -> family. Kimi K2 and K2-Thinking ship `kimi_k2` (DeepSeek-V3 fields);
-# K2.5/K2.6 wrap it in a multimodal `kimi_k25` config.
-FAMILIES = {
-    "deepseek_v3": "deepseek_v3",
-    "kimi_k2": "kimi",
-    "kimi_k25": "kimi",
-    "glm_moe_dsa": "glm",
-}
+from quantkit.model.families import family_of
+from quantkit.model.family import Family
 
 
 @dataclass(frozen=True)
@@ -78,8 +73,18 @@ class ModelArch:
     # mtp: extra decoder layers after the last one (index num_hidden_layers...), carried, never run
     num_mtp_layers: int = 0
 
+    # gqa (Qwen3-MoE): key/value heads and the head width; 0 for MLA. A GQA arch sets qk_rope_head_dim
+    # and v_head_dim to head_dim (rope turns the whole head) and the MLA ranks to 0.
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+
     quantization_config: dict[str, Any] | None = None  # the source's, as found
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def definition(self) -> Family:
+        """The family's declarations (quantkit.model.family): what every stage asks instead of the name."""
+        return family_of(self.model_type)
 
     # derived sizes
     @property
@@ -113,14 +118,14 @@ class ModelArch:
         return d
 
 
-def _text_config(cfg: dict[str, Any], model_type: str) -> tuple[dict[str, Any], str, str]:
-    """(text config, decoder prefix, head name) for a config.json."""
-    if model_type == "kimi_k25":
-        text = cfg.get("text_config")
-        if not isinstance(text, dict):
-            raise ConfigError("config.json: model_type kimi_k25 needs a text_config object")
-        return text, "language_model.model.", "language_model.lm_head.weight"
-    return cfg, "model.", "lm_head.weight"
+def _text_config(cfg: dict[str, Any], fam: Family) -> dict[str, Any]:
+    """The text model's config: the whole config.json, or the object the family nests it in."""
+    if fam.text_config is None:
+        return cfg
+    text = cfg.get(fam.text_config)
+    if not isinstance(text, dict):
+        raise ConfigError(f"config.json: model_type {fam.model_type} needs a {fam.text_config} object")
+    return text
 
 
 def _indexer_layers(text: dict[str, Any], n_layers: int) -> tuple[bool, ...]:
@@ -181,15 +186,27 @@ def _check_types(text: dict[str, Any], source: str) -> None:
             raise ConfigError(f"{source}: {key} is {v!r} ({type(v).__name__}); it must be a number, fix config.json")
 
 
+def _attention_fields(text: dict[str, Any], fam: Family, need, source: str) -> dict[str, int]:
+    """The attention's sizes: MLA's ranks and head dims, or GQA's key/value heads and head width."""
+    if fam.attention == "gqa":
+        hd = int(text.get("head_dim") or int(need("hidden_size")) // int(need("num_attention_heads")))
+        return dict(num_key_value_heads=int(need("num_key_value_heads")), head_dim=hd, q_lora_rank=0, kv_lora_rank=0,
+                    qk_nope_head_dim=0, qk_rope_head_dim=hd, v_head_dim=hd)
+    if text.get("q_lora_rank") is None:
+        raise ConfigError(f"{source}: q_lora_rank null (DeepSeek-V2-Lite style q_proj) is not supported")
+    return dict(q_lora_rank=int(need("q_lora_rank")), kv_lora_rank=int(need("kv_lora_rank")),
+                qk_nope_head_dim=int(need("qk_nope_head_dim")), qk_rope_head_dim=int(need("qk_rope_head_dim")),
+                v_head_dim=int(need("v_head_dim")))
+
+
 def arch_from_config(cfg: dict[str, Any], *, source: str = "config.json") -> ModelArch:
     """Parse a config.json dict of a supported family into a ModelArch."""
     model_type = cfg.get("model_type")
-    if model_type not in FAMILIES:
-        raise ConfigError(
-            f"{source}: unknown model_type {model_type!r}; quantkit supports {', '.join(sorted(FAMILIES))}"
-        )
-    text, prefix, head = _text_config(cfg, model_type)
+    fam = family_of(model_type, source=source)
+    text = _text_config(cfg, fam)
     _check_types(text, source)
+    if fam.config_view is not None:  # a family whose config.json names the fields otherwise
+        text = fam.config_view(text)
 
     def need(key: str) -> Any:
         if key not in text:
@@ -205,17 +222,14 @@ def arch_from_config(cfg: dict[str, Any], *, source: str = "config.json") -> Mod
         moe_layers = tuple(i >= first_dense and i % moe_freq == 0 for i in range(n_layers))
     if text.get("scoring_func", "sigmoid") != "sigmoid":
         raise ConfigError(f"{source}: scoring_func {text['scoring_func']!r} is not supported (sigmoid)")
-    if text.get("q_lora_rank") is None:
-        raise ConfigError(f"{source}: q_lora_rank null (DeepSeek-V2-Lite style q_proj) is not supported")
 
-    family = FAMILIES[model_type]
-    is_glm = family == "glm"
+    dsa = fam.indexer
     n_mtp = int(text.get("num_nextn_predict_layers", 0) or 0)
     arch = ModelArch(
         model_type=model_type,
-        family=family,
-        prefix=prefix,
-        head_name=head,
+        family=fam.name,
+        prefix=fam.prefix,
+        head_name=fam.head_name,
         vocab_size=int(need("vocab_size")),
         hidden_size=int(need("hidden_size")),
         num_hidden_layers=n_layers,
@@ -232,20 +246,17 @@ def arch_from_config(cfg: dict[str, Any], *, source: str = "config.json") -> Mod
         norm_topk_prob=bool(text.get("norm_topk_prob", True)),
         moe_layers=moe_layers,
         num_attention_heads=int(need("num_attention_heads")),
-        q_lora_rank=int(need("q_lora_rank")),
-        kv_lora_rank=int(need("kv_lora_rank")),
-        qk_nope_head_dim=int(need("qk_nope_head_dim")),
-        qk_rope_head_dim=int(need("qk_rope_head_dim")),
-        v_head_dim=int(need("v_head_dim")),
+        **_attention_fields(text, fam, need, source),
         rope=_rope(text),
         # transformers' DeepSeek-V3 defaults to interleaved rope (the original weights' layout);
-        # GLM's modelling code always interleaves.
-        rope_interleave=True if is_glm else bool(text.get("rope_interleave", True)),
+        # a family whose modelling code ignores the field (GLM) declares its layout.
+        rope_interleave=(bool(text.get("rope_interleave", True)) if fam.forced_rope_interleave is None
+                         else fam.forced_rope_interleave),
         max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
-        index_n_heads=int(text.get("index_n_heads", 0)) if is_glm else 0,
-        index_head_dim=int(text.get("index_head_dim", 0)) if is_glm else 0,
-        index_topk=int(text.get("index_topk", 0)) if is_glm else 0,
-        indexer_layers=_indexer_layers(text, n_layers) if is_glm else None,
+        index_n_heads=int(text.get("index_n_heads", 0)) if dsa else 0,
+        index_head_dim=int(text.get("index_head_dim", 0)) if dsa else 0,
+        index_topk=int(text.get("index_topk", 0)) if dsa else 0,
+        indexer_layers=_indexer_layers(text, n_layers) if dsa else None,
         num_mtp_layers=n_mtp,
         quantization_config=text.get("quantization_config") or cfg.get("quantization_config"),
         raw=cfg,
@@ -254,7 +265,7 @@ def arch_from_config(cfg: dict[str, Any], *, source: str = "config.json") -> Mod
         raise ConfigError(f"{source}: mlp_layer_types has {len(arch.moe_layers)} entries for {n_layers} layers")
     if arch.n_routed_experts % arch.n_group:
         raise ConfigError(f"{source}: n_routed_experts {arch.n_routed_experts} not divisible by n_group {arch.n_group}")
-    if is_glm and not arch.indexer_layers[0]:
+    if dsa and not arch.indexer_layers[0]:
         raise ConfigError(f"{source}: layer 0 must own a DSA indexer (IndexShare reuses the previous layer's)")
     return arch
 
@@ -271,7 +282,8 @@ def without_mtp(arch: ModelArch) -> ModelArch:
     import copy
 
     raw = copy.deepcopy(arch.raw)
-    text = raw.get("text_config") if arch.model_type == "kimi_k25" else raw
+    nest = arch.definition.text_config
+    text = raw.get(nest) if nest is not None else raw
     if isinstance(text, dict) and "num_nextn_predict_layers" in text:
         text["num_nextn_predict_layers"] = 0
     return replace(arch, num_mtp_layers=0, raw=raw)

@@ -63,8 +63,8 @@ def tensor_inventory(
     arch: ModelArch, *, vision_params: int = 0, mtp_embed_copies: bool = False, mtp_owns_indexer: bool = True
 ) -> list[TensorSpec]:
     """Every logical tensor of the checkpoint, grouped by shape; classes checked with tensors.classify."""
-    a, p = arch, arch.prefix
-    h, heads = a.hidden_size, a.num_attention_heads
+    a, p, fam = arch, arch.prefix, arch.definition
+    h = a.hidden_size
     specs: list[TensorSpec] = []
 
     def add(name: str, shape: tuple[int, ...], count: int = 1, *, linear: bool = False, replicated: bool = False) -> None:
@@ -81,29 +81,26 @@ def tensor_inventory(
         L = a.layer_prefix(layer)
         add(f"{L}input_layernorm.weight", (h,), replicated=True)
         add(f"{L}post_attention_layernorm.weight", (h,), replicated=True)
-        # mla
-        add(f"{L}self_attn.q_a_proj.weight", (a.q_lora_rank, h), linear=True, replicated=True)
-        add(f"{L}self_attn.q_a_layernorm.weight", (a.q_lora_rank,), replicated=True)
-        add(f"{L}self_attn.q_b_proj.weight", (heads * a.qk_head_dim, a.q_lora_rank), linear=True)
-        add(f"{L}self_attn.kv_a_proj_with_mqa.weight", (a.kv_cache_width, h), linear=True, replicated=True)
-        add(f"{L}self_attn.kv_a_layernorm.weight", (a.kv_lora_rank,), replicated=True)
-        add(f"{L}self_attn.kv_b_proj.weight", (heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank), linear=True)
-        add(f"{L}self_attn.o_proj.weight", (h, heads * a.v_head_dim), linear=True)
+        # attention: the family's projections and norms (quantkit.model.family)
+        shapes = fam.attention_shapes(a)
+        for proj in fam.attention_projections:
+            add(f"{L}self_attn.{proj}.weight", shapes[proj], linear=True, replicated=proj in fam.replicated)
+        for norm, size in fam.attention_norms:
+            add(f"{L}self_attn.{norm}.weight", (getattr(a, size),), replicated=True)
         # dsa: the lightning indexer, on the layers that own one (IndexShare)
         owns = layer < a.num_hidden_layers and a.indexer_layers[layer] if a.has_dsa else False
         if a.has_dsa and (owns or (layer >= a.num_hidden_layers and mtp_owns_indexer)):
-            ih, idim = a.index_n_heads, a.index_head_dim
             I = f"{L}self_attn.indexer."
-            add(f"{I}wq_b.weight", (ih * idim, a.q_lora_rank), linear=True, replicated=True)
-            add(f"{I}wk.weight", (idim, h), linear=True, replicated=True)
-            add(f"{I}k_norm.weight", (idim,), replicated=True)
-            add(f"{I}k_norm.bias", (idim,), replicated=True)
-            add(f"{I}weights_proj.weight", (ih, h), linear=True, replicated=True)
+            for proj in fam.indexer_projections:
+                add(f"{I}{proj}.weight", shapes[f"indexer.{proj}"], linear=True, replicated=True)
+            add(f"{I}k_norm.weight", (a.index_head_dim,), replicated=True)
+            add(f"{I}k_norm.bias", (a.index_head_dim,), replicated=True)
         # mlp
         if a.is_moe(layer):
             E, I_e = a.n_routed_experts, a.moe_intermediate_size
             add(f"{L}mlp.gate.weight", (E, h), replicated=True)
-            add(f"{L}mlp.gate.e_score_correction_bias", (E,), replicated=True)
+            if fam.router_bias:
+                add(f"{L}mlp.gate.e_score_correction_bias", (E,), replicated=True)
             add(f"{L}mlp.experts.0.gate_proj.weight", (I_e, h), E, linear=True)
             add(f"{L}mlp.experts.0.up_proj.weight", (I_e, h), E, linear=True)
             add(f"{L}mlp.experts.0.down_proj.weight", (h, I_e), E, linear=True)

@@ -6,6 +6,9 @@ straight from the shards (`Checkpoint.layer(i)`), and never hold more than one l
 Tests prove these functions compute the same logits as transformers' `DeepseekV3ForCausalLM` and
 `GlmMoeDsaForCausalLM` (tests/model/test_reference.py).
 
+The MoE half (router, routed experts, shared expert) is quantkit.model.moe's, which calibration and
+validate's layer stream share; the attention is the family's flavour (`ATTENTIONS`).
+
 A layer's weights are a dict keyed by names relative to the layer prefix, exactly as stored
 (`self_attn.q_a_proj.weight`, `mlp.experts.7.down_proj.weight`, ...), so the same code runs on a
 checkpoint, on a dequantized copy, or on trainable tensors (the tiny models are trained with it).
@@ -23,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.model.arch import ModelArch
+from quantkit.model.moe import Routing, mlp, moe
 
 if TYPE_CHECKING:
     from quantkit.model.kvcache import KVCache
@@ -40,10 +44,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
-
-
-def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
 
 # ---- rope --------------------------------------------------------------------------------------
@@ -119,15 +119,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 # ---- attention ---------------------------------------------------------------------------------
 @dataclass
 class LayerCache:
-    """What decode needs from earlier tokens of one layer: MLA's latent and rope key, DSA's index keys."""
+    """What decode needs from earlier tokens of one layer: MLA's latent and rope key, DSA's index keys,
+    or GQA's keys and values."""
 
     latent: torch.Tensor | None = None  # (B, S, kv_lora) after kv_a_layernorm
     k_rot: torch.Tensor | None = None  # (B, S, rope) after rope
     index_k: torch.Tensor | None = None  # (B, S, index_head_dim)
+    key: torch.Tensor | None = None  # GQA: (B, S, n_kv, head_dim) after k_norm and rope
+    value: torch.Tensor | None = None  # GQA: (B, S, n_kv, head_dim)
 
     @property
     def length(self) -> int:
-        return 0 if self.latent is None else self.latent.shape[1]
+        first = self.latent if self.latent is not None else self.key
+        return 0 if first is None else first.shape[1]
 
 
 def _append(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
@@ -235,59 +239,34 @@ def mla_attention(x: torch.Tensor, w: W, ctx: Context, layer: int) -> torch.Tens
     return linear(out, w["self_attn.o_proj.weight"])
 
 
-# ---- mixture of experts ------------------------------------------------------------------------
-@dataclass
-class Routing:
-    """Which experts each token went to and with what weight; what calibration needs per expert."""
+def gqa_attention(x: torch.Tensor, w: W, ctx: Context, layer: int) -> torch.Tensor:
+    """Grouped-query attention with per-head q/k RMSNorm before rope (Qwen3-MoE)."""
+    a = ctx.arch
+    B, T, _ = x.shape
+    nh, nkv, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+    if ctx.kv is not None:
+        from quantkit.errors import ConfigError
 
-    x: torch.Tensor  # (N, D) the MoE input (after post_attention_layernorm), flattened tokens
-    topk_idx: torch.Tensor  # (N, k)
-    topk_weight: torch.Tensor  # (N, k) float32, normalised and scaled
-
-    def tokens_of(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(token indices, router weights) of the tokens routed to `expert`."""
-        tok, slot = (self.topk_idx == expert).nonzero(as_tuple=True)
-        return tok, self.topk_weight[tok, slot]
-
-    def counts(self, n_experts: int) -> torch.Tensor:
-        return torch.bincount(self.topk_idx.flatten(), minlength=n_experts)
-
-
-def route(x: torch.Tensor, w: W, arch: ModelArch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sigmoid `noaux_tc` routing: bias-corrected group and top-k choice, weights from raw scores."""
-    E, G = arch.n_routed_experts, arch.n_group
-    scores = linear(x.float(), w["mlp.gate.weight"].float()).sigmoid()  # (N, E)
-    choice = scores + w["mlp.gate.e_score_correction_bias"].float()
-    group_scores = choice.view(-1, G, E // G).topk(min(2, E // G), dim=-1)[0].sum(-1)  # (N, G)
-    group_idx = group_scores.topk(arch.topk_group, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-    score_mask = group_mask.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E)
-    choice = choice.masked_fill(score_mask == 0, float("-inf"))
-    topk_idx = choice.topk(arch.num_experts_per_tok, dim=-1, sorted=False)[1]  # (N, k)
-    topk_weight = scores.gather(1, topk_idx)
-    if arch.norm_topk_prob:
-        topk_weight = topk_weight / (topk_weight.sum(-1, keepdim=True) + 1e-20)
-    return topk_idx, topk_weight * arch.routed_scaling_factor
-
-
-def expert(x: torch.Tensor, w: W, e: int) -> torch.Tensor:
-    p = f"mlp.experts.{e}."
-    return swiglu(x, w[p + "gate_proj.weight"], w[p + "up_proj.weight"], w[p + "down_proj.weight"])
-
-
-def moe(x: torch.Tensor, w: W, arch: ModelArch) -> tuple[torch.Tensor, Routing]:
-    shape = x.shape
-    x = x.reshape(-1, shape[-1])  # (N, D)
-    topk_idx, topk_weight = route(x, w, arch)
-    routing = Routing(x, topk_idx, topk_weight)
-    out = torch.zeros_like(x)
-    for e in torch.unique(topk_idx).tolist():
-        tok, weight = routing.tokens_of(e)
-        out.index_add_(0, tok, (expert(x[tok], w, e) * weight[:, None]).to(x.dtype))
-    if arch.n_shared_experts:
-        p = "mlp.shared_experts."
-        out = out + swiglu(x, w[p + "gate_proj.weight"], w[p + "up_proj.weight"], w[p + "down_proj.weight"])
-    return out.view(shape), routing
+        raise ConfigError(f"model_type {a.model_type}: the FP8 KV-cache simulation covers MLA only; run without it")
+    q = rms_norm(linear(x, w["self_attn.q_proj.weight"]).view(B, T, nh, hd), w["self_attn.q_norm.weight"], a.rms_norm_eps)
+    k = rms_norm(linear(x, w["self_attn.k_proj.weight"]).view(B, T, nkv, hd), w["self_attn.k_norm.weight"], a.rms_norm_eps)
+    v = linear(x, w["self_attn.v_proj.weight"]).view(B, T, nkv, hd)
+    cos, sin = ctx.cos[:, None, :], ctx.sin[:, None, :]  # (T, 1, hd/2): broadcast over heads
+    q, k = apply_rope(q, cos, sin, a.rope_interleave), apply_rope(k, cos, sin, a.rope_interleave)  # (B, T, h, hd)
+    cache = ctx.caches[layer] if ctx.caches is not None else None
+    if cache is not None:
+        k = cache.key = _append(cache.key, k)  # (B, S, nkv, hd)
+        v = cache.value = _append(cache.value, v)
+    S = k.shape[1]
+    k = k.transpose(1, 2).repeat_interleave(nh // nkv, dim=1)  # (B, nh, S, hd)
+    v = v.transpose(1, 2).repeat_interleave(nh // nkv, dim=1)
+    key_pos = torch.arange(S, device=x.device)
+    allowed = key_pos[None, :] <= ctx.positions[:, None]  # (T, S) causal
+    scores = torch.matmul(q.transpose(1, 2), k.transpose(-1, -2)) * softmax_scale(a)  # (B, nh, T, S)
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs, v).transpose(1, 2).reshape(B, T, nh * hd)
+    return linear(out, w["self_attn.o_proj.weight"])
 
 
 # ---- decoder layer and model -------------------------------------------------------------------
@@ -298,14 +277,23 @@ class LayerOutput:
     moe_input: torch.Tensor | None = field(default=None, repr=False)  # dense layers: the MLP input
 
 
+# attention flavour (a family definition's `attention`) -> its forward
+ATTENTIONS = {"mla": mla_attention, "gqa": gqa_attention}
+
+
+def attention(x: torch.Tensor, w: W, ctx: Context, layer: int) -> torch.Tensor:
+    """The family's attention (its definition's flavour) on the normed hidden states x."""
+    return ATTENTIONS[ctx.arch.definition.attention](x, w, ctx, layer)
+
+
 def decoder_layer(h: torch.Tensor, w: W, ctx: Context, layer: int) -> LayerOutput:
     a = ctx.arch
-    h = h + mla_attention(rms_norm(h, w["input_layernorm.weight"], a.rms_norm_eps), w, ctx, layer)
+    h = h + attention(rms_norm(h, w["input_layernorm.weight"], a.rms_norm_eps), w, ctx, layer)
     x = rms_norm(h, w["post_attention_layernorm.weight"], a.rms_norm_eps)
     if a.is_moe(layer):
         out, routing = moe(x, w, a)
         return LayerOutput(h + out, routing)
-    return LayerOutput(h + swiglu(x, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"]), moe_input=x)
+    return LayerOutput(h + mlp(x, w, "mlp."), moe_input=x)
 
 
 def head_weight_name(arch: ModelArch) -> str:

@@ -15,9 +15,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import Enum
+from functools import lru_cache
 
 from quantkit.errors import CheckpointError
 from quantkit.model.arch import ModelArch
+from quantkit.model.family import Family
 
 
 class TensorClass(str, Enum):
@@ -71,14 +73,22 @@ _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weigh
 _SHARED = re.compile(r"mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight$")
 _DENSE = re.compile(r"mlp\.(gate_proj|up_proj|down_proj)\.weight$")
 _ROUTER = re.compile(r"mlp\.gate\.(weight|e_score_correction_bias)$")
-_ATTN = re.compile(r"self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|q_proj)\.(weight|bias)$")
-_INDEXER = re.compile(r"self_attn\.indexer\.(wq_b|wk|weights_proj|k_norm)\.(weight|bias)$")
 _KV_SCALE = re.compile(r"self_attn\.(k_scale|v_scale)$")
-_NORM = re.compile(r"(input_layernorm|post_attention_layernorm|self_attn\.q_a_layernorm|self_attn\.kv_a_layernorm)\.weight$")
 _MTP = re.compile(r"(enorm|hnorm|eh_proj|shared_head\.norm|shared_head\.head|embed_tokens)\.weight$")
 
 VISION_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
 
+
+@lru_cache(maxsize=None)
+def _attention_patterns(fam: Family) -> tuple[re.Pattern, re.Pattern, re.Pattern]:
+    """(attention projections, indexer tensors, norms) of a family, from its definition's names."""
+    indexer = [*fam.indexer_projections, "k_norm"]
+    norms = ["input_layernorm", "post_attention_layernorm"] + [rf"self_attn\.{n}" for n, _ in fam.attention_norms]
+    return (
+        re.compile(rf"self_attn\.({'|'.join(fam.attention_projections)})\.(weight|bias)$"),
+        re.compile(rf"self_attn\.indexer\.({'|'.join(indexer)})\.(weight|bias)$"),
+        re.compile(rf"({'|'.join(norms)})\.weight$"),
+    )
 
 def classify(name: str, arch: ModelArch) -> TensorInfo:
     """Classify one logical tensor name; raises CheckpointError for a name no rule covers."""
@@ -121,12 +131,13 @@ def _classify_layer(name: str, layer: int, rest: str, arch: ModelArch) -> Tensor
         return TensorInfo(name, TensorClass.DENSE_MLP, layer, None, m.group(1), mtp)
     if _ROUTER.match(rest):
         return TensorInfo(name, TensorClass.ROUTER, layer, None, None, mtp)
-    if m := _ATTN.match(rest):
+    attention, indexer, norm = _attention_patterns(arch.definition)
+    if m := attention.match(rest):
         return TensorInfo(name, TensorClass.ATTENTION, layer, None, m.group(1), mtp)
-    if (m := _INDEXER.match(rest)) and arch.has_dsa:
+    if (m := indexer.match(rest)) and arch.has_dsa:
         proj = None if m.group(1) == "k_norm" else m.group(1)
         return TensorInfo(name, TensorClass.INDEXER, layer, None, proj, mtp)
-    if _NORM.match(rest):
+    if norm.match(rest):
         return TensorInfo(name, TensorClass.NORM, layer, None, None, mtp)
     if _KV_SCALE.match(rest):
         return TensorInfo(name, TensorClass.KV_SCALE, layer, None, None, mtp)

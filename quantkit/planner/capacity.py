@@ -318,8 +318,8 @@ def _check_options(*, gpus: int, tp: int, weight_split: str, indexer_cache: str,
 
 
 def _vision_n(arch: ModelArch, vision_bytes: int | None) -> int:
-    """Vision tower parameters (Kimi K2.5/K2.6 only): from vision_config, or BF16 `vision_bytes`."""
-    if arch.model_type != "kimi_k25":
+    """Vision tower parameters (a family with one: Kimi K2.5/K2.6): from vision_config, or BF16 `vision_bytes`."""
+    if not arch.definition.vision:
         return 0
     return vision_bytes // 2 if vision_bytes is not None else vision_params(arch.raw)
 
@@ -455,9 +455,9 @@ def plan(
         include_mtp_kv: also cache KV for the MTP layer(s) (speculative decoding on).
         vision_bytes: bytes of the vision tower; None computes it from vision_config.
         mtp_embed_copies: the MTP layer stores its own embed_tokens and shared_head.head; None means
-            yes for DeepSeek-V3 (its published checkpoint does), no otherwise.
-        prefill_bf16_projs: attention projections the FP8 kinds keep BF16; None means
-            q_a_proj + kv_a_proj_with_mqa for Kimi, none otherwise.
+            the family definition's (yes for DeepSeek-V3, whose published checkpoint does).
+        prefill_bf16_projs: attention projections the FP8 kinds keep BF16; None means the family
+            definition's (q_a_proj + kv_a_proj_with_mqa for Kimi, none otherwise).
 
     Returns:
         A Plan; `render_plan(plan, console)` prints it, `plan.to_json()` serialises it.
@@ -477,12 +477,12 @@ def plan(
     _check_options(gpus=gpus, tp=tp, weight_split=weight_split, indexer_cache=indexer_cache, mem_fraction=mem_fraction,
                    group_size=group_size, context=context)
     if prefill_bf16_projs is None:
-        prefill_bf16_projs = ("q_a_proj", "kv_a_proj_with_mqa") if arch.family == "kimi" else ()
+        prefill_bf16_projs = arch.definition.prefill_bf16_projections
     o = _Setup(
         gpus=gpus, gpu=gpu, mem=mem, custom_mem=gpu_mem_gib is not None, tp=tp, context=context,
         mem_fraction=mem_fraction, overhead_gib=overhead_gib, group_size=group_size, dtypes=kv_dtype_names(kv_dtypes), weight_split=weight_split, kv_replicated=kv_replicated,
         indexer_cache=indexer_cache, include_mtp_kv=include_mtp_kv,
-        mtp_embed_copies=arch.family == "deepseek_v3" if mtp_embed_copies is None else mtp_embed_copies,
+        mtp_embed_copies=arch.definition.mtp_embed_copies if mtp_embed_copies is None else mtp_embed_copies,
         prefill_bf16_projs=tuple(prefill_bf16_projs), vision_n=_vision_n(arch, vision_bytes),
     )
     specs = tensor_inventory(arch, vision_params=o.vision_n, mtp_embed_copies=o.mtp_embed_copies)

@@ -94,9 +94,9 @@ def inspect_preset(name: str) -> Inspection:
     cfg = load_preset(name)
     a = arch_from_config(cfg, source=f"preset {name}")
     fmt = source_format(a)
-    vision = vision_params(cfg) if a.family == "kimi" else 0
+    vision = vision_params(cfg) if a.definition.vision else 0
     classes: dict[str, ClassSummary] = defaultdict(ClassSummary)
-    for spec in tensor_inventory(a, vision_params=vision, mtp_embed_copies=a.family == "deepseek_v3"):
+    for spec in tensor_inventory(a, vision_params=vision, mtp_embed_copies=a.definition.mtp_embed_copies):
         c = classes[spec.klass.value]
         c.tensors += spec.count
         c.params += spec.params

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from quantkit.errors import OutputError
-from quantkit.model.reference import swiglu
+from quantkit.model.moe import swiglu
 from quantkit.quant.gptq import HessianError, QuantizedWeight, gptq, quantize_rtn
 
 __all__ = ["PROJS", "HOLDOUT", "ExpertRecord", "expert_weights", "is_heldout", "is_heldout_window", "split_heldout", "starved",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from quantkit.model.reference import route
+from quantkit.model.moe import route
 from quantkit.quant.experts import ExpertRecord, calibration_inputs, expert_weights, rtn_expert, run_gptq
 from quantkit.quant.gptq import QuantizedWeight, hessian_from_inputs
 

@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from quantkit.errors import CheckpointError, ConfigError
+from quantkit.model.families import family_of
 
 ENGINES = ("vllm", "sglang")
 FP8_BLOCK = 128
@@ -148,6 +149,7 @@ def _format(st: _Stored, module: str) -> str:
 def inventory(st: _Stored, engine: str) -> list[Module]:
     """The modules `engine` builds with the quantization config (see the module docstring)."""
     text = st.text
+    fam = family_of(st.config.get("model_type"))
     n_layers = int(text["num_hidden_layers"])
     n_mtp = int(text.get("num_nextn_predict_layers") or 0)
     lp = "language_model.model." if any(n.startswith("language_model.model.") for n in st.tensors) else "model."
@@ -180,17 +182,9 @@ def inventory(st: _Stored, engine: str) -> list[Module]:
         else:
             rp = sp
         a = "self_attn."
-        if engine == "sglang":  # one ReplicatedLinear of q_lora + kv_lora + rope rows, shards concatenated on load
-            linear(rp + a + "fused_qkv_a_proj_with_mqa", "ReplicatedLinear", [sp + a + "q_a_proj", sp + a + "kv_a_proj_with_mqa"],
-                   single=True)
-        else:
-            linear(rp + a + "fused_qkv_a_proj", "MergedColumnParallelLinear", [sp + a + "q_a_proj", sp + a + "kv_a_proj_with_mqa"])
-        linear(rp + a + "q_b_proj", "ColumnParallelLinear", [sp + a + "q_b_proj"])
-        linear(rp + a + "kv_b_proj", "ColumnParallelLinear", [sp + a + "kv_b_proj"])
-        linear(rp + a + "o_proj", "RowParallelLinear", [sp + a + "o_proj"])
-        linear(rp + a + "indexer.wq_b", "ReplicatedLinear", [sp + a + "indexer.wq_b"])
-        if engine == "sglang":
-            linear(rp + a + "indexer.wk", "ReplicatedLinear", [sp + a + "indexer.wk"])
+        for m in fam.engine_attention:  # as the family's definition says the engine builds them
+            if engine in m.engines:
+                linear(rp + a + m.name, m.klass, [sp + a + s for s in m.shards], single=m.single)
         experts = sorted({n.rsplit(".", 2)[0] for n in st.tensors if n.startswith(sp + "mlp.experts.")},
                          key=lambda m: int(m.rsplit(".", 1)[1]))
         if experts:
@@ -361,10 +355,13 @@ def _fusion_flag(engine: str, st: _Stored, mods: list[Module], wint4_linear: boo
     return sglang_fusion_flags(st.config, ",".join(sorted(routed)), ",".join(sorted(shared)), bool(wint4_linear))
 
 
-PACKED = {  # the model classes' packed_modules_mapping (deepseek_v2.py DeepseekV2ForCausalLM.__init__)
-    "sglang": {"fused_qkv_a_proj_with_mqa": ["q_a_proj", "kv_a_proj_with_mqa"]},
-    "vllm": {"gate_up_proj": ["gate_proj", "up_proj"], "fused_qkv_a_proj": ["q_a_proj", "kv_a_proj_with_mqa"]},
-}
+# the model classes' packed_modules_mapping beside the attention's (deepseek_v2.py DeepseekV2ForCausalLM.__init__)
+MLP_PACKED = {"sglang": {}, "vllm": {"gate_up_proj": ["gate_proj", "up_proj"]}}
+
+
+def packed_modules(engine: str, st: _Stored) -> dict[str, list[str]]:
+    """The engine model class's packed_modules_mapping: the MLP's, and the attention's from the definition."""
+    return MLP_PACKED[engine] | family_of(st.config.get("model_type")).packed(engine)
 
 
 def engine_reports(engine: str, stored: list[_Stored], *, download: bool) -> list[EngineReport]:
@@ -376,7 +373,7 @@ def engine_reports(engine: str, stored: list[_Stored], *, download: bool) -> lis
         src = engine_source(engine, download=download)
     except EngineUnavailable as e:
         return [rules_report(engine, st, mods, reason=str(e)) for st, mods in zip(stored, inventories)]
-    jobs = [{"quantization_config": st.qc, "packed_modules_mapping": PACKED[engine], "create_weights": True,
+    jobs = [{"quantization_config": st.qc, "packed_modules_mapping": packed_modules(engine, st), "create_weights": True,
              "modules": [{"name": m.name, "class": m.klass, "kind": m.kind, "create": m.create} for m in mods]}
             for st, mods in zip(stored, inventories)]
     ans = run_harness(src, {"jobs": jobs})

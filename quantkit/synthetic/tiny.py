@@ -274,7 +274,8 @@ def train(arch: ModelArch, seed: int = 0, steps: int = STEPS) -> dict[str, torch
 
 @torch.no_grad()
 def _balance(t, arch, ids, rate: float = 1e-3) -> None:
-    from quantkit.model.reference import route
+    from quantkit.model.moe import route
+    from quantkit.model.reference import attention
 
     a = arch
     ctx = Context.build(a, ids.shape[1], ids.device, torch.float32)
@@ -283,9 +284,7 @@ def _balance(t, arch, ids, rate: float = 1e-3) -> None:
         p = a.layer_prefix(L)
         w = {k[len(p):]: v for k, v in t.items() if k.startswith(p)}
         if a.is_moe(L):
-            from quantkit.model.reference import mla_attention
-
-            hh = h + mla_attention(rms_norm(h, w["input_layernorm.weight"], a.rms_norm_eps), w, ctx, L)
+            hh = h + attention(rms_norm(h, w["input_layernorm.weight"], a.rms_norm_eps), w, ctx, L)
             x = rms_norm(hh, w["post_attention_layernorm.weight"], a.rms_norm_eps).reshape(-1, a.hidden_size)
             idx, _ = route(x, w, a)
             load = torch.bincount(idx.flatten(), minlength=a.n_routed_experts).float()

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from quantkit.checkpoint.manifest import atomic_write_text
+from quantkit.model.families import find_family
 from quantkit.quant.methods import METHODS, method_for
 from quantkit.runtime.units import decimal_bytes
 
@@ -259,9 +260,9 @@ def serving_section(which: str, report: dict, name: str, decode_config: dict | N
     """Engine commands for both sides (they must agree), with the flags that apply to this pair."""
     from quantkit.serving.checks import sglang_fusion_flags
 
-    family = _family(report["source"].get("model_type", ""))
+    fam = find_family(report["source"].get("model_type", ""))
     mount = "/models/" + "".join(c if c.isalnum() or c in "._-" else "-" for c in name.split("/")[-1].lower())
-    remote = " \\\n  --trust-remote-code" if family == "kimi" else ""
+    remote = " \\\n  --trust-remote-code" if fam and fam.trust_remote_code else ""
     precision = report["outputs"]["decode"]["precision"]
     shared = precision.get("shared_expert", "")
     needs_flag = bool(decode_config and sglang_fusion_flags(decode_config, precision.get("routed_expert", ""), shared))
@@ -302,7 +303,7 @@ def serving_section(which: str, report: dict, name: str, decode_config: dict | N
         "(SGLang requires the same KV dtype; vLLM hashes it into the NIXL handshake). What the FP8 cache costs and "
         "which engine reads the scales: the FP8 KV cache section above."
         + (" GLM's sparse attention (DSA) stores its own FP8 cache format with dynamic scales; keep the flag identical "
-           "on both sides all the same." if family == "glm" else ""),
+           "on both sides all the same." if fam and fam.indexer else ""),
         "- the same page size on both sides (SGLang `--page-size`, vLLM `--block-size`); TP may differ between the pools.",
         "- quantization is read from each folder's config.json: no `--quantization` flag. "
         f"Decode: {report['outputs']['decode']['precision'].get('routed_expert', '?')} routed experts through "
@@ -317,7 +318,7 @@ def serving_section(which: str, report: dict, name: str, decode_config: dict | N
         out.append(f"- SGLang `--disable-shared-experts-fusion` is **not** needed for this decode checkpoint: SGLang "
                    f"does not fuse its shared expert ({shared or '?'}) into the routed experts. "
                    f"`quantkit check-serving` shows what each engine resolves.")
-    if family == "kimi":
+    if fam and fam.trust_remote_code:
         out.append("- Kimi's tokenizer ships its own code: `--trust-remote-code` on both sides. The vision tower is "
                    "BF16 and identical in both checkpoints.")
     if mtp:
@@ -345,10 +346,6 @@ def _hub_repo(spec: str) -> str | None:
 
 def _revision(spec: str) -> str | None:
     return spec.split("@", 1)[1] if spec.startswith("hf://") and "@" in spec else None
-
-
-def _family(model_type: str) -> str:
-    return {"kimi_k25": "kimi", "kimi_k2": "kimi", "glm_moe_dsa": "glm"}.get(model_type, "deepseek_v3")
 
 
 def _size(n: int) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from quantkit.checkpoint.shards import Checkpoint
 from quantkit.errors import ConfigError
+from quantkit.model.families import find_family
 from quantkit.model.kvcache import KV_DTYPES, KVCache, checkpoint_scales
 from quantkit.validation.metrics import agreement, window_mean_se
 
@@ -100,7 +101,8 @@ def card_section(report: dict, validation: dict) -> list[str]:
     """The model card's FP8 KV cache section: dtype assumed, scales, measured delta, who reads them."""
     kv = report.get("kv_cache") or {}
     layers = kv.get("layers") or {}
-    dsa = report.get("source", {}).get("model_type") == "glm_moe_dsa"
+    fam = find_family(report.get("source", {}).get("model_type", ""))
+    dsa = bool(fam and fam.indexer)
     out = ["## FP8 KV cache", ""]
     if layers:
         scales = ", ".join(f"{i}: {v['k_scale']:.4g}" for i, v in layers.items())

@@ -3,7 +3,7 @@
 `reference.decoder_layer` takes the whole layer's weights as a dict; for Kimi K2.6 that is 384
 routed experts, 17G parameters, 68 GB in float32. Here the layer's other weights are loaded, the
 attention half and the router run, and the routed experts are loaded `chunk` at a time, applied
-to the tokens routed to them, and dropped. The arithmetic is reference.moe's, in the same order
+to the tokens routed to them, and dropped. The arithmetic is quantkit.model.moe's, in the same order
 (experts ascending, index_add_ per expert, shared expert added last), so the result is the same.
 Several token streams share one load of each weight (validate's lockstep rows).
 
@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 
 from quantkit.checkpoint.shards import Checkpoint
-from quantkit.model.reference import decoder_layer, expert, mla_attention, rms_norm, route, swiglu
+from quantkit.model.moe import expert, route, shared_expert, weighted
+from quantkit.model.reference import attention, decoder_layer, rms_norm
 from quantkit.model.tensors import TensorClass
 
 
@@ -39,7 +40,7 @@ def streamed_layer(ckpt: Checkpoint, layer: int, hs: list[torch.Tensor], ctxs: l
     if not a.is_moe(layer):
         return [decoder_layer(h, w, ctx, layer).hidden for h, ctx in zip(hs, ctxs)]
     eps = a.rms_norm_eps
-    hs = [h + mla_attention(rms_norm(h, w["input_layernorm.weight"], eps), w, ctx, layer) for h, ctx in zip(hs, ctxs)]
+    hs = [h + attention(rms_norm(h, w["input_layernorm.weight"], eps), w, ctx, layer) for h, ctx in zip(hs, ctxs)]
     xs = [rms_norm(h, w["post_attention_layernorm.weight"], eps).reshape(-1, h.shape[-1]) for h in hs]  # (N, D)
     routes = [route(x, w, a) for x in xs]
     outs = [torch.zeros_like(x) for x in xs]
@@ -57,7 +58,7 @@ def streamed_layer(ckpt: Checkpoint, layer: int, hs: list[torch.Tensor], ctxs: l
                 if e not in p:
                     continue
                 tok, slot = (idx == e).nonzero(as_tuple=True)
-                y = (expert(x[tok], ew, e) * weight[tok, slot][:, None]).to(x.dtype)  # (n_e, D)
+                y = weighted(expert(x[tok], ew, e), weight[tok, slot])  # (n_e, D)
                 if split:
                     mine[e] = y
                 else:
@@ -77,8 +78,7 @@ def streamed_layer(ckpt: Checkpoint, layer: int, hs: list[torch.Tensor], ctxs: l
             rows[i] = every = None
     result = []
     for h, x, out in zip(hs, xs, outs):
-        if a.n_shared_experts:
-            p = "mlp.shared_experts."
-            out = out + swiglu(x, w[p + "gate_proj.weight"], w[p + "up_proj.weight"], w[p + "down_proj.weight"])
+        if (shared := shared_expert(x, w, a)) is not None:
+            out = out + shared
         result.append(h + out.view(h.shape))
     return result

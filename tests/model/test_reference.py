@@ -111,3 +111,47 @@ def test_logits_deterministic_on_tiny_glm(tiny_glm):
     a, b = logits("tiny:glm-5.2", ids), logits("tiny:glm-5.2", ids)
     assert torch.equal(a, b)
     assert a.shape == (1, 6, 512)
+
+
+def tiny_qwen3_moe(folder, **overrides):
+    """A tiny random Qwen3MoeForCausalLM, built and saved by transformers itself: layer 0 dense
+    (mlp_only_layers), then MoE layers; GQA with 2 query heads per key/value head."""
+    import transformers
+
+    fields = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                  mlp_only_layers=[0], decoder_sparse_step=1, norm_topk_prob=True, max_position_embeddings=256,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**(fields | overrides)))
+    with torch.no_grad():  # transformers initialises norms to one and the router near zero: make every piece count
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("gate.weight"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_qwen3_moe_matches_transformers(tmp_path, norm_topk_prob):
+    """Qwen3-MoE (GQA with q/k norms, softmax router, no shared expert, a dense first layer) vs
+    transformers' Qwen3MoeForCausalLM on a tiny random model it built and saved."""
+    folder = tiny_qwen3_moe(tmp_path / "qwen3", norm_topk_prob=norm_topk_prob)
+    ckpt = Checkpoint(folder)
+    assert ckpt.arch.moe_layers == (False, True, True) and ckpt.arch.n_shared_experts == 0
+    ours, theirs = check_against_transformers(folder, tmp_path)
+    assert max_rel_err(ours, theirs) <= 1e-6  # measured 2.7e-7 (norm_topk_prob on)
+
+
+def test_qwen3_moe_incremental_decode_equals_full_forward(tmp_path):
+    """Prefill + one-token decode steps through the GQA key/value cache equal a full forward."""
+    ckpt = Checkpoint(tiny_qwen3_moe(tmp_path / "qwen3"))
+    ids = ids_for(ckpt.arch.vocab_size, 2, 24)
+    full = run(ckpt, ids, device="cpu")
+    caches = new_caches(ckpt)
+    steps = [run(ckpt, ids[:, :20], device="cpu", caches=caches)]
+    steps += [run(ckpt, ids[:, i:i + 1], device="cpu", caches=caches) for i in range(20, 24)]
+    assert caches[0].length == 24
+    assert max_rel_err(torch.cat(steps, dim=1), full) <= 1e-6

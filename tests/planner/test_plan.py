@@ -184,10 +184,12 @@ def test_group_size_follows_the_models_recipe(kimi, glm):
     from typer.testing import CliRunner
 
     from quantkit.cli import app
+    from quantkit.model.arch import arch_from_config, load_preset
     from quantkit.recipe import default_recipe
 
-    assert kimi.assumptions["group_size"]["value"] == default_recipe("kimi-k2.6", "kimi").group_size == 32
-    assert glm.assumptions["group_size"]["value"] == default_recipe("glm-5.2", "glm").group_size == 128
+    kimi_rec, glm_rec = (default_recipe(n, arch_from_config(load_preset(n))) for n in ("kimi-k2.6", "glm-5.2"))
+    assert kimi.assumptions["group_size"]["value"] == kimi_rec.group_size == 32
+    assert glm.assumptions["group_size"]["value"] == glm_rec.group_size == 128
     assert kimi.checkpoints["decode"].total_bytes == plan("kimi-k2.6", group_size=32).checkpoints["decode"].total_bytes
     assert round(kimi.checkpoints["decode"].total_bytes / GB, 1) == 586.9
     runner = CliRunner()

@@ -13,7 +13,8 @@ from conftest import starve_expert
 from quantkit.checkpoint.shards import Checkpoint
 from quantkit.conversion.pipeline import convert
 from quantkit.inputs.tokens import load_tokens
-from quantkit.model.reference import Context, decoder_layer, route, swiglu
+from quantkit.model.moe import route, swiglu
+from quantkit.model.reference import Context, decoder_layer
 from quantkit.quant import awq
 from quantkit.quant.experts import expert_weights
 from quantkit.quant.gptq import quantize_rtn

@@ -12,7 +12,7 @@ import torch
 
 from quantkit.checkpoint.shards import Checkpoint
 from quantkit.conversion.pipeline import convert
-from quantkit.model.reference import swiglu
+from quantkit.model.moe import swiglu
 from quantkit.quant.experts import PROJS, expert_weights
 from quantkit.quant.gptq import quantize_rtn, quantize_rtn_clip
 from quantkit.quant.methods import quantize_experts

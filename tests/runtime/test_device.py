@@ -31,7 +31,7 @@ What runs here, on the device:
   expert, the shared expert, and the MoE's index_add_.
 
 What is left, because it needs values on the host, which a fake run does not have:
-  - reference.moe's expert loop, `torch.unique(topk_idx).tolist()`: the test runs each of its
+  - moe.moe's expert loop, `torch.unique(topk_idx).tolist()`: the test runs each of its
     parts (above), with the loop over all experts instead.
   - calibrate.gptq_experts (the streamed Hessians select each micro-batch's routed rows with
     nonzero: a data-dependent shape; tests/conversion/test_layerpass.py holds it equal to the whole-layer
@@ -56,7 +56,7 @@ from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTen
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from quantkit.formats import fp8, int4
-from quantkit.model import reference
+from quantkit.model import moe, reference
 from quantkit.model.arch import arch_from_config
 from quantkit.quant import awq, gptq
 from quantkit.quant.methods import METHODS, quantize_experts
@@ -201,14 +201,13 @@ def test_reference_layers_on_device(model, ties):
                     continue
                 attn = reference.mla_attention(h, w, ctx, layer)
                 x = attn.reshape(-1, arch.hidden_size)  # (B*n, D)
-                topk_idx, topk_weight = reference.route(x, w, arch)
-                routing = reference.Routing(x, topk_idx, topk_weight)
+                topk_idx, topk_weight = moe.route(x, w, arch)
+                routing = moe.Routing(x, topk_idx, topk_weight)
                 out = torch.zeros_like(x)
                 for e in range(arch.n_routed_experts):  # moe() loops over the experts hit (a host read)
                     tok, wt = routing.tokens_of(e)
-                    out.index_add_(0, tok, reference.expert(x[tok], w, e) * wt[:, None])
-                p = "mlp.shared_experts."
-                shared = reference.swiglu(x, w[p + "gate_proj.weight"], w[p + "up_proj.weight"], w[p + "down_proj.weight"])
+                    out.index_add_(0, tok, moe.expert(x[tok], w, e) * wt[:, None])
+                shared = moe.shared_expert(x, w, arch)
                 assert_on_device(attn, topk_idx, topk_weight, routing.counts(arch.n_routed_experts), out + shared)
             assert_on_device(*(t for c in caches for t in (c.latent, c.k_rot, c.index_k) if t is not None))
 

@@ -1,0 +1,75 @@
+"""Qwen3-MoE (`qwen3_moe`, Qwen3MoeForCausalLM): GQA attention with q/k RMSNorm, a softmax router.
+
+Grouped-query attention (q, k, v and o projections; `num_key_value_heads` key/value heads, each
+query and key head RMS-normed before rope, rope over the whole head in halves), routed experts
+chosen by a softmax top-k (`norm_topk_prob` renormalises the chosen weights), no shared expert and
+no router bias. Which layers are MoE: every `decoder_sparse_step`-th one not listed in
+`mlp_only_layers`. No MTP layer, no indexer.
+
+Not yet here: a preset, a recipe, a tiny model and the GQA KV cache in the planner and the FP8 KV
+simulation (quantkit.model.kvcache is MLA's); the reference forward, inspect and the tensor
+inventory work.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from quantkit.model.family import EngineModule, Family
+
+GQA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def gqa_shapes(a: Any) -> dict[str, tuple[int, ...]]:
+    """[out, in] of each attention projection, from a ModelArch."""
+    h, hd = a.hidden_size, a.head_dim
+    return {
+        "q_proj": (a.num_attention_heads * hd, h),
+        "k_proj": (a.num_key_value_heads * hd, h),
+        "v_proj": (a.num_key_value_heads * hd, h),
+        "o_proj": (h, a.num_attention_heads * hd),
+    }
+
+
+def qwen3_fields(text: dict) -> dict:
+    """Qwen3-MoE's config in DeepSeek-V3's field names: the routed-expert count (`num_experts`, which
+    transformers 5 saves as `num_local_experts`), no shared expert, and the MoE layers spelled out."""
+    n = int(text["num_hidden_layers"])
+    experts = int(text.get("num_experts", text.get("num_local_experts", 0)) or 0)
+    step = int(text.get("decoder_sparse_step", 1) or 1)
+    dense = set(text.get("mlp_only_layers") or [])
+    sparse = ["sparse" if i not in dense and experts > 0 and (i + 1) % step == 0 else "dense" for i in range(n)]
+    return text | {"n_routed_experts": experts, "n_shared_experts": 0, "mlp_layer_types": sparse,
+                   "num_nextn_predict_layers": 0}
+
+
+QWEN3_MOE = Family(
+    model_type="qwen3_moe",
+    name="qwen3_moe",
+    description="Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): GQA with q/k norms, softmax router",
+    text_config=None,
+    prefix="model.",
+    head_name="lm_head.weight",
+    vision=False,
+    attention="gqa",
+    router="softmax_topk",
+    router_bias=False,
+    indexer=False,
+    forced_rope_interleave=False,
+    attention_projections=GQA_PROJECTIONS,
+    attention_norms=(("q_norm", "head_dim"), ("k_norm", "head_dim")),
+    indexer_projections=(),
+    attention_shapes=gqa_shapes,
+    replicated=(),
+    # vLLM's and SGLang's qwen3_moe.py: q, k and v are one QKVParallelLinear
+    engine_attention=(
+        EngineModule(("sglang", "vllm"), "qkv_proj", "QKVParallelLinear", ("q_proj", "k_proj", "v_proj")),
+        EngineModule(("sglang", "vllm"), "o_proj", "RowParallelLinear", ("o_proj",)),
+    ),
+    prefill_bf16_projections=(),
+    always_bf16=(),
+    mtp_embed_copies=False,
+    trust_remote_code=False,
+    recipe=None,
+    config_view=qwen3_fields,
+)

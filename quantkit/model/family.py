@@ -1,0 +1,92 @@
+"""What a model family declares, in one place: the shape of a definition under `quantkit.model.families`.
+
+A family is what differs between checkpoints that quantkit otherwise treats alike: where the text
+model sits in config.json and in the tensor names, which attention and router it runs, which
+optional layer kinds it has (shared experts, a dense prefix, MTP, the DSA indexer), what its
+attention projections are called and how the engines fuse them, which tensors its published
+conversions keep BF16, and which shipped recipe and presets belong to it. Every stage reads these
+fields through `ModelArch.definition`; no module outside `quantkit.model` tests a family name or a
+model_type (tests/model/test_families.py greps for it), so a new family is a new definition module
+and one registry line (`quantkit.model.families`), not an edit in every stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# ModelArch -> {leaf: [out, in]}; typed Any because quantkit.model.arch imports the definitions
+Shapes = Callable[[Any], dict[str, tuple[int, ...]]]
+
+
+@dataclass(frozen=True)
+class EngineModule:
+    """One attention module as an engine builds it from stored projections (vLLM's and SGLang's
+    model classes): its runtime name and class, and the stored projections it loads, all relative
+    to the layer's `self_attn.`. Several shards are fused into one module (`packed_modules_mapping`)."""
+
+    engines: tuple[str, ...]  # "sglang", "vllm"
+    name: str
+    klass: str  # ReplicatedLinear, ColumnParallelLinear, ...
+    shards: tuple[str, ...]
+    single: bool = False  # the shards concatenate into one output (SGLang's fused_qkv_a_proj_with_mqa)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family's declarations (module docstring); one instance per config.json model_type."""
+
+    model_type: str  # config.json's outer model_type
+    name: str  # the family ("deepseek_v3", "kimi", "glm"): ModelArch.family, reports and plans
+    description: str
+
+    # naming: where the text model sits
+    text_config: str | None  # the config key nesting the text model (Kimi K2.5+: "text_config"), or None
+    prefix: str  # decoder tensor prefix: "model." or "language_model.model."
+    head_name: str  # "lm_head.weight" or "language_model.lm_head.weight"
+    vision: bool  # a vision tower ships beside the text model (carried byte for byte)
+
+    # layer kinds
+    attention: str  # "mla" or "gqa": the reference forward's attention flavour (quantkit.model.reference)
+    router: str  # "sigmoid_group_topk" or "softmax_topk": the router's flavour (quantkit.model.moe)
+    router_bias: bool  # the router stores a correction bias (`mlp.gate.e_score_correction_bias`)
+    indexer: bool  # DeepSeek Sparse Attention's lightning indexer (GLM), per layer or shared (IndexShare)
+    forced_rope_interleave: bool | None  # the modelling code's rope layout when it ignores the config
+
+    # tensor naming (leaves under `self_attn.`)
+    attention_projections: tuple[str, ...]  # the attention Linears, in layer order
+    attention_norms: tuple[tuple[str, str], ...]  # (norm leaf, the ModelArch size field it spans)
+    indexer_projections: tuple[str, ...]  # the indexer Linears (under self_attn.indexer.)
+    attention_shapes: Shapes  # leaf -> [out, in] of every attention (and `indexer.`) Linear, from the arch
+    replicated: tuple[str, ...]  # attention Linears every TP rank holds whole (the indexer's always are)
+    engine_attention: tuple[EngineModule, ...]  # how vLLM and SGLang build the attention modules
+
+    # precision defaults and the published checkpoints' conventions
+    prefill_bf16_projections: tuple[str, ...]  # attention Linears published FP8 conversions keep BF16
+    always_bf16: tuple[str, ...]  # Linears no checkpoint stores FP8 (GLM's indexer weights_proj)
+    mtp_embed_copies: bool  # the MTP layer stores its own embed_tokens and shared_head.head
+    trust_remote_code: bool  # the tokenizer (or model) ships its own code
+
+    # what ships with quantkit
+    recipe: str | None  # the shipped recipe `convert` uses by default (None: none yet, --recipe needed)
+    presets: tuple[str, ...] = ()  # shipped config.json presets (quantkit.model.presets)
+    # the text config in DeepSeek-V3's field names, for a family whose config.json names them otherwise
+    config_view: Callable[[dict], dict] | None = None
+
+    @property
+    def recipe_projections(self) -> tuple[str, ...]:
+        """What a recipe's `prefill.keep_bf16` may name for this family."""
+        return self.attention_projections + tuple(p for p in self.indexer_projections if p not in self.always_bf16)
+
+    def fused(self) -> dict[tuple[str, ...], tuple[str, ...]]:
+        """Stored attention shards -> the names of the modules engines fuse them into."""
+        out: dict[tuple[str, ...], list[str]] = {}
+        for m in self.engine_attention:
+            if len(m.shards) > 1:
+                out.setdefault(m.shards, []).append(m.name)
+        return {k: tuple(v) for k, v in out.items()}
+
+    def packed(self, engine: str) -> dict[str, list[str]]:
+        """An engine's `packed_modules_mapping` entries for the attention: fused name -> shards."""
+        return {m.name: list(m.shards) for m in self.engine_attention if engine in m.engines and len(m.shards) > 1}
