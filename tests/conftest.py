@@ -35,8 +35,10 @@ LONGEST_FILES = ("synthetic/test_realshape.py",)
 def pytest_collection_modifyitems(config, items):
     """LONGEST_FILES first, then the other files that hold a test marked `slow`, then the rest, each
     group in collection order (a stable sort: no test moves within its file). The test command runs
-    whole files on two workers (`-n 2 --dist loadfile`): a file of minutes started last would leave
-    the other worker idle at the end."""
+    whole files on two workers (`-n 2 --dist loadfile --no-loadscope-reorder`): a file of minutes
+    started last would leave the other worker idle at the end. Without --no-loadscope-reorder,
+    pytest-xdist 3.8 reorders the files by their number of tests, which puts the real-shape file
+    (three tests, ten minutes) last whatever this order says."""
     here = Path(__file__).parent
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     first = {here / f for f in LONGEST_FILES}
