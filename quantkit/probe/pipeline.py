@@ -12,8 +12,7 @@ from pathlib import Path
 from quantkit.errors import ConfigError
 from quantkit.probe.client import Endpoint, ProbeError, Reply
 from quantkit.probe.compare import Observed, score, verdict
-from quantkit.probe.prompts import PromptSet, load_prompt_set
-from quantkit.probe.reference import candidates, greedy, keep_resident
+from quantkit.probe.prompts import PromptSet, read_prompt_set, tokenize_prompt_set
 from quantkit.validation.card import PROBES_HEADING as CARD_HEADING
 
 
@@ -46,10 +45,11 @@ def probe(url: str, pair: str | Path, *, model: str | None = None, api_key_env: 
 
     t = target(pair, None)
     tok_dir = t.models.get("decode") or t.reference_path
-    ps = load_prompt_set(Path(tok_dir), Path(prompts) if prompts else None)
+    prompt_file = read_prompt_set(Path(prompts) if prompts else None)
     ep = Endpoint(url, model, api_key_env, timeout, retries, concurrency=concurrency, logprobs=logprobs)
     try:
-        ep.model = _served_model(ep, model)
+        ep.model = _served_model(ep, model)  # the usual failures (no server, wrong URL or model) before any tokenizer
+        ps = tokenize_prompt_set(prompt_file, Path(tok_dir))
         replies = ep.complete_all(ps.prompts, ps.max_tokens, ps.top_logprobs)
     finally:
         ep.close()
@@ -92,10 +92,12 @@ def _served_model(ep: Endpoint, model: str | None) -> str:
 
 
 def _compare(t, ps: PromptSet, observed: list[Observed], tok_dir, kv_cache_dtype, min_agree, device) -> dict:
-    """The reference continuations of every candidate, each scored against what the endpoint produced."""
+    """The reference continuations of every candidate, each scored against what the endpoint produced
+    (torch and the reference forward are imported here, after the endpoint has answered)."""
     from quantkit.checkpoint.shards import Checkpoint
     from quantkit.inputs.modelspec import open_checkpoint
     from quantkit.model.reference import resolve_device
+    from quantkit.probe.reference import candidates, greedy, keep_resident
 
     ckpts = {"reference": open_checkpoint(t.reference_source)} | {m: Checkpoint(p) for m, p in t.models.items() if m != "model"}
     if "model" in t.models:  # one checkpoint folder: it is the only candidate, as "source"

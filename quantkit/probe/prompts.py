@@ -30,10 +30,18 @@ class PromptSet:
     prompts: list[Prompt]
 
 
-def load_prompt_set(tokenizer_dir: Path, path: Path | None = None) -> PromptSet:
-    """The recorded prompts (the shipped prompts.json unless `path`), tokenized by `tokenizer_dir`'s tokenizer."""
-    from transformers import AutoTokenizer
+@dataclass
+class PromptFile:
+    """A prompt set as read from its file, not yet tokenized: checked before the endpoint is asked, and
+    before transformers (seconds to import) is needed."""
 
+    where: str
+    raw: bytes
+    data: dict
+
+
+def read_prompt_set(path: Path | None = None) -> PromptFile:
+    """The recorded prompts (the shipped prompts.json unless `path`), parsed and checked; one line on bad input."""
     if path is not None and not path.is_file():
         raise ConfigError(f"{path}: no such prompt set; pass a JSON file like quantkit/probe/prompts.json")
     raw = path.read_bytes() if path else resources.files("quantkit.probe").joinpath("prompts.json").read_bytes()
@@ -43,20 +51,34 @@ def load_prompt_set(tokenizer_dir: Path, path: Path | None = None) -> PromptSet:
         items = d["prompts"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise ConfigError(f"{where}: not a prompt set ({e}); it needs a `prompts` list") from None
+    for p in items:
+        if p.get("kind") not in ("chat", "completion"):
+            raise ConfigError(f"{where}: prompt {p.get('id')!r} has kind {p.get('kind')!r}; use completion or chat")
+    return PromptFile(where, raw, d)
+
+
+def tokenize_prompt_set(f: PromptFile, tokenizer_dir: Path) -> PromptSet:
+    """Each prompt's token ids under `tokenizer_dir`'s tokenizer (chat: its template, with the generation prompt)."""
+    from transformers import AutoTokenizer
+
     try:
         tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     except (OSError, ValueError) as e:
         raise ConfigError(f"{tokenizer_dir}: no tokenizer the probe can use ({str(e).splitlines()[0]}); "
                           "the pair's folders need tokenizer.json/tokenizer_config.json") from None
     prompts = []
-    for p in items:
-        if p.get("kind") == "chat":
+    for p in f.data["prompts"]:
+        if p["kind"] == "chat":
             enc = tok.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=True)
             ids = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
             prompts.append(Prompt(p["id"], "chat", p["messages"], ids))
-        elif p.get("kind") == "completion":
-            prompts.append(Prompt(p["id"], "completion", p["prompt"], tok.encode(p["prompt"])))
         else:
-            raise ConfigError(f"{where}: prompt {p.get('id')!r} has kind {p.get('kind')!r}; use completion or chat")
-    return PromptSet(d.get("name", where), hashlib.sha256(raw).hexdigest(), int(d.get("max_tokens", 16)),
+            prompts.append(Prompt(p["id"], "completion", p["prompt"], tok.encode(p["prompt"])))
+    d = f.data
+    return PromptSet(d.get("name", f.where), hashlib.sha256(f.raw).hexdigest(), int(d.get("max_tokens", 16)),
                      int(d.get("top_logprobs", 5)), prompts)
+
+
+def load_prompt_set(tokenizer_dir: Path, path: Path | None = None) -> PromptSet:
+    """The recorded prompts (the shipped prompts.json unless `path`), tokenized by `tokenizer_dir`'s tokenizer."""
+    return tokenize_prompt_set(read_prompt_set(path), tokenizer_dir)
