@@ -280,11 +280,12 @@ def _real_dims(folder, preset: str):
 def test_real_dimensions_load(outputs, engines_available):
     from quantkit.serving.checks import engine_reports
 
-    for model, preset in (("glm", "glm-5.2"), ("kimi", "kimi-k2.6")):
-        stored = [_real_dims(getattr(outputs[model], w), preset) for w in ("prefill", "decode")]
-        for engine in ENGINES:
-            for which, rep in zip(("prefill", "decode"), engine_reports(engine, stored, download=False)):
-                assert rep.loads, (model, which, engine, rep.problems)
-                assert all(r.params_checked for r in rep.rows if r.stored != "bf16")
-                kv_a = [r for r in rep.rows if "fused_qkv_a" in r.module]
-                assert kv_a and all(r.stored == ("bf16" if model == "kimi" else "fp8") for r in kv_a)
+    cases = [(model, which) for model in ("glm", "kimi") for which in ("prefill", "decode")]
+    presets = {"glm": "glm-5.2", "kimi": "kimi-k2.6"}
+    stored = [_real_dims(getattr(outputs[model], which), presets[model]) for model, which in cases]
+    for engine in ENGINES:  # all four checkpoints in one engine process per engine
+        for (model, which), rep in zip(cases, engine_reports(engine, stored, download=False), strict=True):
+            assert rep.loads, (model, which, engine, rep.problems)
+            assert all(r.params_checked for r in rep.rows if r.stored != "bf16")
+            kv_a = [r for r in rep.rows if "fused_qkv_a" in r.module]
+            assert kv_a and all(r.stored == ("bf16" if model == "kimi" else "fp8") for r in kv_a)
