@@ -6,9 +6,10 @@ chosen by a softmax top-k (`norm_topk_prob` renormalises the chosen weights), no
 no router bias. Which layers are MoE: every `decoder_sparse_step`-th one not listed in
 `mlp_only_layers`. No MTP layer, no indexer.
 
-Not yet here: a preset, a recipe, a tiny model and the GQA KV cache in the planner and the FP8 KV
-simulation (quantkit.model.kvcache is MLA's); the reference forward, inspect and the tensor
-inventory work.
+Sources: Qwen's BF16 releases (Qwen3-30B-A3B, preset `qwen3-30b-a3b`) and its fine-grained FP8
+ones (Qwen3-30B-A3B-FP8: e4m3 with a float32 `weight_scale_inv` per 128x128 block, norms, router
+and head BF16), the layout GLM-5.2-FP8 and DeepSeek-V3 ship, which the checkpoint reader reads.
+The embedded `tiny:qwen3-moe` (quantkit.synthetic.tiny) is its test model.
 """
 
 from __future__ import annotations
@@ -58,5 +59,7 @@ QWEN3_MOE = Family(
         EngineModule(("sglang", "vllm"), "qkv_proj", "QKVParallelLinear", ("q_proj", "k_proj", "v_proj")),
         EngineModule(("sglang", "vllm"), "o_proj", "RowParallelLinear", ("o_proj",)),
     ),
+    recipe="qwen3-moe",
+    presets=("qwen3-30b-a3b",),
     config_view=qwen3_fields,
 )
