@@ -349,3 +349,40 @@ def test_qwen3_fp8_source_reads(tiny_qwen3, tmp_path):
     with torch.no_grad():
         assert _rel(logits(tmp_path / "fp8", IDS), model(IDS).logits) < 1e-4
 
+
+def test_new_family_of_existing_layer_kinds_needs_only_its_definition(qwen3, tiny_qwen3, tmp_path):
+    """A family quantkit has never seen, made only of layer kinds it runs (Qwen3-MoE's, under another
+    model_type and other tensor names: the decoder under `backbone.`, the head `output.weight`), is one
+    Family registered at run time and nothing else: inspect reads it and convert makes the same bytes
+    as for Qwen3-MoE, tensor for tensor under the new names."""
+    from dataclasses import replace
+
+    from quantkit.checkpoint.shards import CheckpointWriter
+    from quantkit.model.families import QWEN3_MOE, REGISTRY, register
+    from quantkit.planner.inspection import inspect
+    from quantkit.synthetic.tiny import tokenizer_files
+
+    fam = replace(QWEN3_MOE, model_type="tiny_moe", name="tiny_moe", description="a test family",
+                  prefix="backbone.", head_name="output.weight", recipe=None, presets=())
+    rename = {"model.": fam.prefix, "lm_head.weight": fam.head_name}
+
+    def renamed(name: str) -> str:
+        return next((new + name[len(old):] for old, new in rename.items() if name.startswith(old)), name)
+
+    register(fam)
+    try:
+        cfg = json.loads((tiny_qwen3 / "config.json").read_text()) | {"model_type": "tiny_moe"}
+        w = CheckpointWriter(tmp_path / "src", digits=5)
+        for name, t in read_raw(tiny_qwen3).items():
+            w.add(renamed(name), t)
+        w.finish(cfg, extra=tokenizer_files())
+        got = inspect(tmp_path / "src")
+        assert (got.model_type, got.layers, got.routed_experts) == ("tiny_moe", 3, 16)
+        res = convert(tmp_path / "src", tmp_path / "out", recipe="tiny-qwen3-moe", validate=False, progress=False)
+    finally:
+        REGISTRY.pop("tiny_moe")
+    for which in ("prefill", "decode"):
+        ours, theirs = read_raw(getattr(res, which)), read_raw(getattr(qwen3[0], which))
+        assert set(ours) == {renamed(k) for k in theirs}
+        for k, v in theirs.items():
+            assert torch.equal(ours[renamed(k)].view(torch.uint8), v.view(torch.uint8)), k
