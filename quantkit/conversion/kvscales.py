@@ -47,6 +47,8 @@ def kv_cache_report(layers: list[dict]) -> dict:
                               "KV-cache method to Attention layers only, so MLA most likely runs at 1.0",
             "vllm_dsa": "ignored: fp8_ds_mla computes per-token tile scales (and FP8 index keys always)",
             "sglang_mla": "loaded by 0.5.23 (CompressedTensorsKVCacheMethod); an earlier MLA pool casts at 1.0",
+            "vllm_gqa": "k_scale for the keys, v_scale for the values (reshape_and_cache_flash); Attention layers load both",
         },
-        "scale_covers": "max |kv_c|, |k_pe| and |absorbed decode query| / 448 (vLLM's q_scale defaults to k_scale)",
+        "scale_covers": "MLA: max |kv_c|, |k_pe| and |absorbed decode query| / 448 (vLLM's q_scale defaults to k_scale); "
+                        "GQA: max |k| / 448 and max |v| / 448",
     }

@@ -126,9 +126,10 @@ def scale_from_absmax(absmax: float) -> float:
 # ---- what the reference forward consults (`Context.kv`) --------------------------------------------
 @dataclass
 class KVCache:
-    """How the KV cache stores values: `mla` returns what the latent/rope cache gives back, `index`
-    what the indexer key cache gives back. `scales`: "checkpoint" reads each layer's
-    `self_attn.k_scale` from its weights (1.0 where the checkpoint has none), "one" uses 1.0."""
+    """How the KV cache stores values: `mla` returns what the latent/rope cache gives back, `gqa` what
+    the key and value caches give back, `index` what the indexer key cache gives back. `scales`:
+    "checkpoint" reads each layer's `self_attn.k_scale` (and `v_scale`) from its weights (1.0 where the
+    checkpoint has none), "one" uses 1.0."""
 
     dtype: str = "bf16"
     scales: str = "checkpoint"
