@@ -55,6 +55,11 @@ def tiny_glm() -> Path:
     return tiny_path("glm-5.2")
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3() -> Path:
+    return tiny_path("qwen3-moe")
+
+
 def small_config(family: str, **overrides) -> dict:
     """A config.json smaller than the tiny models (2-3 layers), for random-weight checkpoints."""
     if family == "glm":

@@ -169,8 +169,10 @@ def test_default_recipe_by_model():
     assert default_recipe("/models/Kimi-K2.6", kimi_arch).name == "kimi-k2.6"
     assert default_recipe("hf://zai-org/GLM-5.2-FP8", glm_arch).name == "glm-5.2"
     assert default_recipe("/models/DeepSeek-V3", arch_from_config(small_config("deepseek_v3"))).name == "deepseek-v3"
-    with pytest.raises(ConfigError, match="no default recipe for qwen3_moe; pass one with --recipe"):
-        default_recipe("/models/Qwen3", "qwen3_moe")
+    assert default_recipe("/models/Qwen3-30B-A3B", arch_from_config(tiny_config("qwen3-moe"))).name == "qwen3-moe"
+    assert default_recipe("tiny:qwen3-moe", arch_from_config(tiny_config("qwen3-moe"))).name == "tiny-qwen3-moe"
+    with pytest.raises(ConfigError, match="no default recipe for tiny_moe; pass one with --recipe"):
+        default_recipe("/models/tiny-moe", "tiny_moe")  # a family registered without a recipe
 
 
 def test_keep_bf16_names_the_models_projections(tmp_path):

@@ -26,14 +26,13 @@ def kv_cache_scheme() -> dict:
 
 
 def write_kv_scales(pair, prefix: str, kv: KVAbsmax, layer: int) -> dict:
-    """Write one layer's k_scale and v_scale (equal: MLA's one latent cache is keyed by k_scale) to
-    both outputs, identical bytes, and return what was measured for the report."""
-    scale = kv.layer_scales()[layer]
-    for name in SCALE_NAMES:
+    """Write one layer's k_scale and v_scale (equal for MLA, whose one latent cache is keyed by
+    k_scale; a scale each for GQA's keys and values) to both outputs, identical bytes, and return
+    what was measured for the report."""
+    for name, scale in zip(SCALE_NAMES, kv.layer_scales()[layer]):
         for out in (pair.prefill, pair.decode):
             out.add(prefix + name, torch.tensor([scale], dtype=torch.float32))  # (1,): compressed-tensors' tensor-strategy shape
-    return {"latent_absmax": kv.latent[layer], "k_rot_absmax": kv.k_rot[layer], "query_absmax": kv.query.get(layer),
-            "k_scale": scale}
+    return kv.layer_report(layer)
 
 
 def kv_cache_report(layers: list[dict]) -> dict:
@@ -48,6 +47,8 @@ def kv_cache_report(layers: list[dict]) -> dict:
                               "KV-cache method to Attention layers only, so MLA most likely runs at 1.0",
             "vllm_dsa": "ignored: fp8_ds_mla computes per-token tile scales (and FP8 index keys always)",
             "sglang_mla": "loaded by 0.5.23 (CompressedTensorsKVCacheMethod); an earlier MLA pool casts at 1.0",
+            "vllm_gqa": "k_scale for the keys, v_scale for the values (reshape_and_cache_flash); Attention layers load both",
         },
-        "scale_covers": "max |kv_c|, |k_pe| and |absorbed decode query| / 448 (vLLM's q_scale defaults to k_scale)",
+        "scale_covers": "MLA: max |kv_c|, |k_pe| and |absorbed decode query| / 448 (vLLM's q_scale defaults to k_scale); "
+                        "GQA: max |k| / 448 and max |v| / 448",
     }

@@ -37,39 +37,42 @@ class EngineModule:
 class Family:
     """One model family's declarations (module docstring); one instance per config.json model_type."""
 
+    # what every family states
     model_type: str  # config.json's outer model_type
     name: str  # the family ("deepseek_v3", "kimi", "glm"): ModelArch.family, reports and plans
     description: str
-
-    # naming: where the text model sits
-    text_config: str | None  # the config key nesting the text model (Kimi K2.5+: "text_config"), or None
-    prefix: str  # decoder tensor prefix: "model." or "language_model.model."
-    head_name: str  # "lm_head.weight" or "language_model.lm_head.weight"
-    vision: bool  # a vision tower ships beside the text model (carried byte for byte)
-
-    # layer kinds
     attention: str  # "mla" or "gqa": the reference forward's attention flavour (quantkit.model.reference)
     router: str  # "sigmoid_group_topk" or "softmax_topk": the router's flavour (quantkit.model.moe)
-    router_bias: bool  # the router stores a correction bias (`mlp.gate.e_score_correction_bias`)
-    indexer: bool  # DeepSeek Sparse Attention's lightning indexer (GLM), per layer or shared (IndexShare)
-    forced_rope_interleave: bool | None  # the modelling code's rope layout when it ignores the config
-
-    # tensor naming (leaves under `self_attn.`)
-    attention_projections: tuple[str, ...]  # the attention Linears, in layer order
-    attention_norms: tuple[tuple[str, str], ...]  # (norm leaf, the ModelArch size field it spans)
-    indexer_projections: tuple[str, ...]  # the indexer Linears (under self_attn.indexer.)
+    attention_projections: tuple[str, ...]  # the attention Linears (leaves under `self_attn.`), in layer order
     attention_shapes: Shapes  # leaf -> [out, in] of every attention (and `indexer.`) Linear, from the arch
-    replicated: tuple[str, ...]  # attention Linears every TP rank holds whole (the indexer's always are)
     engine_attention: tuple[EngineModule, ...]  # how vLLM and SGLang build the attention modules
 
+    # The rest defaults to the common case (a text-only "model." checkpoint with "lm_head.weight",
+    # no indexer, nothing kept BF16 beyond the norms and the router); a definition states what differs.
+    # naming: where the text model sits
+    text_config: str | None = None  # the config key nesting the text model (Kimi K2.5+: "text_config"), or None
+    prefix: str = "model."  # decoder tensor prefix: "model." or "language_model.model."
+    head_name: str = "lm_head.weight"  # or "language_model.lm_head.weight"
+    vision: bool = False  # a vision tower ships beside the text model (carried byte for byte)
+
+    # layer kinds
+    router_bias: bool = False  # the router stores a correction bias (`mlp.gate.e_score_correction_bias`)
+    indexer: bool = False  # DeepSeek Sparse Attention's lightning indexer (GLM), per layer or shared (IndexShare)
+    forced_rope_interleave: bool | None = None  # the modelling code's rope layout when it ignores the config
+
+    # tensor naming (leaves under `self_attn.`)
+    attention_norms: tuple[tuple[str, str], ...] = ()  # (norm leaf, the ModelArch size field it spans)
+    indexer_projections: tuple[str, ...] = ()  # the indexer Linears (under self_attn.indexer.)
+    replicated: tuple[str, ...] = ()  # attention Linears every TP rank holds whole (the indexer's always are)
+
     # precision defaults and the published checkpoints' conventions
-    prefill_bf16_projections: tuple[str, ...]  # attention Linears published FP8 conversions keep BF16
-    always_bf16: tuple[str, ...]  # Linears no checkpoint stores FP8 (GLM's indexer weights_proj)
-    mtp_embed_copies: bool  # the MTP layer stores its own embed_tokens and shared_head.head
-    trust_remote_code: bool  # the tokenizer (or model) ships its own code
+    prefill_bf16_projections: tuple[str, ...] = ()  # attention Linears published FP8 conversions keep BF16
+    always_bf16: tuple[str, ...] = ()  # Linears no checkpoint stores FP8 (GLM's indexer weights_proj)
+    mtp_embed_copies: bool = False  # the MTP layer stores its own embed_tokens and shared_head.head
+    trust_remote_code: bool = False  # the tokenizer (or model) ships its own code
 
     # what ships with quantkit
-    recipe: str | None  # the shipped recipe `convert` uses by default (None: none yet, --recipe needed)
+    recipe: str | None = None  # the shipped recipe `convert` uses by default (None: none yet, --recipe needed)
     presets: tuple[str, ...] = ()  # shipped config.json presets (quantkit.model.presets)
     # the text config in DeepSeek-V3's field names, for a family whose config.json names them otherwise
     config_view: Callable[[dict], dict] | None = None

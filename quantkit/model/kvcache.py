@@ -38,6 +38,17 @@ engines keep these in e4m3. What they do, as read in their sources:
         k_scale was not read here. Its NSA (DSA) backend quantizes per 128-tile like vLLM's
         fp8_ds_mla (layers/attention/nsa/quant_k_cache.py).
 
+A GQA layer (Qwen3-MoE) caches each key head (after k_norm and rope) and each value head. With
+`fp8_e4m3` vLLM's `reshape_and_cache_flash` (csrc/cache_kernels.cu) writes the key as
+`scaled_convert(k, *k_scale)` and the value as `scaled_convert(v, *v_scale)`: two per-layer static
+scales, one per tensor, loaded from `self_attn.k_scale` / `v_scale` (there, `Attention` layers do get
+the KV-cache method). Its V1 FlashAttention backend attends over the paged cache for prefill and
+decode alike, so every token's attention reads keys and values as stored; that is what `gqa` gives
+back. With FlashAttention 3 the query is quantized too (`q_scale`, 1.0 without one in the
+checkpoint); that rounding is not simulated here. convert writes k_scale = max|k| / 448 and
+v_scale = max|v| / 448 over the calibration tokens (llm-compressor's static minmax observer).
+`fp8_ds_mla` is MLA's layout only.
+
 The scale convert writes: vLLM's MLA decode also quantizes the absorbed query to FP8 with
 `q_scale` (`MLAAttention.forward_decode`), and q_scale defaults to k_scale when the checkpoint has
 none (BaseKVCacheMethod). A k_scale fitted to the cache alone (absmax / 448) would clip the query:
@@ -47,7 +58,7 @@ e4m3 keeps its relative precision (only the subnormal floor moves). The query's 
 not simulated here (it is not cache storage); the cache's is.
 
 KV dtypes here: `bf16` (the cache holds what attention computed; the baseline), `fp8_e4m3`
-(per-layer static scale, the dense-MLA path), `fp8_ds_mla` (dynamic per-tile, vLLM's DSA path).
+(per-layer static scales, the dense-MLA and GQA path), `fp8_ds_mla` (dynamic per-tile, vLLM's DSA path).
 """
 
 from __future__ import annotations
@@ -115,9 +126,10 @@ def scale_from_absmax(absmax: float) -> float:
 # ---- what the reference forward consults (`Context.kv`) --------------------------------------------
 @dataclass
 class KVCache:
-    """How the KV cache stores values: `mla` returns what the latent/rope cache gives back, `index`
-    what the indexer key cache gives back. `scales`: "checkpoint" reads each layer's
-    `self_attn.k_scale` from its weights (1.0 where the checkpoint has none), "one" uses 1.0."""
+    """How the KV cache stores values: `mla` returns what the latent/rope cache gives back, `gqa` what
+    the key and value caches give back, `index` what the indexer key cache gives back. `scales`:
+    "checkpoint" reads each layer's `self_attn.k_scale` (and `v_scale`) from its weights (1.0 where the
+    checkpoint has none), "one" uses 1.0."""
 
     dtype: str = "bf16"
     scales: str = "checkpoint"
@@ -126,8 +138,9 @@ class KVCache:
         if self.dtype not in KV_DTYPES:
             raise ValueError(f"KV cache dtype {self.dtype!r}; one of {', '.join(KV_DTYPES)}")
 
-    def scale(self, w: dict[str, torch.Tensor]) -> float:
-        t = w.get(SCALE_NAMES[0]) if self.scales == "checkpoint" else None
+    def scale(self, w: dict[str, torch.Tensor], which: int = 0) -> float:
+        """The layer's k_scale (`which` 0) or v_scale (1), as the engine would load it."""
+        t = w.get(SCALE_NAMES[which]) if self.scales == "checkpoint" else None
         return float(t) if t is not None else 1.0
 
     def mla(self, layer: int, w, latent: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,6 +150,14 @@ class KVCache:
         if self.dtype == "fp8_ds_mla":
             return ds_mla(latent), k_rot  # k_pe stays bf16 in that layout
         return latent, k_rot
+
+    def gqa(self, layer: int, w, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A GQA layer's keys and values as the cache gives them back: per-tensor k_scale and v_scale."""
+        if self.dtype == "fp8_e4m3":
+            return per_tensor(key, self.scale(w, 0)), per_tensor(value, self.scale(w, 1))
+        if self.dtype == "fp8_ds_mla":
+            raise ValueError("fp8_ds_mla is vLLM's MLA (DSA) cache layout; a GQA model's FP8 cache is fp8_e4m3")
+        return key, value
 
     def index(self, k: torch.Tensor) -> torch.Tensor:
         return indexer_keys(k) if self.dtype != "bf16" else k
@@ -148,16 +169,26 @@ class KVCache:
 @dataclass
 class KVAbsmax(KVCache):
     """Calibration: stores nothing differently, records per layer the absolute maximum of what the
-    cache holds (latent and rope key; one scale covers both) and of the absorbed decode query."""
+    cache holds (MLA: latent and rope key, one scale covers both, and the absorbed decode query;
+    GQA: keys and values, a scale each)."""
 
     latent: dict[int, float] = field(default_factory=dict)
     k_rot: dict[int, float] = field(default_factory=dict)
     query: dict[int, float] = field(default_factory=dict)
+    key: dict[int, float] = field(default_factory=dict)
+    value: dict[int, float] = field(default_factory=dict)
+
+    FIELDS = ("latent", "k_rot", "query", "key", "value")  # the per-layer maxima (combined across ranks by max)
 
     def mla(self, layer, w, latent, k_rot):
         _grow(self.latent, layer, latent)
         _grow(self.k_rot, layer, k_rot)
         return latent, k_rot
+
+    def gqa(self, layer, w, key, value):
+        _grow(self.key, layer, key)
+        _grow(self.value, layer, value)
+        return key, value
 
     def observe_query(self, layer: int, w, q_nope: torch.Tensor, q_rot: torch.Tensor, nh: int, dn: int) -> None:
         """The query vLLM's MLA decode quantizes with q_scale: q_nope absorbed into the latent space
@@ -168,11 +199,21 @@ class KVAbsmax(KVCache):
         _grow(self.query, layer, ql)
         _grow(self.query, layer, q_rot)
 
-    def layer_scales(self) -> dict[int, float]:
-        """Per layer, the k_scale (= v_scale) to write: the largest of what the cache holds and of the
-        absorbed decode query (which vLLM quantizes with q_scale = k_scale), over 448."""
-        return {i: scale_from_absmax(max(self.latent[i], self.k_rot.get(i, 0.0), self.query.get(i, 0.0)))
-                for i in sorted(self.latent)}
+    def layer_scales(self) -> dict[int, tuple[float, float]]:
+        """Per layer, the (k_scale, v_scale) to write. MLA: both the largest of what the cache holds
+        and of the absorbed decode query (which vLLM quantizes with q_scale = k_scale), over 448.
+        GQA: the keys' and the values' maxima over 448."""
+        out = {i: (s, s) for i in sorted(self.latent)
+               for s in [scale_from_absmax(max(self.latent[i], self.k_rot.get(i, 0.0), self.query.get(i, 0.0)))]}
+        return out | {i: (scale_from_absmax(self.key[i]), scale_from_absmax(self.value.get(i, 0.0))) for i in sorted(self.key)}
+
+    def layer_report(self, layer: int) -> dict:
+        """What was measured for one layer and the scales written (convert-report.json's kv_cache)."""
+        k, v = self.layer_scales()[layer]
+        if layer in self.key:
+            return {"key_absmax": self.key[layer], "value_absmax": self.value.get(layer), "k_scale": k, "v_scale": v}
+        return {"latent_absmax": self.latent[layer], "k_rot_absmax": self.k_rot[layer], "query_absmax": self.query.get(layer),
+                "k_scale": k}
 
 
 def _grow(d: dict[int, float], layer: int, x: torch.Tensor) -> None:

@@ -19,7 +19,7 @@ Shapes: B batch, T new tokens, S cached + new tokens, nh heads, D hidden.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -127,6 +127,10 @@ class LayerCache:
     index_k: torch.Tensor | None = None  # (B, S, index_head_dim)
     key: torch.Tensor | None = None  # GQA: (B, S, n_kv, head_dim) after k_norm and rope
     value: torch.Tensor | None = None  # GQA: (B, S, n_kv, head_dim)
+
+    def copy(self) -> "LayerCache":
+        """A cache that shares what is stored so far and grows on its own (appending makes new tensors)."""
+        return replace(self)
 
     @property
     def length(self) -> int:
@@ -244,15 +248,13 @@ def gqa_attention(x: torch.Tensor, w: W, ctx: Context, layer: int) -> torch.Tens
     a = ctx.arch
     B, T, _ = x.shape
     nh, nkv, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
-    if ctx.kv is not None:
-        from quantkit.errors import ConfigError
-
-        raise ConfigError(f"model_type {a.model_type}: the FP8 KV-cache simulation covers MLA only; run without it")
     q = rms_norm(linear(x, w["self_attn.q_proj.weight"]).view(B, T, nh, hd), w["self_attn.q_norm.weight"], a.rms_norm_eps)
     k = rms_norm(linear(x, w["self_attn.k_proj.weight"]).view(B, T, nkv, hd), w["self_attn.k_norm.weight"], a.rms_norm_eps)
     v = linear(x, w["self_attn.v_proj.weight"]).view(B, T, nkv, hd)
     cos, sin = ctx.cos[:, None, :], ctx.sin[:, None, :]  # (T, 1, hd/2): broadcast over heads
     q, k = apply_rope(q, cos, sin, a.rope_interleave), apply_rope(k, cos, sin, a.rope_interleave)  # (B, T, h, hd)
+    if ctx.kv is not None:  # as the cache stores them; vLLM's FlashAttention reads prefill's keys back too
+        k, v = ctx.kv.gqa(layer, w, k, v)
     cache = ctx.caches[layer] if ctx.caches is not None else None
     if cache is not None:
         k = cache.key = _append(cache.key, k)  # (B, S, nkv, hd)

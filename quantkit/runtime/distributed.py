@@ -297,7 +297,7 @@ def max_kv(g: Group, kv, layer: int) -> None:
     order-free, so the scale equals a single process's. A rank that had no micro-batch has none."""
     if not g.distributed:
         return
-    fields = ("latent", "k_rot", "query")
+    fields = kv.FIELDS
     seen = g.all_gather_object([getattr(kv, f).get(layer) for f in fields], f"layer {layer}: KV-cache maxima")
     for j, f in enumerate(fields):
         vals = [s[j] for s in seen if s[j] is not None]

@@ -1,10 +1,12 @@
-"""Embedded tiny models: `tiny:kimi-k2.6` and `tiny:glm-5.2`.
+"""Embedded tiny models: `tiny:kimi-k2.6`, `tiny:glm-5.2` and `tiny:qwen3-moe`.
 
 Each is a few-million-parameter model of its family, in the family's real published on-disk
 format (Kimi: `kimi_k25` config with `text_config`, `language_model.` prefix, INT4 group-32
 routed experts in compressed-tensors pack-quantized, BF16 vision stubs, six-digit shard names;
-GLM: native FP8 128x128 block weights, IndexShare, an MTP layer, five-digit shard names), with a
-word-level tokenizer and a chat template.
+GLM: native FP8 128x128 block weights, IndexShare, an MTP layer, five-digit shard names;
+Qwen3-MoE: BF16, GQA with q/k norms, a softmax router, no shared expert), with a word-level
+tokenizer and a chat template. The tensors a layer holds come from the family's definition
+(quantkit.model.family: attention projections, norms and shapes, router bias, shared experts).
 
 The weights are not random: each model is briefly trained, with quantkit's own reference forward,
 on a generated corpus (a small grammar with agreement, arithmetic and key-value recall), so that
@@ -64,9 +66,24 @@ GLM = dict(
     index_skip_topk_offset=1, num_nextn_predict_layers=1, head_dim=32,
 )
 
+# Qwen3-30B-A3B's layout at test scale: GQA (4 query heads on 2 key/value heads, head_dim 64 so
+# that q_proj is wider than hidden as in the real model), 16 experts, 4 active, every layer MoE.
+QWEN3 = dict(
+    model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=512, hidden_size=128,
+    intermediate_size=384, moe_intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=64, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
+    decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=4096,
+    hidden_act="silu", attention_bias=False, attention_dropout=0.0, router_aux_loss_coef=0.001,
+    output_router_logits=False, use_sliding_window=False, sliding_window=None, initializer_range=0.02,
+    bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False, torch_dtype="bfloat16",
+)
+
 INT4_GROUP = 32
-TINY_NAMES = ("kimi-k2.6", "glm-5.2")
+TINY_NAMES = ("kimi-k2.6", "glm-5.2", "qwen3-moe")
 STEPS, BATCH, SEQ, LR = 100, 8, 48, 3e-3
+# Training steps per tiny model where not STEPS: Qwen3-MoE is the cheap one (a test-time addition;
+# enough steps that the model predicts the corpus and quantization error shows in KL and top-1).
+TINY_STEPS = {"qwen3-moe": 40}
 
 
 def tiny_config(name: str) -> dict:
@@ -83,6 +100,8 @@ def tiny_config(name: str) -> dict:
         }
     if name == "glm-5.2":
         return copy.deepcopy(GLM)
+    if name == "qwen3-moe":
+        return copy.deepcopy(QWEN3)
     raise KeyError(name)
 
 
@@ -170,8 +189,11 @@ def batches(n: int, seq: int, seed: int) -> torch.Tensor:
 
 # ---- weights -----------------------------------------------------------------------------------
 def init_weights(arch: ModelArch, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """Random fp32 weights with the checkpoint's tensor names (every layer, MTP included)."""
+    """Random fp32 weights with the checkpoint's tensor names (every layer, MTP included); the
+    attention's and the router's tensors are the family definition's."""
     a, std = arch, 0.02
+    fam = a.definition
+    attn_shapes = fam.attention_shapes(a)
     H = a.hidden_size
     t: dict[str, torch.Tensor] = {}
 
@@ -188,13 +210,10 @@ def init_weights(arch: ModelArch, gen: torch.Generator) -> dict[str, torch.Tenso
         p = a.layer_prefix(L)
         ones(p + "input_layernorm.weight", H)
         ones(p + "post_attention_layernorm.weight", H)
-        lin(p + "self_attn.q_a_proj.weight", a.q_lora_rank, H)
-        ones(p + "self_attn.q_a_layernorm.weight", a.q_lora_rank)
-        lin(p + "self_attn.q_b_proj.weight", a.num_attention_heads * a.qk_head_dim, a.q_lora_rank)
-        lin(p + "self_attn.kv_a_proj_with_mqa.weight", a.kv_lora_rank + a.qk_rope_head_dim, H)
-        ones(p + "self_attn.kv_a_layernorm.weight", a.kv_lora_rank)
-        lin(p + "self_attn.kv_b_proj.weight", a.num_attention_heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank)
-        lin(p + "self_attn.o_proj.weight", H, a.num_attention_heads * a.v_head_dim)
+        for proj in fam.attention_projections:  # drawn in layer order (the same bytes as before definitions)
+            lin(f"{p}self_attn.{proj}.weight", *attn_shapes[proj])
+        for norm, size in fam.attention_norms:
+            ones(f"{p}self_attn.{norm}.weight", getattr(a, size))
         if a.has_dsa and (L >= a.num_hidden_layers or a.indexer_layers[L]):
             lin(p + "self_attn.indexer.wq_b.weight", a.index_n_heads * a.index_head_dim, a.q_lora_rank, 5)
             lin(p + "self_attn.indexer.wk.weight", a.index_head_dim, H, 5)
@@ -203,11 +222,13 @@ def init_weights(arch: ModelArch, gen: torch.Generator) -> dict[str, torch.Tenso
             lin(p + "self_attn.indexer.weights_proj.weight", a.index_n_heads, H, 5)
         if a.is_moe(L):
             lin(p + "mlp.gate.weight", a.n_routed_experts, H)
-            t[p + "mlp.gate.e_score_correction_bias"] = torch.randn(a.n_routed_experts, generator=gen) * 0.01
+            if fam.router_bias:
+                t[p + "mlp.gate.e_score_correction_bias"] = torch.randn(a.n_routed_experts, generator=gen) * 0.01
             for e in range(a.n_routed_experts):
                 for proj, (o, i) in _mlp_shapes(a.moe_intermediate_size, H).items():
                     lin(f"{p}mlp.experts.{e}.{proj}.weight", o, i)
-            for proj, (o, i) in _mlp_shapes(a.moe_intermediate_size * a.n_shared_experts, H).items():
+            for proj, (o, i) in (_mlp_shapes(a.moe_intermediate_size * a.n_shared_experts, H).items()
+                                 if a.n_shared_experts else ()):
                 lin(f"{p}mlp.shared_experts.{proj}.weight", o, i)
         else:
             for proj, (o, i) in _mlp_shapes(a.intermediate_size, H).items():
@@ -253,7 +274,8 @@ def train(arch: ModelArch, seed: int = 0, steps: int = STEPS) -> dict[str, torch
     """Briefly train every decoder layer (the MTP layer stays at its init) with AdamW.
 
     Expert load is balanced the DeepSeek-V3 way, without an auxiliary loss: after every step each
-    MoE layer's correction bias moves by a small fixed amount towards under-used experts.
+    MoE layer's correction bias moves by a small fixed amount towards under-used experts (a family
+    whose router has no bias, Qwen3-MoE, is trained unbalanced: a few steps do not collapse it).
     """
     gen = torch.Generator().manual_seed(seed)
     t = init_weights(arch, gen)
@@ -268,7 +290,8 @@ def train(arch: ModelArch, seed: int = 0, steps: int = STEPS) -> dict[str, torch
             opt.zero_grad()
             loss.backward()
             opt.step()
-            _balance(t, arch, batch[:, :-1])
+            if arch.definition.router_bias:
+                _balance(t, arch, batch[:, :-1])
     return {k: v.detach() for k, v in t.items()}
 
 
@@ -389,6 +412,15 @@ def save_glm(t: dict[str, torch.Tensor], arch: ModelArch, config: dict, out: Pat
     _save(t, arch, config, out, digits=5, store=store)
 
 
+def save_bf16(t: dict[str, torch.Tensor], arch: ModelArch, config: dict, out: Path) -> None:
+    """A BF16 release (Qwen3-30B-A3B's layout): every tensor BF16, five-digit shard names."""
+    _save(t, arch, config, out, digits=5, store=lambda name, x: {name: x.to(torch.bfloat16)})
+
+
+# each tiny model's on-disk format
+SAVERS = {"kimi-k2.6": save_kimi, "glm-5.2": save_glm, "qwen3-moe": save_bf16}
+
+
 def tokenizer_files() -> dict[str, str]:
     import tempfile
 
@@ -407,12 +439,12 @@ def tiny_seed() -> int:
     return int(os.environ.get("QUANTKIT_TINY_SEED", "0"))
 
 
-def build(name: str, out: Path, *, steps: int = STEPS, seed: int | None = None) -> Path:
+def build(name: str, out: Path, *, steps: int | None = None, seed: int | None = None) -> Path:
     """Generate tiny model `name` into folder `out` (which must not exist)."""
     config = tiny_config(name)
     arch = arch_from_config(config)
-    t = train(arch, seed=tiny_seed() if seed is None else seed, steps=steps)
-    (save_kimi if name == "kimi-k2.6" else save_glm)(t, arch, config, Path(out))
+    t = train(arch, seed=tiny_seed() if seed is None else seed, steps=TINY_STEPS.get(name, STEPS) if steps is None else steps)
+    SAVERS[name](t, arch, config, Path(out))
     return Path(out)
 
 
@@ -424,7 +456,8 @@ def tiny_path(name: str) -> Path:
         raise ConfigError(f"unknown tiny model {name!r}; choose one of: " + ", ".join(f"tiny:{n}" for n in TINY_NAMES))
     # Keyed by this file's source too, so any change to how tiny models are made rebuilds them.
     seed = tiny_seed()
-    key = hashlib.sha256(json.dumps([TINY_VERSION, name, tiny_config(name), STEPS, BATCH, SEQ, LR, seed]).encode()
+    key = hashlib.sha256(json.dumps([TINY_VERSION, name, tiny_config(name), TINY_STEPS.get(name, STEPS), BATCH, SEQ, LR,
+                                     seed]).encode()
                          + Path(__file__).read_bytes()).hexdigest()[:12]
     folder = cache_dir() / "tiny" / (f"{name}-{key}" if seed == 0 else f"{name}-seed{seed}-{key}")
     return cached_build(folder, lambda tmp: build(name, tmp))

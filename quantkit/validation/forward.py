@@ -37,7 +37,7 @@ class Stream:
 
 def fork(caches: list[LayerCache]) -> list[LayerCache]:
     """Caches that continue from the same prefix independently (appends make new tensors)."""
-    return [LayerCache(c.latent, c.k_rot, c.index_k) for c in caches]
+    return [c.copy() for c in caches]
 
 
 def new_caches(ckpt: Checkpoint) -> list[LayerCache]:

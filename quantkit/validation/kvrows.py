@@ -21,9 +21,9 @@ def kv_variants(kv_cache_dtype: str, ckpts: dict[str, Checkpoint], pair: bool, g
         return {}, {"dtype": "bf16"}
     scales = checkpoint_scales(ckpts["decode"]) if pair else {}
     info = {"dtype": kv_cache_dtype, "calibrated": bool(scales), "scales": scales,
-            "note": "KV rows: the decode steps of the INT4-only and cross-phase paths with the latent/rope cache "
-                    "(and GLM's index keys) stored as the engines store them; `kv_delta` is the KL they add over "
-                    "the same path with a BF16 cache. "
+            "note": "KV rows: the decode steps of the INT4-only and cross-phase paths with the KV cache (MLA's "
+                    "latent and rope key, GLM's index keys, GQA's keys and values) stored as the engines store "
+                    "them; `kv_delta` is the KL they add over the same path with a BF16 cache. "
                     + ("scale 1.0 is what the engines run without scales (and what an SGLang MLA pool that casts without one runs)" if kv_cache_dtype == "fp8_e4m3" else
                        "fp8_ds_mla is vLLM's layout for DSA models; it ignores k_scale")
                     + ("; for this DSA model vLLM stores fp8_ds_mla instead (--kv-cache-dtype fp8_ds_mla)."

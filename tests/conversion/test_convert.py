@@ -274,3 +274,115 @@ def test_decode_checkpoint_runs_through_reference_incremental_path(pairs):
     first = run(ck, IDS[:, :8], caches=caches)
     rest = [run(ck, IDS[:, t:t + 1], caches=caches) for t in range(8, IDS.shape[1])]
     torch.testing.assert_close(torch.cat([first, *rest], 1), full, rtol=1e-4, atol=1e-4)
+
+
+# ---- Qwen3-MoE (GQA with q/k norms, softmax router, no shared expert), end to end ----------------
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory, tiny_qwen3):
+    """tiny:qwen3-moe converted with its recipe (GPTQ experts, FP8 prefill + INT4 decode), then
+    validated with the KV cache stored in FP8 (every bf16 row plus the FP8-KV rows)."""
+    from quantkit.validation.pipeline import validate
+
+    res = convert("tiny:qwen3-moe", tmp_path_factory.mktemp("qwen3") / "out", validate=False, progress=False)
+    return res, validate(res.out, kv_cache_dtype="fp8_e4m3", progress=False)
+
+
+@pytest.mark.parametrize("which", ["prefill", "decode"])
+def test_qwen3_outputs_load_in_transformers_and_match(qwen3, which):
+    """Qwen3MoeForCausalLM loads both outputs (transformers' own FP8 block dequantization: every
+    projection is a multiple of 128 rows here) and computes quantkit's logits."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    folder = getattr(qwen3[0], which)
+    kw = {"quantization_config": CompressedTensorsConfig(dequantize=True)} if which == "decode" else {}
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw)
+    model = _without_activation_quant(model) if which == "decode" else model.float()
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    with torch.no_grad():
+        theirs = model(IDS).logits
+    assert _rel(logits(folder, IDS), theirs) < 1e-4
+
+
+def test_qwen3_pair_precisions_kv_scales_and_validation(qwen3):
+    res, val = qwen3
+    r = res.report
+    assert r["experts_summary"]["total"] == 3 * 16 and r["outputs"]["decode"]["bytes"] < r["outputs"]["prefill"]["bytes"]
+    pre, dec = read_raw(res.prefill), read_raw(res.decode)
+    assert pre["model.layers.1.self_attn.k_proj.weight"].dtype == torch.float8_e4m3fn
+    assert "model.layers.1.mlp.experts.5.down_proj.weight_packed" in dec and not any("shared_experts" in k for k in dec)
+    # GQA: a k_scale and a v_scale per layer, apart (keys and values have their own maxima), both outputs alike
+    for layer, got in r["kv_cache"]["layers"].items():
+        p = f"model.layers.{layer}.self_attn."
+        assert got["k_scale"] != got["v_scale"]
+        for out in (pre, dec):
+            stored = (float(out[p + "k_scale"]), float(out[p + "v_scale"]))  # float32 of the report's values
+            assert stored == pytest.approx((got["k_scale"], got["v_scale"]), rel=1e-7)
+    assert val.passed and val.data["kv_cache"]["calibrated"]
+    assert {"decode_kv", "cross_phase_kv"} <= set(val.data["rows"])
+
+
+def test_qwen3_plan_reads_the_output(qwen3):
+    """plan on the decode folder: GQA's KV bytes (2 x 2 heads x 64 x 3 layers x 2 bytes) and the INT4 experts' size."""
+    from quantkit.planner.capacity import plan
+
+    p = plan(qwen3[0].decode, gpus=1, gpu="h100")
+    assert {d: v["per_token"] for d, v in p.kv_bytes_per_layer.items()} == {"bf16": 1536, "fp8": 768}
+
+
+def test_qwen3_fp8_source_reads(tiny_qwen3, tmp_path):
+    """Qwen's fine-grained FP8 release layout (e4m3 + float32 weight_scale_inv per 128x128 block, norms,
+    router and head BF16: Qwen3-30B-A3B-FP8) is the one GLM-5.2-FP8 ships, and the same reader takes it:
+    its logits are the BF16 source's within FP8's rounding, and transformers agrees on the same file."""
+    from quantkit.model.arch import load_arch
+    from quantkit.synthetic.tiny import save_glm
+
+    src = read_raw(tiny_qwen3)
+    cfg = json.loads((tiny_qwen3 / "config.json").read_text())
+    body = {k: v.float() for k, v in src.items() if not k.startswith(("model.embed", "model.norm", "lm_head"))}
+    save_glm(src | body, load_arch(tiny_qwen3), cfg, tmp_path / "fp8")  # GLM-5.2-FP8's = Qwen3-FP8's layout
+    ck = Checkpoint(tmp_path / "fp8")
+    assert ck.tensors["model.layers.0.mlp.experts.3.up_proj.weight"].dtype == "F8_E4M3"
+    assert _rel(logits(tmp_path / "fp8", IDS), logits(tiny_qwen3, IDS)) < 0.05
+    model = transformers_model(tmp_path / "fp8", tmp_path / "oracle")
+    with torch.no_grad():
+        assert _rel(logits(tmp_path / "fp8", IDS), model(IDS).logits) < 1e-4
+
+
+def test_new_family_of_existing_layer_kinds_needs_only_its_definition(qwen3, tiny_qwen3, tmp_path):
+    """A family quantkit has never seen, made only of layer kinds it runs (Qwen3-MoE's, under another
+    model_type and other tensor names: the decoder under `backbone.`, the head `output.weight`), is one
+    Family registered at run time and nothing else: inspect reads it and convert makes the same bytes
+    as for Qwen3-MoE, tensor for tensor under the new names."""
+    from dataclasses import replace
+
+    from quantkit.checkpoint.shards import CheckpointWriter
+    from quantkit.model.families import QWEN3_MOE, REGISTRY, register
+    from quantkit.planner.inspection import inspect
+    from quantkit.synthetic.tiny import tokenizer_files
+
+    fam = replace(QWEN3_MOE, model_type="tiny_moe", name="tiny_moe", description="a test family",
+                  prefix="backbone.", head_name="output.weight", recipe=None, presets=())
+    rename = {"model.": fam.prefix, "lm_head.weight": fam.head_name}
+
+    def renamed(name: str) -> str:
+        return next((new + name[len(old):] for old, new in rename.items() if name.startswith(old)), name)
+
+    register(fam)
+    try:
+        cfg = json.loads((tiny_qwen3 / "config.json").read_text()) | {"model_type": "tiny_moe"}
+        w = CheckpointWriter(tmp_path / "src", digits=5)
+        for name, t in read_raw(tiny_qwen3).items():
+            w.add(renamed(name), t)
+        w.finish(cfg, extra=tokenizer_files())
+        got = inspect(tmp_path / "src")
+        assert (got.model_type, got.layers, got.routed_experts) == ("tiny_moe", 3, 16)
+        res = convert(tmp_path / "src", tmp_path / "out", recipe="tiny-qwen3-moe", validate=False, progress=False)
+    finally:
+        REGISTRY.pop("tiny_moe")
+    for which in ("prefill", "decode"):
+        ours, theirs = read_raw(getattr(res, which)), read_raw(getattr(qwen3[0], which))
+        assert set(ours) == {renamed(k) for k in theirs}
+        for k, v in theirs.items():
+            assert torch.equal(ours[renamed(k)].view(torch.uint8), v.view(torch.uint8)), k

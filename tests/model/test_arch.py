@@ -13,7 +13,7 @@ from quantkit.model.arch import arch_from_config, load_arch, load_preset, preset
 
 
 def test_preset_names():
-    assert preset_names() == ["deepseek-v3", "glm-5.2", "kimi-k2.6"]
+    assert preset_names() == ["deepseek-v3", "glm-5.2", "kimi-k2.6", "qwen3-30b-a3b"]
     with pytest.raises(ConfigError, match="unknown preset 'llama'"):
         load_preset("llama")
 
@@ -32,6 +32,18 @@ def test_kimi_k26_preset():
     # the text model's quantization_config (inside text_config) is the one found
     qc = a.quantization_config
     assert qc["quant_method"] == "compressed-tensors" and qc["config_groups"]["group_0"]["weights"]["group_size"] == 32
+
+
+def test_qwen3_30b_a3b_preset():
+    """Qwen/Qwen3-30B-A3B's config.json: GQA 32 query / 4 key-value heads of 128, 128 experts, 8 active,
+    every layer MoE; the family's config view maps num_experts and adds no shared expert."""
+    a = arch_from_config(load_preset("qwen3-30b-a3b"))
+    assert (a.model_type, a.family, a.prefix, a.head_name) == ("qwen3_moe", "qwen3_moe", "model.", "lm_head.weight")
+    assert (a.hidden_size, a.num_hidden_layers, a.vocab_size) == (2048, 48, 151936)
+    assert (a.n_routed_experts, a.num_experts_per_tok, a.moe_intermediate_size, a.n_shared_experts) == (128, 8, 768, 0)
+    assert (a.num_attention_heads, a.num_key_value_heads, a.head_dim) == (32, 4, 128)
+    assert all(a.moe_layers) and a.num_mtp_layers == 0 and not a.has_dsa and a.norm_topk_prob
+    assert a.rope == {"rope_theta": 1e6, "rope_type": "default"} and not a.rope_interleave
 
 
 def test_glm_52_preset_indexshare():

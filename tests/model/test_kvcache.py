@@ -11,7 +11,17 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from quantkit.model.kvcache import E4M3_MAX, SCALE_NAMES, KVCache, ds_mla, indexer_keys, per_tensor, to_e4m3, ue8m0
+from quantkit.model.kvcache import (
+    E4M3_MAX,
+    SCALE_NAMES,
+    KVAbsmax,
+    KVCache,
+    ds_mla,
+    indexer_keys,
+    per_tensor,
+    to_e4m3,
+    ue8m0,
+)
 from quantkit.model.reference import Context, LayerCache, mla_attention
 from quantkit.planner.render import capacity_beside_delta
 
@@ -75,6 +85,26 @@ def test_per_tensor_cache_is_bit_exact():
     for scale in (1.0, 0.021):
         got = per_tensor(x, scale).numpy()
         assert np.array_equal(got.view(np.uint32), ref_roundtrip(x.numpy(), np.float32(scale)).view(np.uint32))
+
+
+def test_gqa_cache_scales_keys_and_values_apart():
+    """GQA (Qwen3-MoE): keys with k_scale and values with v_scale, each per tensor (vLLM's
+    reshape_and_cache_flash); calibration measures the two maxima apart and writes a scale each."""
+    k, v = cache_like((2, 5, 2, 64), seed=2) * 3, cache_like((2, 5, 2, 64), seed=3)
+    w = {SCALE_NAMES[0]: torch.tensor([0.02]), SCALE_NAMES[1]: torch.tensor([0.005])}
+    gk, gv = KVCache("fp8_e4m3").gqa(0, w, k, v)
+    for got, x, s in ((gk, k, 0.02), (gv, v, 0.005)):
+        assert np.array_equal(got.numpy().view(np.uint32), ref_roundtrip(x.numpy(), np.float32(s)).view(np.uint32))
+    bk, bv = KVCache("bf16").gqa(0, w, k, v)
+    assert bk is k and bv is v
+    with pytest.raises(ValueError, match="fp8_ds_mla is vLLM's MLA"):
+        KVCache("fp8_ds_mla").gqa(0, w, k, v)
+    cal = KVAbsmax()
+    cal.gqa(3, {}, k, v)
+    ks, vs = cal.layer_scales()[3]
+    assert (ks, vs) == (float(k.abs().max()) / E4M3_MAX, float(v.abs().max()) / E4M3_MAX) and ks != vs
+    assert cal.layer_report(3) == {"key_absmax": float(k.abs().max()), "value_absmax": float(v.abs().max()),
+                                   "k_scale": ks, "v_scale": vs}
 
 
 def test_ds_mla_tiles_are_bit_exact():

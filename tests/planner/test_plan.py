@@ -99,6 +99,20 @@ def test_small_gpu_does_not_fit():
     assert not p.checkpoints["source"].fits and p.checkpoints["decode"].fits
 
 
+def test_qwen3_gqa_kv_cache_and_heads_split_over_tp():
+    """GQA caches 2 * num_key_value_heads * head_dim values a layer (Qwen3-30B-A3B: 2 * 4 * 128 * 48
+    layers = 98,304 BF16 bytes a token), the key/value heads split over the TP ranks, at most one
+    head a rank (vLLM replicates heads when tp > num_key_value_heads); the model has 30.5B parameters."""
+    one = plan("qwen3-30b-a3b", gpus=1, gpu="h100")
+    assert one.params_total == pytest.approx(30.5e9, rel=0.005)
+    assert {d: v["per_token"] for d, v in one.kv_bytes_per_layer.items()} == {"bf16": 98_304, "fp8": 49_152}
+    for tp, ways in ((2, 2), (8, 4)):
+        p = plan("qwen3-30b-a3b", gpus=tp, gpu="h100")
+        src = p.checkpoints["source"]
+        room_tokens = src.kv["bf16"].kv_gib_per_gpu * GiB / (98_304 / ways)  # the room is rounded to 1e-3 GiB
+        assert src.kv["bf16"].tokens == pytest.approx(room_tokens, rel=1e-3)
+
+
 # ----------------------------------------------------------------------------- inputs
 
 
@@ -116,7 +130,7 @@ def test_config_dict_works(kimi):
 
 
 def test_bad_inputs_raise_config_error(tmp_path):
-    with pytest.raises(ConfigError, match="unknown preset 'glm-9'.*known presets: deepseek-v3, glm-5.2, kimi-k2.6"):
+    with pytest.raises(ConfigError, match="unknown preset 'glm-9'.*known presets: deepseek-v3, glm-5.2, kimi-k2.6, qwen3-30b-a3b"):
         plan("glm-9")
     with pytest.raises(ConfigError, match="config.json: not found"):
         plan(tmp_path)

@@ -38,10 +38,10 @@ def engines_available():
 
 
 @pytest.fixture(scope="module")
-def outputs(tmp_path_factory, tiny_glm, tiny_kimi):
+def outputs(tmp_path_factory, tiny_glm, tiny_kimi, tiny_qwen3):
     root = tmp_path_factory.mktemp("serving")
     return {name: convert(spec, root / name, method="rtn", validate=False, progress=False)
-            for name, spec in (("glm", "tiny:glm-5.2"), ("kimi", "tiny:kimi-k2.6"))}
+            for name, spec in (("glm", "tiny:glm-5.2"), ("kimi", "tiny:kimi-k2.6"), ("qwen3", "tiny:qwen3-moe"))}
 
 
 @pytest.fixture(scope="module")
@@ -88,12 +88,22 @@ def reports(outputs, variants, engines_available):
     return {k: {e.engine: e for e in r.engines} for k, r in zip(folders, got)}
 
 
+def test_qwen3_attention_is_one_fused_qkv_module(reports):
+    """Qwen3-MoE's q, k and v load as the engines' one QKVParallelLinear (the family definition's
+    engine_attention), o_proj on its own; no shared expert."""
+    for engine in ENGINES:
+        rows = reports["qwen3/decode"][engine].rows
+        attn = {r.module.rsplit(".", 1)[-1] for r in rows if ".layers.0.self_attn." in r.module}
+        assert attn == {"qkv_proj", "o_proj"} and not any("shared_experts" in r.module for r in rows)
+
+
 def _rows(rep, stored=None):
     return [r for r in rep.rows if stored is None or r.stored == stored]
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("folder", ["glm/prefill", "glm/decode", "kimi/prefill", "kimi/decode"])
+@pytest.mark.parametrize("folder", ["glm/prefill", "glm/decode", "kimi/prefill", "kimi/decode", "qwen3/prefill",
+                                    "qwen3/decode"])
 def test_engine_loads_every_module(reports, folder, engine):
     rep = reports[folder][engine]
     assert rep.source == "engine code" and rep.version

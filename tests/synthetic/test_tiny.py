@@ -20,7 +20,7 @@ def files(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
 
-@pytest.mark.parametrize("name", ["kimi-k2.6", "glm-5.2"])
+@pytest.mark.parametrize("name", ["kimi-k2.6", "glm-5.2", "qwen3-moe"])
 def test_build_is_deterministic(tmp_path, name):
     a = build(name, tmp_path / "a", steps=2)
     b = build(name, tmp_path / "b", steps=2)

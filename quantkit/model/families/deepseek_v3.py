@@ -44,25 +44,17 @@ DEEPSEEK_V3 = Family(
     model_type="deepseek_v3",
     name="deepseek_v3",
     description="DeepSeek-V3/R1 (and BF16 Kimi K2 variants saved as deepseek_v3)",
-    text_config=None,
-    prefix="model.",
-    head_name="lm_head.weight",
-    vision=False,
     attention="mla",
     router="sigmoid_group_topk",
     router_bias=True,
-    indexer=False,
-    forced_rope_interleave=None,  # transformers' DeepSeek-V3 defaults to interleaved (the config says)
+    # forced_rope_interleave None: transformers' DeepSeek-V3 defaults to interleaved (the config says)
     attention_projections=MLA_PROJECTIONS,
     attention_norms=MLA_NORMS,
-    indexer_projections=(),
     attention_shapes=mla_shapes,
     replicated=("q_a_proj", "kv_a_proj_with_mqa"),  # the low-rank down projections (SGLang's ReplicatedLinear)
     engine_attention=MLA_ENGINE,
-    always_bf16=(),
-    prefill_bf16_projections=(),  # DeepSeek's own FP8 release stores q_a and kv_a in FP8
+    # prefill_bf16_projections (): DeepSeek's own FP8 release stores q_a and kv_a in FP8
     mtp_embed_copies=True,  # DeepSeek's published MTP layer carries its own embedding and head
-    trust_remote_code=False,
     recipe="deepseek-v3",
     presets=("deepseek-v3",),
 )

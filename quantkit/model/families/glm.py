@@ -30,10 +30,6 @@ GLM_MOE_DSA = Family(
     model_type="glm_moe_dsa",
     name="glm",
     description="GLM-5 / 5.1 / 5.2 (MLA with DeepSeek Sparse Attention)",
-    text_config=None,
-    prefix="model.",
-    head_name="lm_head.weight",
-    vision=False,
     attention="mla",
     router="sigmoid_group_topk",
     router_bias=True,
@@ -49,10 +45,7 @@ GLM_MOE_DSA = Family(
         EngineModule(("sglang", "vllm"), "indexer.wq_b", "ReplicatedLinear", ("indexer.wq_b",)),
         EngineModule(("sglang",), "indexer.wk", "ReplicatedLinear", ("indexer.wk",)),
     ),
-    prefill_bf16_projections=(),
     always_bf16=("weights_proj",),  # the indexer's head weights: BF16 in GLM-5.2-FP8 and in the engines
-    mtp_embed_copies=False,
-    trust_remote_code=False,
     recipe="glm-5.2",
     presets=("glm-5.2",),
 )

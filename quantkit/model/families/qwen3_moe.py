@@ -6,9 +6,10 @@ chosen by a softmax top-k (`norm_topk_prob` renormalises the chosen weights), no
 no router bias. Which layers are MoE: every `decoder_sparse_step`-th one not listed in
 `mlp_only_layers`. No MTP layer, no indexer.
 
-Not yet here: a preset, a recipe, a tiny model and the GQA KV cache in the planner and the FP8 KV
-simulation (quantkit.model.kvcache is MLA's); the reference forward, inspect and the tensor
-inventory work.
+Sources: Qwen's BF16 releases (Qwen3-30B-A3B, preset `qwen3-30b-a3b`) and its fine-grained FP8
+ones (Qwen3-30B-A3B-FP8: e4m3 with a float32 `weight_scale_inv` per 128x128 block, norms, router
+and head BF16), the layout GLM-5.2-FP8 and DeepSeek-V3 ship, which the checkpoint reader reads.
+The embedded `tiny:qwen3-moe` (quantkit.synthetic.tiny) is its test model.
 """
 
 from __future__ import annotations
@@ -47,29 +48,18 @@ QWEN3_MOE = Family(
     model_type="qwen3_moe",
     name="qwen3_moe",
     description="Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): GQA with q/k norms, softmax router",
-    text_config=None,
-    prefix="model.",
-    head_name="lm_head.weight",
-    vision=False,
     attention="gqa",
     router="softmax_topk",
-    router_bias=False,
-    indexer=False,
     forced_rope_interleave=False,
     attention_projections=GQA_PROJECTIONS,
     attention_norms=(("q_norm", "head_dim"), ("k_norm", "head_dim")),
-    indexer_projections=(),
     attention_shapes=gqa_shapes,
-    replicated=(),
     # vLLM's and SGLang's qwen3_moe.py: q, k and v are one QKVParallelLinear
     engine_attention=(
         EngineModule(("sglang", "vllm"), "qkv_proj", "QKVParallelLinear", ("q_proj", "k_proj", "v_proj")),
         EngineModule(("sglang", "vllm"), "o_proj", "RowParallelLinear", ("o_proj",)),
     ),
-    prefill_bf16_projections=(),
-    always_bf16=(),
-    mtp_embed_copies=False,
-    trust_remote_code=False,
-    recipe=None,
+    recipe="qwen3-moe",
+    presets=("qwen3-30b-a3b",),
     config_view=qwen3_fields,
 )
