@@ -549,11 +549,34 @@ def _validate_estimate(arch, m: _Memory, r: _Rates, validate, *, device: str, gp
     seconds = (three + (passes - 1) * again) / r.disk + vflops / r.flops
     seconds += x.calibrated_moe_layers * exchange * (nproc - 1) / nproc / r.link
     notes = []
+    long_s = _long_context_seconds(arch, x, validate, again, r, notes)
+    seconds += long_s
     if validate.gen_tokens and again:
         notes.append(f"validate: {kept / GB:.0f} of a rank's {share / GB:.0f} GB share kept in memory, so each "
                      f"greedy token re-reads {again / GB:.0f} GB from disk ({validate.gen_tokens} tokens); more "
                      f"ranks or a larger budget keep it all (docs/distributed.md)")
     return seconds, share, kept, notes
+
+
+def _long_context_seconds(arch, x, validate, again: int, r: _Rates, notes: list[str]) -> float:
+    """validate's long-context pass for a DSA model (quantkit.validation.longctx): one more prompt pass of
+    the three checkpoints over a few windows past index_topk, re-reading what the ranks do not keep;
+    0 for a model without an indexer."""
+    from quantkit.validation.longctx import LONG_SAMPLES, long_len
+
+    n = long_len(arch, None, "config.json")
+    if not n:
+        return 0.0
+    windows = min(validate.num_samples, LONG_SAMPLES)
+    tokens = windows * n
+    flops = tokens * 2 * (x.attn_params + 3 * x.topk * x.expert_width * x.hidden) * x.layers * 3
+    # the reference's scores are dense: per layer (windows, heads, n, n) float32 for attention and the indexer
+    scores = windows * (arch.num_attention_heads + arch.index_n_heads) * n * n * 4
+    seconds = again / r.disk + flops / r.flops
+    notes.append(f"validate: long-context rows (DSA): {windows} windows of {n} tokens past index_topk {arch.index_topk}, "
+                 f"one more pass, about {_hms(seconds)}; its dense attention and indexer scores take "
+                 f"{scores / GB:.1f} GB per layer (`validate --long-context N` sets the length)")
+    return seconds
 
 
 # ---- the estimate

@@ -216,6 +216,7 @@ def _guard_line(report: dict) -> str:
 
 
 def _measured(which: str, v: dict) -> list[str]:
+    from quantkit.validation.longctx import long_card
     from quantkit.validation.mtprow import mtp_card
 
     e = v["eval_data"]
@@ -243,6 +244,8 @@ def _measured(which: str, v: dict) -> list[str]:
                    f"| {_f(m.get('layer_rel_err'), '.3g')} | {_f(m.get('greedy_agree'), '.3f')} |")
     mtp_row, mtp_line = mtp_card(which, v)
     out += mtp_row + ([""] + mtp_line if mtp_line else [])
+    out += long_card(which, v)
+    shown.append(f"long_context_{which}")  # its gates (indexer_overlap_min) in the summary below
     by_gate: dict[str, list[dict]] = {}
     for g in v["gates"]:
         if g["row"] in shown and g["passed"] is not None:

@@ -4,7 +4,7 @@ against the rows.
 A gate is `<metric>_max` or `<metric>_min` (`kl_max: 0.05`), optionally scoped to one row
 (`cross_phase.greedy_agree_min`). An unscoped gate holds for every row that measures the metric; the
 FP8-KV rows answer only to `kv_delta` and to gates scoped to them, so simulating the cache never fails
-the weights' gates.
+the weights' gates; the long-context rows (quantkit.validation.longctx) likewise to `indexer_overlap`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from quantkit.errors import ConfigError
 
-__all__ = ["GATES_FAILED_EXIT", "KV_ROWS", "METRICS", "PAIR_ROWS", "STEP_ROWS", "check_gates", "load_gates", "resolve_gates"]
+__all__ = ["GATES_FAILED_EXIT", "KV_ROWS", "LONG_ROWS", "METRICS", "PAIR_ROWS", "STEP_ROWS", "check_gates", "load_gates", "resolve_gates"]
 
 # metric -> what it is; a gate is `<metric>_max` or `<metric>_min`, optionally `<row>.` in front
 METRICS = {
@@ -28,11 +28,15 @@ METRICS = {
     "greedy_agree": "mean fraction of the greedy continuation equal to the reference's (common prefix / K)",
     "greedy_exact": "fraction of prompts whose whole greedy continuation equals the reference's",
     "greedy_agree_decode": "cross-phase only: greedy_agree against INT4-only decoding instead of the reference",
+    "indexer_overlap": "long-context rows only (DSA models): mean over indexer layers of the fraction of the source "
+                       "indexer's top-k positions the checkpoint's indexer also selects, queries past index_topk",
     "kv_delta": "KV rows only: KL added by the FP8 KV cache over the same weights and steps with a BF16 cache, nats",
 }
 PAIR_ROWS = ("prefill", "decode", "cross_phase", "decode_kv", "cross_phase_kv")
 KV_ROWS = {"decode_kv": "decode", "cross_phase_kv": "cross_phase"}  # KV row -> the weights-only path it adds to
-STEP_ROWS = ("cross_phase", *KV_ROWS)  # rows measured on decode steps rather than the prompt pass
+LONG_ROWS = ("long_context_prefill", "long_context_decode", "long_context_model")  # quantkit.validation.longctx
+STEP_ROWS = ("cross_phase", *KV_ROWS)
+_OWN_METRIC = {r: "kv_delta" for r in KV_ROWS} | {r: "indexer_overlap" for r in LONG_ROWS}  # the one unscoped gate they answer to  # rows measured on decode steps rather than the prompt pass
 GATES_FAILED_EXIT = 3  # the CLI's exit code when a gate fails (1 is a usage/input error)
 
 
@@ -96,7 +100,7 @@ def _check_gate_names(gates: dict[str, float], where: str) -> None:
     known = [f"{m}_{b}" for m in METRICS for b in ("max", "min")]
     for name in gates:
         row, metric, bound = _split_gate(name)
-        if bound not in ("max", "min") or metric not in METRICS or (row is not None and row not in (*PAIR_ROWS, "model")):
+        if bound not in ("max", "min") or metric not in METRICS or (row is not None and row not in (*PAIR_ROWS, *LONG_ROWS, "model")):
             close = difflib.get_close_matches(name.rpartition(".")[2], known, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise ConfigError(f"{where}: unknown gate {name!r}; {hint}a gate is [row.]metric_max|_min with metric one of "
@@ -108,8 +112,9 @@ def check_gates(gates: dict[str, float], rows: dict[str, dict]) -> list[dict]:
     results = []
     for name, bound in gates.items():
         scope, metric, kind = _split_gate(name)
-        # unscoped gates bound the weights' rows; the FP8-KV rows answer to `kv_delta` and scoped gates
-        applies = [r for r in rows if (r == scope if scope else (r not in KV_ROWS or metric == "kv_delta"))
+        # unscoped gates bound the weights' rows; the FP8-KV rows answer to `kv_delta`, the long-context
+        # rows to `indexer_overlap`, and both to gates scoped to them
+        applies = [r for r in rows if (r == scope if scope else metric == _OWN_METRIC.get(r, metric))
                    and rows[r]["metrics"].get(metric) is not None]
         if not applies:
             results.append({"gate": name, "row": scope, "metric": metric, "bound": bound, "value": None, "passed": None,

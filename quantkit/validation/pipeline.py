@@ -59,6 +59,7 @@ from quantkit.model.reference import resolve_device
 from quantkit.runtime.progress import LayerProgress
 from quantkit.validation.gates import GATES_FAILED_EXIT, METRICS, check_gates, load_gates
 from quantkit.validation.kvrows import kv_variants
+from quantkit.validation.longctx import long_len
 from quantkit.validation.measure import cross_phase_logits, measure
 from quantkit.validation.report import ValidationResult, render_markdown, write_files
 from quantkit.validation.targets import Settings, Target, config_sha256, settings, target, target_notes
@@ -118,6 +119,7 @@ def validate(
     task_dir: str | Path | None = None,
     limit: int | None = None,
     num_fewshot: int | None = None,
+    long_context: int | None = None,
 ) -> ValidationResult:
     """Measure a converted pair (or one checkpoint) against its reference, layer by layer.
 
@@ -140,6 +142,8 @@ def validate(
             (quantkit.validation.weights.weights_plan).
         tasks, task_dir, limit, num_fewshot: lm-eval tasks to run on every checkpoint (local task YAMLs
             in `task_dir`), items per task and shots: scores, paired deltas, flips (quantkit.validation.tasks).
+        long_context: for a DSA model, the long windows' length (default 2 x index_topk, at most
+            max_position_embeddings; 0: none): the long-context rows (quantkit.validation.longctx).
 
     Under torchrun (`quantkit validate --nproc N`) each rank runs the attention half of every
     layer and the routed experts that convert's partition gives it, and receives the others'
@@ -168,6 +172,7 @@ def validate(
     if spec is not None and group.distributed:
         raise ConfigError("--tasks runs in one process; drop --nproc for the task run")
     notes = target_notes(inp.t, inp.tokens)
+    long_n = long_len(inp.ckpts["reference"].arch, long_context, inp.t.reference_path)  # a bad length fails here, not after
 
     arch = inp.ckpts["reference"].arch
     owners = expert_owners(arch, inp.t.report, group)
@@ -177,9 +182,10 @@ def validate(
     m = _measure(inp, dev, dtype, progress and group.leader, kv, kv_info, plan, group, owners)
     if spec is not None:
         m["tasks"] = run_tasks(spec, inp.ckpts, inp.t.reference_path, kv, dev, dtype, plan)
+    m["long_context"] = _long_context(inp, dev, dtype, plan, group, owners, long_n)
     ranks = _gather_and_close(inp, plan, group, joined)
 
-    gate_results = check_gates(inp.s.gates, m["rows"])
+    gate_results = check_gates(inp.s.gates, m["rows"] | (m["long_context"] or {}).get("rows", {}))
     data = _record(inp, dev, dtype, ranks, group, m, kv_info, gate_results, notes, t0)
     result = ValidationResult(inp.t.out, data, {})
     if write and group.leader:
@@ -221,6 +227,21 @@ def _measure(inp: _Inputs, dev: torch.device, dtype, progress: bool, kv: dict, k
             torch.no_grad():
         return measure(inp.ckpts, inp.tokens.ids.to(dev), inp.s.gen_tokens, inp.t.pair, dev, dtype, bar, kv,
                        kv_info.get("calibrated", False), plan["chunk"], group, owners)
+
+
+def _long_context(inp: _Inputs, dev: torch.device, dtype, plan: dict, group, owners, n: int) -> dict | None:
+    """The long-context rows (quantkit.validation.longctx) on `n`-token windows past the DSA indexer's
+    index_topk; None when `n` is 0 (no indexer, or --long-context 0)."""
+    from quantkit.inputs.tokens import load_tokens
+    from quantkit.validation.longctx import LONG_SAMPLES, long_context
+
+    if not n:
+        return None
+    tokens = load_tokens(inp.s.dataset, tokenizer=inp.t.reference_path, num_samples=min(inp.s.num_samples, LONG_SAMPLES),
+                         seq_len=n)
+    with torch.no_grad():
+        out = long_context(inp.ckpts, tokens.ids.to(dev), dev, dtype, plan["chunk"], group, owners)
+    return out | {"sha256": tokens.sha256}
 
 
 def _gather_and_close(inp: _Inputs, plan: dict, group, joined: bool) -> list[dict]:
@@ -265,6 +286,7 @@ def _record(inp: _Inputs, dev: torch.device, dtype, ranks: list[dict], group, m:
         "continuations": m["continuations"],
         "kv_cache": kv_info,
         "tasks": m.get("tasks"),
+        "long_context": m.get("long_context"),
         "gates_from": inp.s.gates_from,
         "gates": gate_results,
         "passed": all(g["passed"] is not False for g in gate_results),

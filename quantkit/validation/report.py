@@ -151,6 +151,9 @@ def render_markdown(d: dict) -> str:
 
     lines += mtp_markdown(d)
     lines += kv_markdown(d)
+    from quantkit.validation.longctx import long_markdown
+
+    lines += long_markdown(d)
     from quantkit.validation.tasks import tasks_markdown
 
     lines += tasks_markdown(d)

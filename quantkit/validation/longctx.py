@@ -1,0 +1,117 @@
+"""validate's long-context rows for DSA models: windows longer than the indexer's `index_topk`.
+
+Below `index_topk` visible tokens DeepSeek Sparse Attention selects every token, so it equals dense
+attention, and a broken or badly quantized lightning indexer changes no number measured on shorter
+windows (the real GLM recipe validates at 512 tokens, its `index_topk` is 2048). These rows run a few
+eval windows of `long_len` tokens (default 2 x index_topk, at most the model's max positions) through
+the source and every checkpoint, in lockstep with the same streaming forward as the prompt pass
+(quantkit.validation.forward.step, the reference's own indexer), and measure over the query positions
+that see more than `index_topk` tokens, the only ones where the indexer decides anything:
+
+    kl, top1           KL(source || checkpoint) and argmax agreement of the logits there
+    indexer_overlap    per indexer-owning layer, the mean fraction of the source indexer's top-k
+                       positions the checkpoint's indexer also selects; the row's value is the mean over
+                       layers, `indexer_overlap_layers` the curve, `indexer_overlap_worst` its minimum
+
+The rows live under validation.json's `long_context` (not `rows`: their per-layer curve is an
+overlap, not a hidden-state error) and answer to the gates like any row (`indexer_overlap_min`,
+`long_context_decode.kl_max`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantkit.checkpoint.shards import Checkpoint
+from quantkit.errors import ConfigError
+from quantkit.validation.forward import Stream, heads, step
+from quantkit.validation.metrics import kl_top1
+
+__all__ = ["LONG_SAMPLES", "long_card", "long_context", "long_len", "long_markdown"]
+
+LONG_SAMPLES = 2  # long windows measured (at most validate's num_samples): each costs long_len / seq_len short ones
+
+
+def long_len(arch, requested: int | None, folder) -> int:
+    """The long window's length: `requested` (0: no long-context rows), else 2 x index_topk bounded by
+    max_position_embeddings; 0 for a model without a DSA indexer."""
+    if not arch.has_dsa or requested == 0:
+        return 0
+    topk, max_pos = arch.index_topk, arch.max_position_embeddings
+    if requested is None:
+        n = min(2 * topk, max_pos)
+        return n if n > topk else 0
+    if not isinstance(requested, int) or requested < 0:
+        raise ConfigError(f"--long-context: must be an integer >= 0 (got {requested!r})")
+    if requested > max_pos:
+        raise ConfigError(f"--long-context {requested}: longer than max_position_embeddings {max_pos} in "
+                          f"{folder}/config.json; pass --long-context <= {max_pos} (or 0 to skip the long-context rows)")
+    if requested <= topk:
+        raise ConfigError(f"--long-context {requested}: not past index_topk {topk} in {folder}/config.json, where DSA "
+                          f"equals dense attention; pass --long-context > {topk} (default {min(2 * topk, max_pos)})")
+    return requested
+
+
+def long_context(ckpts: dict[str, Checkpoint], ids: torch.Tensor, device, dtype, chunk: int = 16, group=None,
+                 owners=None) -> dict:
+    """validation.json's `long_context`: one row per checkpoint over the (B, L) windows `ids`, each
+    measured against the reference on the positions past index_topk."""
+    arch = ckpts["reference"].arch
+    topk, models = arch.index_topk, [m for m in ckpts if m != "reference"]
+    streams = {m: Stream(m, m, None, ids=ids) for m in ckpts}
+    hits: dict[str, list[float]] = {m: [] for m in models}
+
+    def on_layer(layer, hs):
+        if not arch.indexer_layers[layer]:
+            return  # IndexShare: this layer reuses the last selection
+        ref = streams["reference"].ctx.topk[:, topk:]  # (B, T - topk, k): queries that see > topk tokens
+        chosen = torch.zeros(*ref.shape[:2], ids.shape[1], dtype=torch.bool, device=ref.device).scatter_(-1, ref, True)
+        for m in models:
+            hits[m].append(float(chosen.gather(-1, streams[m].ctx.topk[:, topk:]).float().mean()))
+
+    step(ckpts, list(streams.values()), device, dtype, on_layer, chunk=chunk, group=group, owners=owners)
+    (ref_logits,) = heads(ckpts["reference"], [streams["reference"].h], dtype)
+    rows = {}
+    for m in models:
+        (logits,) = heads(ckpts[m], [streams[m].h], dtype)
+        kl, agree, n = kl_top1(ref_logits[:, topk:], logits[:, topk:])
+        kl_in, _, n_in = kl_top1(ref_logits[:, :topk], logits[:, :topk])
+        rows[f"long_context_{m}"] = {
+            "metrics": {"kl": kl / n, "top1": agree / n, "indexer_overlap": sum(hits[m]) / len(hits[m])},
+            "indexer_overlap_layers": dict(zip([i for i, own in enumerate(arch.indexer_layers) if own], hits[m])),
+            "indexer_overlap_worst": min(hits[m]),
+            "kl_within_topk": kl_in / n_in,
+            "measured_on": f"{ids.shape[0]} x {ids.shape[1]} tokens, positions {topk}..{ids.shape[1] - 1} (past index_topk)",
+        }
+    return {"index_topk": topk, "num_samples": int(ids.shape[0]), "seq_len": int(ids.shape[1]), "rows": rows}
+
+
+def long_markdown(d: dict) -> list[str]:
+    """validation.md's long-context section (nothing for a model without a DSA indexer)."""
+    lc = d.get("long_context")
+    if not lc:
+        return []
+    lines = ["", f"## Long context (past the DSA window, index_topk {lc['index_topk']})", "",
+             f"{lc['num_samples']} eval windows of {lc['seq_len']} tokens; KL and top-1 over the positions that see more "
+             "than index_topk tokens (below it DSA selects every token and equals dense attention); indexer overlap: "
+             "the fraction of the source indexer's selected positions each checkpoint's indexer also selects.", "",
+             "| path | KL past index_topk | KL within | top-1 | indexer overlap (mean) | worst layer | per layer |",
+             "|---|---:|---:|---:|---:|---:|---|"]
+    for row, r in lc["rows"].items():
+        m = r["metrics"]
+        per = ", ".join(f"{i}: {v:.3f}" for i, v in r["indexer_overlap_layers"].items())
+        lines.append(f"| {row.removeprefix('long_context_')} | {m['kl']:.4g} | {r['kl_within_topk']:.4g} | {m['top1']:.4f} "
+                     f"| {m['indexer_overlap']:.4f} | {r['indexer_overlap_worst']:.4f} | {per} |")
+    return lines
+
+
+def long_card(which: str, d: dict) -> list[str]:
+    """The model card's long-context row for its 'Measured against the source' table (nothing without one)."""
+    lc = d.get("long_context") or {}
+    r = (lc.get("rows") or {}).get(f"long_context_{which}")
+    if r is None:
+        return []
+    m = r["metrics"]
+    return [f"| long context: {lc['num_samples']} x {lc['seq_len']} tokens, positions past the DSA window (index_topk "
+            f"{lc['index_topk']}); indexer overlap {m['indexer_overlap']:.3f} (worst layer {r['indexer_overlap_worst']:.3f}) "
+            f"| {m['kl']:.4g} | {m['top1']:.4f} | — | — | — |"]
