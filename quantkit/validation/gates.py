@@ -34,7 +34,7 @@ METRICS = {
 }
 PAIR_ROWS = ("prefill", "decode", "cross_phase", "decode_kv", "cross_phase_kv")
 KV_ROWS = {"decode_kv": "decode", "cross_phase_kv": "cross_phase"}  # KV row -> the weights-only path it adds to
-LONG_ROWS = ("long_context_prefill", "long_context_decode", "long_context_model")  # quantkit.validation.longctx
+LONG_ROWS = ("long_context_prefill", "long_context_decode", "long_context_decode_kv", "long_context_model")  # quantkit.validation.longctx
 STEP_ROWS = ("cross_phase", *KV_ROWS)
 _OWN_METRIC = {r: "kv_delta" for r in KV_ROWS} | {r: "indexer_overlap" for r in LONG_ROWS}  # the one unscoped gate they answer to  # rows measured on decode steps rather than the prompt pass
 GATES_FAILED_EXIT = 3  # the CLI's exit code when a gate fails (1 is a usage/input error)

@@ -53,12 +53,16 @@ def long_len(arch, requested: int | None, folder) -> int:
 
 
 def long_context(ckpts: dict[str, Checkpoint], ids: torch.Tensor, device, dtype, chunk: int = 16, group=None,
-                 owners=None) -> dict:
+                 owners=None, kv=None) -> dict:
     """validation.json's `long_context`: one row per checkpoint over the (B, L) windows `ids`, each
-    measured against the reference on the positions past index_topk."""
+    measured against the reference on the positions past index_topk. `kv` (quantkit.model.kvcache.KVCache,
+    a pair only) adds `long_context_decode_kv`: decode/ with its index keys scored as the FP8 cache stores
+    them (a prefill attends to its fresh latent, so in this pass the cache changes only the indexer's keys)."""
     arch = ckpts["reference"].arch
-    topk, models = arch.index_topk, [m for m in ckpts if m != "reference"]
     streams = {m: Stream(m, m, None, ids=ids) for m in ckpts}
+    if kv is not None and "decode" in ckpts:
+        streams["decode_kv"] = Stream("decode_kv", "decode", None, ids=ids, kv=kv)
+    topk, models = arch.index_topk, [m for m in streams if m != "reference"]
     hits: dict[str, list[float]] = {m: [] for m in models}
 
     def on_layer(layer, hs):
@@ -73,7 +77,7 @@ def long_context(ckpts: dict[str, Checkpoint], ids: torch.Tensor, device, dtype,
     (ref_logits,) = heads(ckpts["reference"], [streams["reference"].h], dtype)
     rows = {}
     for m in models:
-        (logits,) = heads(ckpts[m], [streams[m].h], dtype)
+        (logits,) = heads(ckpts[streams[m].model], [streams[m].h], dtype)
         kl, agree, n = kl_top1(ref_logits[:, topk:], logits[:, topk:])
         kl_in, _, n_in = kl_top1(ref_logits[:, :topk], logits[:, :topk])
         rows[f"long_context_{m}"] = {

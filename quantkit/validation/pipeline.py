@@ -182,7 +182,7 @@ def validate(
     m = _measure(inp, dev, dtype, progress and group.leader, kv, kv_info, plan, group, owners)
     if spec is not None:
         m["tasks"] = run_tasks(spec, inp.ckpts, inp.t.reference_path, kv, dev, dtype, plan)
-    m["long_context"] = _long_context(inp, dev, dtype, plan, group, owners, long_n)
+    m["long_context"] = _long_context(inp, dev, dtype, plan, group, owners, long_n, kv.get(""))
     ranks = _gather_and_close(inp, plan, group, joined)
 
     gate_results = check_gates(inp.s.gates, m["rows"] | (m["long_context"] or {}).get("rows", {}))
@@ -229,9 +229,10 @@ def _measure(inp: _Inputs, dev: torch.device, dtype, progress: bool, kv: dict, k
                        kv_info.get("calibrated", False), plan["chunk"], group, owners)
 
 
-def _long_context(inp: _Inputs, dev: torch.device, dtype, plan: dict, group, owners, n: int) -> dict | None:
+def _long_context(inp: _Inputs, dev: torch.device, dtype, plan: dict, group, owners, n: int, kv) -> dict | None:
     """The long-context rows (quantkit.validation.longctx) on `n`-token windows past the DSA indexer's
-    index_topk; None when `n` is 0 (no indexer, or --long-context 0)."""
+    index_topk, with an FP8-KV decode row when `kv` is the FP8 cache; None when `n` is 0 (no indexer,
+    or --long-context 0)."""
     from quantkit.inputs.tokens import load_tokens
     from quantkit.validation.longctx import LONG_SAMPLES, long_context
 
@@ -240,7 +241,7 @@ def _long_context(inp: _Inputs, dev: torch.device, dtype, plan: dict, group, own
     tokens = load_tokens(inp.s.dataset, tokenizer=inp.t.reference_path, num_samples=min(inp.s.num_samples, LONG_SAMPLES),
                          seq_len=n)
     with torch.no_grad():
-        out = long_context(inp.ckpts, tokens.ids.to(dev), dev, dtype, plan["chunk"], group, owners)
+        out = long_context(inp.ckpts, tokens.ids.to(dev), dev, dtype, plan["chunk"], group, owners, kv)
     return out | {"sha256": tokens.sha256}
 
 

@@ -98,3 +98,25 @@ def test_long_window_length_is_checked_up_front(tiny_glm, tiny_kimi):
     assert "\n" not in str(e.value) and "config.json" in str(e.value)
     with pytest.raises(ConfigError, match="not past index_topk 16"):
         long_len(glm, 16, tiny_glm)
+
+
+def test_fp8_index_keys_add_a_decode_kv_row(runs, tiny_glm):
+    # the long pass with the FP8 cache vLLM stores for DSA models: the same rows, plus decode/ scoring
+    # FP8 index keys (the indexer's selection is where the cache's error acts in a prefill)
+    from quantkit.checkpoint.shards import Checkpoint
+    from quantkit.inputs.tokens import load_tokens
+    from quantkit.model.kvcache import KVCache
+    from quantkit.validation.longctx import long_context
+
+    ok, out = runs["intact"], Path(runs["intact"]["dir"])
+    ckpts = {"reference": Checkpoint(tiny_glm), "prefill": Checkpoint(out / "prefill"), "decode": Checkpoint(out / "decode")}
+    ids = load_tokens(ok["eval_data"]["spec"], tokenizer=tiny_glm, num_samples=2, seq_len=32).ids
+    assert ok["long_context"]["sha256"] == load_tokens(ok["eval_data"]["spec"], tokenizer=tiny_glm, num_samples=2,
+                                                       seq_len=32).sha256
+    with torch.no_grad():
+        lc = long_context(ckpts, ids, "cpu", torch.float32, kv=KVCache("fp8_ds_mla", "checkpoint"))
+    kv, plain = lc["rows"]["long_context_decode_kv"], lc["rows"]["long_context_decode"]
+    print(f"\ndecode long rows: BF16 cache overlap {plain['metrics']['indexer_overlap']:.4f} KL {plain['metrics']['kl']:.4g}; "
+          f"FP8 index keys overlap {kv['metrics']['indexer_overlap']:.4f} KL {kv['metrics']['kl']:.4g}")
+    assert plain == ok["long_context"]["rows"]["long_context_decode"]  # the extra stream changes no other row
+    assert 0.9 < kv["metrics"]["indexer_overlap"] <= 1 and kv["indexer_overlap_layers"][0] <= 1
