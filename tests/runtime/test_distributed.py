@@ -236,7 +236,7 @@ def test_token_split_killed_rank_resumes_on_another_world(single_mb, tmp_path):
 
 
 # ---- validate on several ranks -------------------------------------------------------------------
-SAME = ("rows", "continuations", "reference_metrics", "kv_cache")  # what a multi-rank validate must equal
+SAME = ("rows", "continuations", "reference_metrics", "kv_cache", "long_context")  # what a multi-rank validate must equal
 
 
 def _validate(out: Path, *args: str, nproc: int = 1) -> tuple[subprocess.CompletedProcess, dict | None]:
