@@ -38,6 +38,7 @@ parts, each readable on its own:
     targets    the folders under test, the reference, the settings (call, else recipe), the notes
     weights    which experts each rank runs, what it reads and keeps in memory
     kvrows     the FP8 KV-cache variants and rows
+    longctx    DSA models: windows past index_topk, KL there and the indexer's top-k overlap
     measure    the lockstep passes and every number (metrics: the one KL, mean and SE)
     gates      the metrics and rows a gate can bound, gate files, the check
     report     the result object, validation.md, validation.png, the files written
