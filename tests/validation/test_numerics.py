@@ -99,3 +99,25 @@ def test_engine_numerics_kl_equals_an_independent_w8a8(glm_pair, tiny_glm):
     # and the numerics matter: weight-only KL is another number
     assert abs(wts["rows"]["decode"]["metrics"]["kl"] - got) > 1e-3 * got
     print(json.dumps({"kl_engine": got, "kl_independent": kl / n, "kl_weights": wts["rows"]["decode"]["metrics"]["kl"]}))
+
+
+def test_transformers_runs_decode_as_stored_as_engine_numerics_do(glm_pair):
+    """The upstream oracle where it computes it right: transformers loading decode/ as stored runs its FP8
+    layers through compressed-tensors' dynamic 1x128 group fake-quant (W8A8) and its INT4 experts
+    dequantized; quantkit's engine numerics compute the same logits, its weight numerics do not."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.validation.forward import run
+
+    ids = torch.tensor([[1, 5, 9, 13, 40, 41, 42, 7, 8, 100, 101, 3]])
+    model = AutoModelForCausalLM.from_pretrained(glm_pair / "decode", dtype=torch.float32).eval()
+    for p in model.parameters():
+        p.data = p.data.float()
+    with torch.no_grad():
+        theirs = model(ids).logits
+    rel = {}
+    for numerics in ("engine", "weights"):
+        ck = Checkpoint(glm_pair / "decode")
+        ck.numerics = numerics
+        rel[numerics] = ((run(ck, ids, device="cpu") - theirs).abs().max() / theirs.abs().max()).item()
+    assert rel["engine"] < 1e-5 and rel["weights"] > 100 * rel["engine"], rel
