@@ -378,6 +378,7 @@ def probe(
     device: Device = "auto",
     write_card: Annotated[bool, typer.Option("--write-card", help="Add the verdict to the pair's model cards.")] = False,
     prompts: Annotated[Optional[Path], typer.Option(help="Another recorded prompt set (JSON like quantkit/probe/prompts.json; default: that one).")] = None,
+    numerics: Annotated[str, typer.Option(help="How the candidates are computed: engine (as vLLM/SGLang/transformers run the checkpoints as stored: FP8 block Linears W8A8) or weights (dequantized copies).")] = "engine",
     json_out: Json = False,
 ):
     """Check an OpenAI-compatible endpoint against the pair's reference forward; name the checkpoint it behaves like."""
@@ -385,7 +386,7 @@ def probe(
 
     result = run_probe(url, pair, model=model, api_key_env=api_key_env, timeout=timeout, retries=retries,
                        concurrency=concurrency, kv_cache_dtype=kv_cache_dtype, min_agree=min_agree, device=device,
-                       write_card=write_card, prompts=prompts)
+                       write_card=write_card, prompts=prompts, numerics=numerics)
     if json_out:
         emit_json(result.data)
     else:

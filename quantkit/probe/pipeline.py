@@ -38,11 +38,18 @@ class ProbeResult:
 def probe(url: str, pair: str | Path, *, model: str | None = None, api_key_env: str = "OPENAI_API_KEY",
           timeout: float = 60.0, retries: int = 4, concurrency: int = 4, kv_cache_dtype: str = "auto",
           min_agree: float = 0.9, device: str = "auto", write_card: bool = False, logprobs: bool = True,
-          prompts: str | Path | None = None) -> ProbeResult:
+          prompts: str | Path | None = None, numerics: str = "engine") -> ProbeResult:
     """Probe `url` (an OpenAI-compatible server) with the recorded prompts and name the checkpoint of
     `pair` (a `quantkit convert` output, or one checkpoint folder) that it behaves most like.
-    `prompts`: another recorded prompt set (default: the shipped quantkit/probe/prompts.json)."""
+    `prompts`: another recorded prompt set (default: the shipped quantkit/probe/prompts.json).
+    `numerics`: how the candidates are computed (quantkit.model.numerics): `engine`, as vLLM, SGLang and
+    transformers compute the checkpoints as stored (FP8 block Linears W8A8), or `weights` (a server
+    running dequantized copies)."""
+    from quantkit.model.numerics import NUMERICS, numerics_record
     from quantkit.validation.targets import target
+
+    if numerics not in NUMERICS:
+        raise ProbeError(f"--numerics {numerics}: one of {', '.join(NUMERICS)}")
 
     t = target(pair, None)
     tok_dir = t.models.get("decode") or t.reference_path
@@ -58,7 +65,8 @@ def probe(url: str, pair: str | Path, *, model: str | None = None, api_key_env: 
     warnings = [f"prompt {p.id}: the server counted {r.prompt_tokens} prompt tokens, the pair's tokenizer "
                 f"{len(p.ids)}: the endpoint tokenizes differently (another tokenizer or chat template)"
                 for p, r in zip(ps.prompts, replies) if r.prompt_tokens is not None and r.prompt_tokens != len(p.ids)]
-    data = _compare(t, ps, observed, tok_dir, kv_cache_dtype, min_agree, device)
+    data = _compare(t, ps, observed, tok_dir, kv_cache_dtype, min_agree, device, numerics)
+    data["numerics"] = numerics_record(numerics)
     data.update(endpoint=ep.url, model=ep.model, date=_dt.date.today().isoformat(), warnings=warnings + data["warnings"],
                 logprobs=any(o.top for o in observed),
                 replies=[{"id": p.id, "text": r.text, "finish_reason": r.finish_reason, "tokens": o.tokens}
@@ -91,7 +99,7 @@ def _served_model(ep: Endpoint, model: str | None) -> str:
                      "name the one to probe with --model")
 
 
-def _compare(t, ps: PromptSet, observed: list[Observed], tok_dir, kv_cache_dtype, min_agree, device) -> dict:
+def _compare(t, ps: PromptSet, observed: list[Observed], tok_dir, kv_cache_dtype, min_agree, device, numerics) -> dict:
     """The reference continuations of every candidate, each scored against what the endpoint produced."""
     from quantkit.checkpoint.shards import Checkpoint
     from quantkit.inputs.modelspec import open_checkpoint
@@ -100,6 +108,8 @@ def _compare(t, ps: PromptSet, observed: list[Observed], tok_dir, kv_cache_dtype
     ckpts = {"reference": open_checkpoint(t.reference_source)} | {m: Checkpoint(p) for m, p in t.models.items() if m != "model"}
     if "model" in t.models:  # one checkpoint folder: it is the only candidate, as "source"
         ckpts = {"reference": Checkpoint(t.models["model"])}
+    for ck in ckpts.values():
+        ck.numerics = numerics
     arch = ckpts["reference"].arch
     cands = candidates(t.pair, arch.has_dsa, kv_cache_dtype)
     wanted = [[set(o.top[k]) | ({o.tokens[k]} if k < len(o.tokens) else set()) for k in range(len(o.top))] if o.top
