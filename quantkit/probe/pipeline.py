@@ -25,7 +25,8 @@ class ProbeResult:
         d = self.data
         out = [f"endpoint {d['endpoint']} (model {d['model']}), prompt set {d['prompt_set']['name']} "
                f"({d['prompt_set']['prompts']} prompts, max_tokens {d['prompt_set']['max_tokens']}); "
-               f"logprobs {'returned' if d['logprobs'] else 'not returned (greedy agreement only)'}",
+               f"logprobs {'returned' if d['logprobs'] else 'not returned (greedy agreement only)'}; "
+               f"candidates in {(d.get('numerics') or {}).get('mode', 'weights')} numerics",
                f"{'checkpoint':<62} {'greedy agree':>12} {'exact':>7} {'top-k KL':>10}"]
         for k, s in d["candidates"].items():
             kl = "—" if s["topk_kl"] is None else f"{s['topk_kl']:.4f}"
@@ -189,9 +190,10 @@ def write_cards(t, data: dict) -> list[Path]:
     detail = (f"greedy agreement {s['greedy_agree']:.2f}" + (f", top-k KL {s['topk_kl']:.3g}" if s.get("topk_kl") is not None else "")
               if s else "")
     key = f"endpoint {data['endpoint']} (model {data['model']})"
+    numerics = f"; candidates in {data['numerics']['mode']} numerics" if data.get("numerics") else ""
     line = (f"- {key} probed on {data['date']}: {best['line']}" + (f" ({detail}" if detail else "")
-            + (f"; prompt set {data['prompt_set']['name']}, sha256 {data['prompt_set']['sha256'][:12]})" if detail else
-               f" (prompt set {data['prompt_set']['name']}, sha256 {data['prompt_set']['sha256'][:12]})"))
+            + (f"; prompt set {data['prompt_set']['name']}, sha256 {data['prompt_set']['sha256'][:12]}{numerics})" if detail else
+               f" (prompt set {data['prompt_set']['name']}, sha256 {data['prompt_set']['sha256'][:12]}{numerics})"))
     paths = []
     for which in ("prefill", "decode"):
         path = t.models[which] / "README.md"
