@@ -44,8 +44,12 @@ def linear(x: torch.Tensor, w: torch.Tensor | W8A8) -> torch.Tensor:
 
 
 def as_computed(w: torch.Tensor, stored: str, numerics: str) -> torch.Tensor | W8A8:
-    """The dequantized weight `w` of a tensor stored as `stored` (fp8 / int4 / dense), as `numerics` computes it."""
-    return W8A8(w) if numerics == "engine" and stored == "fp8" and w.dim() == 2 else w
+    """The dequantized weight `w` of a tensor stored as `stored` (fp8 / int4 / dense), as `numerics` computes it.
+    An FP8 weight no engine can run (input dim not whole 128-groups, fp8.cannot_run: a source's kv_b_proj
+    at kv_lora_rank 64, which convert stores BF16) is computed on its weights."""
+    if numerics == "engine" and stored == "fp8" and w.dim() == 2 and not fp8.cannot_run(tuple(w.shape)):
+        return W8A8(w)
+    return w
 
 
 def numerics_record(numerics: str) -> dict:
