@@ -295,6 +295,7 @@ def validate(
     task_dir: Annotated[Optional[Path], typer.Option(help="A folder of local lm-eval task YAMLs for --tasks.")] = None,
     limit: Annotated[Optional[int], typer.Option(help="--tasks: items per task (default: all).")] = None,
     num_fewshot: Annotated[Optional[int], typer.Option(help="--tasks: few-shot examples (default: each task's).")] = None,
+    numerics: Annotated[str, typer.Option(help="engine: compute as vLLM/SGLang do (FP8 block Linears W8A8, activations quantized per token in 128-column groups; INT4 experts W4A16); weights: on the dequantized weights alone (the default until the recipes' gates are re-derived under engine numerics).")] = "weights",
     quiet: Quiet = False,
     json_out: Json = False,
 ):
@@ -305,7 +306,7 @@ def validate(
     result = run_validate(folder, reference=reference, eval_data=eval_data, num_samples=num_samples, seq_len=seq_len,
                           gen_tokens=gen_tokens, device=device, gates=gate, progress=not (json_out or quiet), kv_cache_dtype=kv_cache_dtype,
                           max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory, weights=weights,
-                          tasks=tasks, task_dir=task_dir, limit=limit, num_fewshot=num_fewshot)
+                          tasks=tasks, task_dir=task_dir, limit=limit, num_fewshot=num_fewshot, numerics=numerics)
     from quantkit.runtime.distributed import from_env
 
     if not from_env().leader:  # rank 0 prints and decides the exit status
@@ -377,6 +378,7 @@ def probe(
     device: Device = "auto",
     write_card: Annotated[bool, typer.Option("--write-card", help="Add the verdict to the pair's model cards.")] = False,
     prompts: Annotated[Optional[Path], typer.Option(help="Another recorded prompt set (JSON like quantkit/probe/prompts.json; default: that one).")] = None,
+    numerics: Annotated[str, typer.Option(help="How the candidates are computed: engine (as vLLM/SGLang/transformers run the checkpoints as stored: FP8 block Linears W8A8) or weights (dequantized copies).")] = "engine",
     json_out: Json = False,
 ):
     """Check an OpenAI-compatible endpoint against the pair's reference forward; name the checkpoint it behaves like."""
@@ -384,7 +386,7 @@ def probe(
 
     result = run_probe(url, pair, model=model, api_key_env=api_key_env, timeout=timeout, retries=retries,
                        concurrency=concurrency, kv_cache_dtype=kv_cache_dtype, min_agree=min_agree, device=device,
-                       write_card=write_card, prompts=prompts)
+                       write_card=write_card, prompts=prompts, numerics=numerics)
     if json_out:
         emit_json(result.data)
     else:

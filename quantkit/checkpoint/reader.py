@@ -122,6 +122,9 @@ class Checkpoint:
             check_links(self.folder)
         self.arch: ModelArch = load_arch(self.folder)
         self.check_finite = check_finite
+        # how the forward computes this checkpoint's Linears (quantkit.model.numerics): "weights" on the
+        # dequantized weights, "engine" as vLLM/SGLang do (FP8 block layers W8A8); validate sets it
+        self.numerics = "weights"
         self.release_consumed = release_consumed
         self._handles: dict[str, object] = {}
         self.bytes_read = 0  # stored bytes read from the files so far (validate reports it)

@@ -7,7 +7,10 @@ same KV cache from the same hidden states:
     routed experts                   FP8 128x128 block             INT4 group-G symmetric (GPTQ/AWQ/RTN,
                                                                    or the source's INT4 reused)
     attention, indexer wq_b/wk,      FP8 block, or BF16 where a projection cannot be blocked the way
-    shared experts, dense MLP        engines need (Kimi's q_a_proj, kv_a_proj_with_mqa): same in both
+    shared experts, dense MLP        engines need (Kimi's q_a_proj, kv_a_proj_with_mqa) or cannot run
+                                     as FP8 blocks at all (an input dim not a multiple of the block,
+                                     e.g. kv_b_proj at kv_lora_rank 64: formats.fp8.cannot_run; a
+                                     source FP8 tensor is then dequantized): same in both
     router, bias, norms, embeddings, as stored in the source, byte for byte: same in both
     head, vision, MTP extras
 
@@ -72,6 +75,12 @@ def _decide_both(st: Stored, recipe, group_size: int, source_group: int | None, 
         return Decision(prefill, INT4)
     linear = info.is_linear and k in (TensorClass.ATTENTION, TensorClass.INDEXER, TensorClass.SHARED_EXPERT, TensorClass.DENSE_MLP)
     if linear and info.proj not in always_bf16:
+        if why := fp8.cannot_run(st.shape, recipe.prefill.fp8_block):
+            # decided here, before any work: a source FP8 tensor of this shape is dequantized to BF16
+            # (the dtype engines compute an unquantized Linear in), a BF16 one kept as stored; in both
+            # outputs, so the pair still shares it byte for byte
+            return Decision(BF16 if st.format != "dense" else PASS, BF16 if st.format != "dense" else PASS,
+                            f"BF16 in both outputs: {why}")
         if st.format == "fp8":
             return Decision(PASS, PASS, "source FP8")
         setting = {TensorClass.SHARED_EXPERT: recipe.prefill.shared_experts, TensorClass.DENSE_MLP: recipe.prefill.dense_mlp}.get(k, "fp8")

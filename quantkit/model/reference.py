@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from quantkit.model.arch import ModelArch
 from quantkit.model.moe import Routing, mlp, moe
+from quantkit.model.numerics import linear  # every Linear, as the checkpoint's numerics compute it
 
 if TYPE_CHECKING:
     from quantkit.model.kvcache import KVCache
@@ -40,10 +41,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
-
-
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, w)
 
 
 # ---- rope --------------------------------------------------------------------------------------
