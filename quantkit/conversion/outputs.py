@@ -123,7 +123,7 @@ def owned_output(fn):
     @functools.wraps(fn)
     def wrapper(model, out, *args, device: str = "auto", **kwargs):
         from quantkit.checkpoint.outlock import acquire, unusable
-        from quantkit.model.reference import resolve_device
+        from quantkit.runtime.device import resolve_device
         from quantkit.runtime.distributed import from_env
 
         resolve_device(device)

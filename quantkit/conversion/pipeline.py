@@ -241,7 +241,7 @@ def _recipe(model, arch, recipe, **overrides):
 def _join_ranks(device: str, out: Path, delete_source_after: bool):
     """The compute device, and under torchrun the other ranks (quantkit.runtime.distributed); a plain
     run is SINGLE and this is a no-op. Several ranks share the source and (several nodes) --out."""
-    from quantkit.model.reference import resolve_device
+    from quantkit.runtime.device import resolve_device
 
     group, dev = distributed.init(resolve_device(device))
     if group.distributed and delete_source_after:

@@ -95,7 +95,7 @@ def _compare(t, ps: PromptSet, observed: list[Observed], tok_dir, kv_cache_dtype
     """The reference continuations of every candidate, each scored against what the endpoint produced."""
     from quantkit.checkpoint.shards import Checkpoint
     from quantkit.inputs.modelspec import open_checkpoint
-    from quantkit.model.reference import resolve_device
+    from quantkit.runtime.device import resolve_device
 
     ckpts = {"reference": open_checkpoint(t.reference_source)} | {m: Checkpoint(p) for m, p in t.models.items() if m != "model"}
     if "model" in t.models:  # one checkpoint folder: it is the only candidate, as "source"

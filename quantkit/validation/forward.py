@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from quantkit.checkpoint.shards import Checkpoint
-from quantkit.model.reference import Context, LayerCache, head_weight_name, resolve_device, rms_norm
+from quantkit.model.reference import Context, LayerCache, head_weight_name, rms_norm
+from quantkit.runtime.device import resolve_device
 
 
 @dataclass

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from quantkit.checkpoint.shards import Checkpoint
-from quantkit.model.reference import resolve_device
 from quantkit.runtime import faults
+from quantkit.runtime.device import resolve_device
 from quantkit.validation.forward import Stream, fork, heads, new_caches, step
 from quantkit.validation.kvrows import kv_rows
 from quantkit.validation.metrics import agreement, kl_top1, mean_nll, token_kl

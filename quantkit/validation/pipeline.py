@@ -55,7 +55,7 @@ import torch
 from quantkit import __version__
 from quantkit.checkpoint.shards import Checkpoint
 from quantkit.errors import ConfigError
-from quantkit.model.reference import resolve_device
+from quantkit.runtime.device import resolve_device
 from quantkit.runtime.progress import LayerProgress
 from quantkit.validation.gates import GATES_FAILED_EXIT, METRICS, check_gates, load_gates
 from quantkit.validation.kvrows import kv_variants
