@@ -183,8 +183,8 @@ CONVERT_PHASES = {
     "fp8": ["quantkit.formats.fp8:quantize"],
     "pack": ["quantkit.formats.int4:store"],
     "finish": ["quantkit.conversion.pipeline:finish_pair", "quantkit.checkpoint.finish:finish_pair"],
-    "read": ["quantkit.checkpoint.shards:Checkpoint.get", "quantkit.checkpoint.shards:Checkpoint.raw"],
-    "write": ["quantkit.checkpoint.shards:CheckpointWriter.flush", "quantkit.checkpoint.shards:CheckpointWriter.drain"],
+    "read": ["quantkit.checkpoint.reader:Checkpoint.get", "quantkit.checkpoint.reader:Checkpoint.raw"],
+    "write": ["quantkit.checkpoint.writer:CheckpointWriter.flush", "quantkit.checkpoint.writer:CheckpointWriter.drain"],
 }
 VALIDATE_PHASES = {
     "tokens": ["quantkit.inputs.tokens:load_tokens"],  # imported inside validate at each call

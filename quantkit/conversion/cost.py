@@ -17,7 +17,7 @@ C experts per chunk, B samples per micro-batch, w = 4 bytes per float32; compute
     moe_layer     experts, float32
     load_transient dequantizing the largest tensor: 3 float32 copies (values, scales, product);
                   the source itself costs nothing beyond that: it is read with positioned reads
-                  into memory freed with each tensor, not memory-mapped (quantkit.checkpoint.shards)
+                  into memory freed with each tensor, not memory-mapped (quantkit.checkpoint.reader)
     store         h and x for every calibration token: 2 N T D bytes-per-element (MoE layers)
                   (0 in RAM when disk-backed)
     routing       top-k ids (int16) and weights (float32): 6 N T k

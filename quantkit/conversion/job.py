@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.conversion.precision import Decision
 from quantkit.conversion.resume import State
 

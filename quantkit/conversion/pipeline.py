@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from quantkit.checkpoint.finish import finish_pair, journal
-from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.checkpoint.unfinished import record_command
 from quantkit.conversion.job import Job
 from quantkit.conversion.outputs import (

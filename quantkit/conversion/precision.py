@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from quantkit.checkpoint.shards import Checkpoint, Stored
+from quantkit.checkpoint.reader import Checkpoint, Stored
 from quantkit.errors import ConfigError
 from quantkit.formats import fp8, int4
 from quantkit.model.arch import ModelArch

@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from quantkit import __version__
-from quantkit.checkpoint.shards import Checkpoint, file_sha256
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.conversion.job import Job
 from quantkit.conversion.kvscales import kv_cache_report
 from quantkit.conversion.precision import PASS, precision_summary
 from quantkit.conversion.resume import State
 from quantkit.quant.experts import HOLDOUT, ExpertRecord
 from quantkit.quant.methods import METHODS, Inputs, method_for
+from quantkit.runtime.files import file_sha256
 from quantkit.runtime.machine import peak_rss
 from quantkit.runtime.progress import rich_html
 from quantkit.runtime.units import decimal_bytes

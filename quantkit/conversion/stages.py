@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.conversion.activations import ActivationStore
 from quantkit.conversion.job import Job
 from quantkit.conversion.kvscales import write_kv_scales
@@ -211,7 +211,7 @@ class Prefetcher:
             self.pool.submit(self._fetch, f)
 
     def _fetch(self, f: str) -> None:
-        if self.ckpt._unread[f]:  # not consumed (and so not released) yet
+        if not self.ckpt.consumed(f):  # not released yet
             self.ckpt.remote.fetch(f)
 
     def close(self) -> None:

@@ -93,7 +93,7 @@ def _served_model(ep: Endpoint, model: str | None) -> str:
 
 def _compare(t, ps: PromptSet, observed: list[Observed], tok_dir, kv_cache_dtype, min_agree, device) -> dict:
     """The reference continuations of every candidate, each scored against what the endpoint produced."""
-    from quantkit.checkpoint.shards import Checkpoint
+    from quantkit.checkpoint.reader import Checkpoint
     from quantkit.inputs.modelspec import open_checkpoint
     from quantkit.runtime.device import resolve_device
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.model.reference import Context, LayerCache, head_weight_name, rms_norm
 from quantkit.runtime.device import resolve_device
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.model.moe import expert, route, shared_expert, weighted
 from quantkit.model.reference import attention, decoder_layer, rms_norm
 from quantkit.model.tensors import TensorClass

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.runtime import faults
 from quantkit.runtime.device import resolve_device
 from quantkit.validation.forward import Stream, fork, heads, new_caches, step

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.model.mtp import embed_name, head_name, mtp_input, mtp_logits, shifted
 from quantkit.model.reference import Context
 from quantkit.validation.layerstream import streamed_layer

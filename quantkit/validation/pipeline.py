@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from quantkit import __version__
-from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.errors import ConfigError
 from quantkit.runtime.device import resolve_device
 from quantkit.runtime.progress import LayerProgress

@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.errors import ConfigError
 
 __all__ = ["WEIGHTS", "expert_owners", "weights_plan", "weights_report"]

@@ -16,7 +16,7 @@ import torch
 from conftest import starve_expert
 from oracle import read_raw, transformers_model
 
-from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.conversion.pipeline import convert
 from quantkit.errors import OutputError
 from quantkit.quant.gptq import quantize_rtn
