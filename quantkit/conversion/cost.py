@@ -81,16 +81,13 @@ import torch
 
 from quantkit.conversion.activations import StorePlan
 from quantkit.errors import ConfigError
-from quantkit.planner.budgets import (  # noqa: F401  (GB, parse_bytes, expert_fixed_tokens: re-exported for plan --convert)
+from quantkit.planner.budgets import (
     BASE_BYTES,
     CHUNK_MAX,
     F32,
-    GB,
     GPU_SPECS,
-    GiB,
     LayerShapes,
     device_memory,
-    expert_fixed_tokens,
     expert_flops,
     layer_shapes,
     parse_bytes,
@@ -99,6 +96,7 @@ from quantkit.planner.budgets import (  # noqa: F401  (GB, parse_bytes, expert_f
 )
 from quantkit.quant.methods import Inputs, method_for
 from quantkit.runtime.machine import available_host_memory, peak_rss  # noqa: F401
+from quantkit.runtime.units import GB, GiB
 
 MIN_SHARD = 256 * 2**20
 # convert's resume state holds h for every calibration token (26 GB for GLM 5.2's shipped recipe in

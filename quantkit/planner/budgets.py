@@ -15,8 +15,8 @@ import torch
 
 from quantkit.errors import ConfigError
 from quantkit.planner.gpus import GPUS
-from quantkit.planner.units import GB, GiB
 from quantkit.runtime.machine import available_host_memory
+from quantkit.runtime.units import GB, GiB
 
 F32 = 4
 
