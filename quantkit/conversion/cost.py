@@ -75,7 +75,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -97,6 +97,12 @@ from quantkit.planner.budgets import (
 from quantkit.quant.methods import Inputs, method_for
 from quantkit.runtime.machine import available_host_memory, peak_rss  # noqa: F401
 from quantkit.runtime.units import GB, GiB
+
+if TYPE_CHECKING:
+    from quantkit.checkpoint.reader import Checkpoint
+    from quantkit.model.arch import ModelArch
+    from quantkit.recipe import Recipe
+
 
 MIN_SHARD = 256 * 2**20
 # convert's resume state holds h for every calibration token (26 GB for GLM 5.2's shipped recipe in
@@ -667,7 +673,7 @@ def _model_for(model: str):
     return ckpt.arch, ckpt
 
 
-def _preset_sizes(model: str, arch, rec) -> tuple[int, tuple[int, int], int, float]:
+def _preset_sizes(model: str, arch: ModelArch, rec: Recipe) -> tuple[int, tuple[int, int], int, float]:
     """(source bytes, (prefill, decode) bytes, routed experts' bytes in the three, quantized
     fraction) of a preset, from the planner's checkpoint sizes at the recipe's group size."""
     from quantkit.conversion.precision import source_int4_group
@@ -684,7 +690,7 @@ def _preset_sizes(model: str, arch, rec) -> tuple[int, tuple[int, int], int, flo
     return sizes["source"].total_bytes, (sizes["prefill"].total_bytes, sizes["decode"].total_bytes), expert_bytes, quantized
 
 
-def _checkpoint_sizes(ckpt, rec) -> tuple[int, tuple[int, int], int, float]:
+def _checkpoint_sizes(ckpt: Checkpoint, rec: Recipe) -> tuple[int, tuple[int, int], int, float]:
     """The same as `_preset_sizes` for a checkpoint, from convert's own per-tensor decisions."""
     from quantkit.conversion.precision import decide_all, predicted_bytes
     from quantkit.model.tensors import TensorClass
