@@ -53,9 +53,9 @@ expert of a layer quantized (int8 q + bf16 scales), which each rank holds betwee
 the h update (every rank still holds the whole store); time adds `exchange`, broadcasting them,
 and `gather`, giving every rank the micro-batches' h, x and routing the others computed.
 
-Time is FLOPs over a sustained rate per device (CPU_FLOPS_PER_THREAD measured on the 2-core test
-machine, GPTQ's column loop at CPU_GPTQ_EFFICIENCY of it; GPU rates from the data sheet at the
-efficiency stated in GPU_SPECS), bytes over disk bandwidth, and a per-column kernel-launch cost for
+Time is FLOPs over a sustained rate per device (the rates are quantkit.planner.budgets':
+CPU_FLOPS_PER_THREAD measured on the 2-core test machine, GPTQ's column loop at CPU_GPTQ_EFFICIENCY
+of it; GPU rates from the data sheet at the efficiency stated in GPU_SPECS), bytes over disk bandwidth, and a per-column kernel-launch cost for
 GPTQ's column loop on a GPU. The disk works while the layers compute (the next layer is read ahead,
 cut parts are saved in the background): the run pays the first layer's read, the last layer's
 write, `disk_wait` when reads and writes together need longer than the compute, and
@@ -84,8 +84,14 @@ from quantkit.errors import ConfigError
 from quantkit.planner.budgets import (
     BASE_BYTES,
     CHUNK_MAX,
+    CPU_DISK,
+    CPU_FLOPS_PER_THREAD,
+    CPU_GPTQ_EFFICIENCY,
     F32,
+    GLOO_BYTES,
     GPU_SPECS,
+    LAUNCHES_PER_COLUMN,
+    NVLINK_BYTES,
     LayerShapes,
     device_memory,
     expert_flops,
@@ -112,21 +118,6 @@ STATE_OVERHEAD = 0.05
 # On a GPU, GPTQ's column loop is launch-bound (LAUNCHES_PER_COLUMN small kernels per column,
 # whatever the batch), so a larger batch of experts per call costs launches once for all of them.
 CHUNK_MAX_GPU = 64
-
-# Sustained rates. CPU: float32 matmul per torch thread, in CPU time, on the 2-core AMD EPYC test
-# machine (2048x6144 @ 6144x2048 and 6144x4096 @ 4096x6144: 104-105 GFLOP/s as scripts/bench_realshape.py
-# prints it); times torch's threads. Wall time on a shared machine is longer by the load.
-CPU_FLOPS_PER_THREAD = 95e9
-# GPTQ's column loop on the CPU (rank-1 updates within each block, per-column quantization) runs
-# at a fraction of the matmul rate: 0.4, fitted to the real-shape GLM runs at 8x512 and 32x512
-# tokens and checked on the real-shape Kimi ones (docs/benchmarks.md).
-CPU_GPTQ_EFFICIENCY = 0.4
-CPU_DISK = 1.0e9  # bytes/s read or written
-# the multi-rank exchange (quantkit.runtime.distributed): NCCL over NVLink at a conservative share of its
-# 450 GB/s per direction for broadcasts; gloo over loopback TCP on one host
-NVLINK_BYTES = 100e9
-GLOO_BYTES = 1.0e9
-LAUNCHES_PER_COLUMN = 12
 
 
 @dataclass
