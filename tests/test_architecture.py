@@ -1,7 +1,8 @@
 """The package's shape, enforced: the stage layers (import-linter's contract in pyproject.toml),
 no import circle between any two modules (function-local imports count), no module reaching into
-another's underscore names, and ruff's rule set (the size limit included); and the test processes'
-OpenMP setting that keeps the suite's time on a busy machine."""
+another's underscore names (imported or read off an object), the hand-offs between stages typed,
+and ruff's rule set (the size limit included); and the test processes' OpenMP setting that keeps
+the suite's time on a busy machine."""
 
 from __future__ import annotations
 
