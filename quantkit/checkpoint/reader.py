@@ -334,6 +334,11 @@ class Checkpoint:
                 self._held.discard(s)
                 self._unread[self.weight_map[s]].discard(s)
 
+    def consumed(self, f: str) -> bool:
+        """Every tensor stored in shard file `f` has been read (held ones released): the file is done
+        with, so a prefetcher has nothing to fetch for it (it may already be released)."""
+        return not self._unread.get(f)
+
     def release_finished(self) -> list[str]:
         """Close every shard all of whose tensors have been read, and with a streamed source and
         `release_consumed`, delete its local copy. The converter calls it between layers (so

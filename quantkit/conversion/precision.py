@@ -24,13 +24,18 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from quantkit.checkpoint.shards import Checkpoint, Stored
+from quantkit.checkpoint.reader import Checkpoint, Stored
 from quantkit.errors import ConfigError
 from quantkit.formats import fp8, int4
 from quantkit.model.arch import ModelArch
 from quantkit.model.tensors import TensorClass
 from quantkit.quant.methods import method_for
+
+if TYPE_CHECKING:
+    from quantkit.recipe import Recipe
+
 
 # Storage actions
 PASS = "pass"  # copy the stored tensors byte for byte
@@ -51,7 +56,7 @@ def _fp8_or_pass(st: Stored) -> str:
     return PASS if st.format == "fp8" else FP8
 
 
-def decide(st: Stored, recipe, group_size: int, source_group: int | None, always_bf16: tuple[str, ...] = ()) -> Decision:
+def decide(st: Stored, recipe: Recipe, group_size: int, source_group: int | None, always_bf16: tuple[str, ...] = ()) -> Decision:
     """Where one source tensor goes in each output; pure, so a dry run can check every name.
     `always_bf16`: the projections the model family never stores FP8 (its definition's)."""
     d = _decide_both(st, recipe, group_size, source_group, always_bf16)
@@ -64,7 +69,7 @@ def decide(st: Stored, recipe, group_size: int, source_group: int | None, always
     return d
 
 
-def _decide_both(st: Stored, recipe, group_size: int, source_group: int | None, always_bf16: tuple[str, ...]) -> Decision:
+def _decide_both(st: Stored, recipe: Recipe, group_size: int, source_group: int | None, always_bf16: tuple[str, ...]) -> Decision:
     info = st.info
     k = info.klass
     if k == TensorClass.ROUTED_EXPERT:
@@ -310,7 +315,7 @@ def layer_experts(ckpt: Checkpoint, decisions: dict[str, Decision], layer: int) 
     return by_expert, {e for e in by_expert if decisions[f"{pre}mlp.experts.{e}.down_proj.weight"].decode == INT4}
 
 
-def decide_all(ckpt: Checkpoint, rec) -> dict[str, Decision]:
+def decide_all(ckpt: Checkpoint, rec: Recipe) -> dict[str, Decision]:
     """Every tensor's storage in both outputs under `rec`: what convert does, and what
     `plan --convert` sizes (one call, so the plan is the engine's own accounting)."""
     source_group = source_int4_group(ckpt.arch)
@@ -334,7 +339,7 @@ def check_groups(ckpt: Checkpoint, decisions: dict[str, Decision], group_size: i
                               f"columns, not a multiple of the INT4 group size {group_size}; {fix}")
 
 
-def needs_calibration(rec) -> bool:
+def needs_calibration(rec: Recipe) -> bool:
     """A calibrated method (quantkit.quant.methods.Method.calibrated) calibrates: the experts' Hessians
     need the tokens, and the FP8 KV cache's scales are measured on them too (quantkit.model.kvcache),
     so a source whose experts are all reused (Kimi's INT4) still gets its pass. A data-free convert

@@ -297,25 +297,3 @@ def decoder_layer(h: torch.Tensor, w: W, ctx: Context, layer: int) -> LayerOutpu
 
 def head_weight_name(arch: ModelArch) -> str:
     return f"{arch.prefix}embed_tokens.weight" if arch.tie_word_embeddings else arch.head_name
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    """auto, cpu, cuda or cuda:N, checked against this machine (a one-line error, before any work)."""
-    from quantkit.errors import ConfigError
-
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ConfigError(f"--device {device!r}: not a device; use auto, cpu, cuda or cuda:N") from None
-    if dev.type == "cuda":
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n == 0:
-            raise ConfigError(f"--device {device}: no CUDA device on this machine (torch {torch.__version__}); "
-                              "use --device cpu or auto")
-        if dev.index is not None and dev.index >= n:
-            raise ConfigError(f"--device {device}: this machine has {n} CUDA device(s) (cuda:0..cuda:{n - 1}); pick one of them")
-    elif dev.type != "cpu":
-        raise ConfigError(f"--device {device}: quantkit runs on cpu or cuda; use auto, cpu, cuda or cuda:N")
-    return dev

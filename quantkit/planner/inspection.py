@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quantkit.checkpoint.shards import Checkpoint, Stored
+from quantkit.checkpoint.reader import Checkpoint, Stored
 
 
 def storage_format(st: Stored, ckpt: Checkpoint) -> str:

@@ -12,7 +12,7 @@ import html
 from typing import Any
 
 from quantkit.model.tensors import TensorClass
-from quantkit.planner.units import GiB
+from quantkit.runtime.units import GiB
 
 Section = tuple[str, list[str], list[list[str]]]  # title, column headers, rows
 

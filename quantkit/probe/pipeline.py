@@ -103,10 +103,10 @@ def _served_model(ep: Endpoint, model: str | None) -> str:
 def _compare(t, ps: PromptSet, observed: list[Observed], tok_dir, kv_cache_dtype, min_agree, device, numerics) -> dict:
     """The reference continuations of every candidate, each scored against what the endpoint produced
     (torch and the reference forward are imported here, after the endpoint has answered)."""
-    from quantkit.checkpoint.shards import Checkpoint
+    from quantkit.checkpoint.reader import Checkpoint
     from quantkit.inputs.modelspec import open_checkpoint
-    from quantkit.model.reference import resolve_device
     from quantkit.probe.reference import candidates, greedy, keep_resident
+    from quantkit.runtime.device import resolve_device
 
     ckpts = {"reference": open_checkpoint(t.reference_source)} | {m: Checkpoint(p) for m, p in t.models.items() if m != "model"}
     if "model" in t.models:  # one checkpoint folder: it is the only candidate, as "source"

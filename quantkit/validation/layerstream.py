@@ -15,17 +15,22 @@ in ascending expert order, as one process does: the hidden states are one proces
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.model.moe import expert, route, shared_expert, weighted
 from quantkit.model.numerics import as_computed
 from quantkit.model.reference import attention, decoder_layer, rms_norm
 from quantkit.model.tensors import TensorClass
 
+if TYPE_CHECKING:
+    from quantkit.runtime.distributed import Group
+
 
 def streamed_layer(ckpt: Checkpoint, layer: int, hs: list[torch.Tensor], ctxs: list, device, dtype,
-                   chunk: int = 16, group=None, owner: dict[int, int] | None = None) -> list[torch.Tensor]:
+                   chunk: int = 16, group: Group | None = None, owner: dict[int, int] | None = None) -> list[torch.Tensor]:
     """New hidden states (B, T, D) of each stream after decoder layer `layer` of `ckpt`. `group`
     and `owner` (expert -> rank): this rank computes its own experts only (module docstring)."""
     a = ckpt.arch

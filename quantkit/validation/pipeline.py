@@ -48,15 +48,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from quantkit import __version__
-from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.errors import ConfigError
 from quantkit.model.numerics import NUMERICS, numerics_record
-from quantkit.model.reference import resolve_device
+from quantkit.runtime.device import resolve_device
 from quantkit.runtime.progress import LayerProgress
 from quantkit.validation.gates import GATES_FAILED_EXIT, METRICS, check_gates, load_gates
 from quantkit.validation.kvrows import kv_variants
@@ -64,6 +64,10 @@ from quantkit.validation.measure import cross_phase_logits, measure
 from quantkit.validation.report import ValidationResult, render_markdown, write_files
 from quantkit.validation.targets import Settings, Target, config_sha256, settings, target, target_notes
 from quantkit.validation.weights import WEIGHTS, expert_owners, weights_plan, weights_report
+
+if TYPE_CHECKING:
+    from quantkit.runtime.distributed import Group
+
 
 # validate's names, and the ones scripts and tests have always imported from here (re-exported)
 __all__ = ["validate", "ValidationResult", "METRICS", "load_gates", "check_gates", "cross_phase_logits", "render_markdown",
@@ -223,7 +227,7 @@ def _inputs(dir, reference, eval_data, num_samples, seq_len, gen_tokens, gates) 
     return _Inputs(t, ckpts, s, tokens)
 
 
-def _measure(inp: _Inputs, dev: torch.device, dtype, progress: bool, kv: dict, kv_info: dict, plan: dict, group,
+def _measure(inp: _Inputs, dev: torch.device, dtype, progress: bool, kv: dict, kv_info: dict, plan: dict, group: Group,
              owners) -> dict:
     """quantkit.validation.measure.measure under a progress bar of every checkpoint layer loaded."""
     L = inp.ckpts["reference"].arch.num_hidden_layers
@@ -235,7 +239,7 @@ def _measure(inp: _Inputs, dev: torch.device, dtype, progress: bool, kv: dict, k
                        kv_info.get("calibrated", False), plan["chunk"], group, owners)
 
 
-def _gather_and_close(inp: _Inputs, plan: dict, group, joined: bool) -> list[dict]:
+def _gather_and_close(inp: _Inputs, plan: dict, group: Group, joined: bool) -> list[dict]:
     """Every rank's weights plan with what it read and its peak memory; then the group (unless convert
     opened it) and the checkpoints are closed."""
     from quantkit.runtime import distributed
@@ -251,7 +255,7 @@ def _gather_and_close(inp: _Inputs, plan: dict, group, joined: bool) -> list[dic
     return ranks
 
 
-def _record(inp: _Inputs, dev: torch.device, dtype, ranks: list[dict], group, m: dict, kv_info: dict,
+def _record(inp: _Inputs, dev: torch.device, dtype, ranks: list[dict], group: Group, m: dict, kv_info: dict,
             gate_results: list[dict], notes: list[str], t0: float) -> dict:
     """validation.json."""
     t, tokens = inp.t, inp.tokens

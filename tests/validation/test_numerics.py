@@ -11,7 +11,7 @@ import pytest
 import torch
 from oracle import read_raw
 
-from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.conversion.pipeline import convert
 from quantkit.formats import fp8
 from quantkit.model.numerics import W8A8
