@@ -17,6 +17,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from quantkit.model.arch import preset_names
 from quantkit.quant.methods import METHODS, unknown_method
 
 app = typer.Typer(
@@ -128,7 +129,7 @@ def _plan_tasks(model: str, tasks: str, gpus: int, gpu: str, group_size: int | N
 @app.command()
 @user_errors
 def plan(
-    model: Annotated[str, typer.Argument(help="A preset (kimi-k2.6, glm-5.2, deepseek-v3), a folder with config.json, or a tiny id.")],
+    model: Annotated[str, typer.Argument(help=f"A preset ({', '.join(preset_names())}), a folder with config.json, or a tiny id.")],
     gpus: Annotated[int, typer.Option(help="GPUs in the set.")] = 8,
     gpu: Annotated[str, typer.Option(help="GPU kind: h200, h100, b200, ...")] = "h200",
     tp: Annotated[Optional[int], typer.Option(help="Tensor-parallel size (default: --gpus).")] = None,
