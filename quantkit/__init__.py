@@ -41,7 +41,7 @@ _API = {
     "verify": ("quantkit.checkpoint.manifest", "verify"),
     "pull": ("quantkit.hub.download", "pull"),
     "check_serving": ("quantkit.serving.checks", "check_serving"),
-    "Checkpoint": ("quantkit.checkpoint.shards", "Checkpoint"),
+    "Checkpoint": ("quantkit.checkpoint.reader", "Checkpoint"),
     "QuantkitError": ("quantkit.errors", "QuantkitError"),
 }
 

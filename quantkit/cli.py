@@ -17,6 +17,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from quantkit.model.arch import preset_names
 from quantkit.quant.methods import METHODS, unknown_method
 
 app = typer.Typer(
@@ -128,7 +129,7 @@ def _plan_tasks(model: str, tasks: str, gpus: int, gpu: str, group_size: int | N
 @app.command()
 @user_errors
 def plan(
-    model: Annotated[str, typer.Argument(help="A preset (kimi-k2.6, glm-5.2, deepseek-v3), a folder with config.json, or a tiny id.")],
+    model: Annotated[str, typer.Argument(help=f"A preset ({', '.join(preset_names())}), a folder with config.json, or a tiny id.")],
     gpus: Annotated[int, typer.Option(help="GPUs in the set.")] = 8,
     gpu: Annotated[str, typer.Option(help="GPU kind: h200, h100, b200, ...")] = "h200",
     tp: Annotated[Optional[int], typer.Option(help="Tensor-parallel size (default: --gpus).")] = None,
@@ -296,6 +297,7 @@ def validate(
     limit: Annotated[Optional[int], typer.Option(help="--tasks: items per task (default: all).")] = None,
     num_fewshot: Annotated[Optional[int], typer.Option(help="--tasks: few-shot examples (default: each task's).")] = None,
     long_context: Annotated[Optional[int], typer.Option(help="DSA models: tokens per long-context window (default 2 x index_topk, at most max_position_embeddings; 0: skip).")] = None,
+    numerics: Annotated[str, typer.Option(help="engine: compute as vLLM/SGLang do (FP8 block Linears W8A8, activations quantized per token in 128-column groups; INT4 experts W4A16); weights: on the dequantized weights alone (the default until the recipes' gates are re-derived under engine numerics).")] = "weights",
     quiet: Quiet = False,
     json_out: Json = False,
 ):
@@ -306,7 +308,8 @@ def validate(
     result = run_validate(folder, reference=reference, eval_data=eval_data, num_samples=num_samples, seq_len=seq_len,
                           gen_tokens=gen_tokens, device=device, gates=gate, progress=not (json_out or quiet), kv_cache_dtype=kv_cache_dtype,
                           max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory, weights=weights,
-                          tasks=tasks, task_dir=task_dir, limit=limit, num_fewshot=num_fewshot, long_context=long_context)
+                          tasks=tasks, task_dir=task_dir, limit=limit, num_fewshot=num_fewshot, numerics=numerics,
+                          long_context=long_context)
     from quantkit.runtime.distributed import from_env
 
     if not from_env().leader:  # rank 0 prints and decides the exit status
@@ -378,6 +381,7 @@ def probe(
     device: Device = "auto",
     write_card: Annotated[bool, typer.Option("--write-card", help="Add the verdict to the pair's model cards.")] = False,
     prompts: Annotated[Optional[Path], typer.Option(help="Another recorded prompt set (JSON like quantkit/probe/prompts.json; default: that one).")] = None,
+    numerics: Annotated[str, typer.Option(help="How the candidates are computed: engine (as vLLM/SGLang/transformers run the checkpoints as stored: FP8 block Linears W8A8) or weights (dequantized copies).")] = "engine",
     json_out: Json = False,
 ):
     """Check an OpenAI-compatible endpoint against the pair's reference forward; name the checkpoint it behaves like."""
@@ -385,7 +389,7 @@ def probe(
 
     result = run_probe(url, pair, model=model, api_key_env=api_key_env, timeout=timeout, retries=retries,
                        concurrency=concurrency, kv_cache_dtype=kv_cache_dtype, min_agree=min_agree, device=device,
-                       write_card=write_card, prompts=prompts)
+                       write_card=write_card, prompts=prompts, numerics=numerics)
     if json_out:
         emit_json(result.data)
     else:

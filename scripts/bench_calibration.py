@@ -69,7 +69,7 @@ def _outlier_columns(t: dict, frac: float, factor: float, seed: int) -> None:
 def _random_dsv3(folder: Path) -> None:
     import torch
 
-    from quantkit.checkpoint.shards import CheckpointWriter
+    from quantkit.checkpoint.writer import CheckpointWriter
     from quantkit.model.arch import arch_from_config
     from quantkit.synthetic.tiny import KIMI_TEXT, init_weights, tokenizer_files
 
@@ -244,7 +244,7 @@ def window_kl(ref_lp, lp):
 def run_class(name: str, args, work: Path, env: dict, say) -> dict:
     import torch
 
-    from quantkit.checkpoint.shards import Checkpoint
+    from quantkit.checkpoint.reader import Checkpoint
     from quantkit.inputs.tokens import load_tokens
     from quantkit.recipe import load_recipe, recipe_overrides
     from quantkit.validation.metrics import paired
@@ -336,7 +336,7 @@ def passthrough_differences(src: Path, decode: Path) -> list[str]:
     the source's (float32): empty when the decode differs from the source only in its experts."""
     import torch
 
-    from quantkit.checkpoint.shards import Checkpoint
+    from quantkit.checkpoint.reader import Checkpoint
     from quantkit.model.tensors import TensorClass
 
     a, b = Checkpoint(src), Checkpoint(decode)
@@ -385,7 +385,7 @@ def run_realshape(name: str, args, work: Path, env: dict, say) -> dict:
     Hessians (gate and up each their own 6144^2) do not fit this 2-core, 23 GB machine's budget."""
     import torch
 
-    from quantkit.checkpoint.shards import Checkpoint
+    from quantkit.checkpoint.reader import Checkpoint
     from quantkit.inputs.modelspec import resolve
     from quantkit.validation.metrics import paired
 

@@ -137,7 +137,7 @@ def reference_copy(src: Path, dst: Path, dtype_name: str) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from quantkit.checkpoint.shards import Checkpoint
+    from quantkit.checkpoint.reader import Checkpoint
 
     dtype = getattr(torch, dtype_name)
     ck = Checkpoint(src)
@@ -172,7 +172,7 @@ def splice_experts(ref: Path, decode: Path, dst: Path) -> Path:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from quantkit.checkpoint.shards import Checkpoint
+    from quantkit.checkpoint.reader import Checkpoint
     from quantkit.model.tensors import TensorClass
 
     sd = load_file(str(ref / "model.safetensors"))
@@ -196,7 +196,8 @@ def random_checkpoint(folder: Path, src: Path, layers: int, args) -> Path:
     depth and the --depth-* sizes, one shard per layer, the source's tokenizer files."""
     import torch
 
-    from quantkit.checkpoint.shards import Checkpoint, CheckpointWriter
+    from quantkit.checkpoint.reader import Checkpoint
+    from quantkit.checkpoint.writer import CheckpointWriter
     from quantkit.model.arch import arch_from_config
     from quantkit.synthetic.tiny import init_weights
 
@@ -355,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from quantkit.checkpoint.shards import Checkpoint
+    from quantkit.checkpoint.reader import Checkpoint
     from quantkit.inputs.modelspec import is_tiny, resolve
     from quantkit.inputs.tokens import load_tokens
     from quantkit.recipe import default_recipe, load_recipe, recipe_overrides

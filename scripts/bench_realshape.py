@@ -70,7 +70,7 @@ def run(model: str, samples: int, root: Path, budget: str, reuse: bool) -> dict:
 
 
 def matmul_rate() -> float:
-    """Float32 matmul GFLOP/s per torch thread, in CPU time (what quantkit.conversion.cost.CPU_FLOPS_PER_THREAD
+    """Float32 matmul GFLOP/s per torch thread, in CPU time (what quantkit.planner.budgets.CPU_FLOPS_PER_THREAD
     assumes): 2048x6144 @ 6144x2048 and x^T x at D 6144, the shapes of the Hessians and experts."""
     import torch
 
@@ -118,10 +118,10 @@ def main() -> None:
     if not args.full_scale_only:
         rows = [run(m, int(n), args.root, args.budget, args.reuse)
                 for m in args.models.split(",") for n in args.samples.split(",")]
-        from quantkit.conversion.cost import CPU_FLOPS_PER_THREAD
+        from quantkit.planner.budgets import CPU_FLOPS_PER_THREAD
 
         print(f"float32 matmul here: {matmul_rate():.0f} GFLOP/s per thread in CPU time "
-              f"(quantkit.conversion.cost assumes {CPU_FLOPS_PER_THREAD / 1e9:.0f})")
+              f"(quantkit.planner.budgets assumes {CPU_FLOPS_PER_THREAD / 1e9:.0f})")
         print(f"convert --method gptq --max-host-memory {args.budget}, synthetic:train, seq_len 512, --no-validate")
         print("| model | tokens | store | chunk | peak RSS GB (pred) | ratio | disk GB (pred) | wall s | CPU s | time s (pred) |")
         print("|---|---|---|---|---|---|---|---|---|---|")

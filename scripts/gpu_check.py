@@ -183,8 +183,8 @@ CONVERT_PHASES = {
     "fp8": ["quantkit.formats.fp8:quantize"],
     "pack": ["quantkit.formats.int4:store"],
     "finish": ["quantkit.conversion.pipeline:finish_pair", "quantkit.checkpoint.finish:finish_pair"],
-    "read": ["quantkit.checkpoint.shards:Checkpoint.get", "quantkit.checkpoint.shards:Checkpoint.raw"],
-    "write": ["quantkit.checkpoint.shards:CheckpointWriter.flush", "quantkit.checkpoint.shards:CheckpointWriter.drain"],
+    "read": ["quantkit.checkpoint.reader:Checkpoint.get", "quantkit.checkpoint.reader:Checkpoint.raw"],
+    "write": ["quantkit.checkpoint.writer:CheckpointWriter.flush", "quantkit.checkpoint.writer:CheckpointWriter.drain"],
 }
 VALIDATE_PHASES = {
     "tokens": ["quantkit.inputs.tokens:load_tokens"],  # imported inside validate at each call
@@ -346,8 +346,8 @@ def step_gptq(a) -> dict:
     """GPTQ per expert at real width for several experts per call; bytes per call size."""
     import torch
 
-    from quantkit.conversion.cost import CPU_FLOPS_PER_THREAD, CPU_GPTQ_EFFICIENCY, GPU_SPECS, LAUNCHES_PER_COLUMN, expert_flops
     from quantkit.formats import int4
+    from quantkit.planner.budgets import CPU_FLOPS_PER_THREAD, CPU_GPTQ_EFFICIENCY, GPU_SPECS, LAUNCHES_PER_COLUMN, expert_flops
     from quantkit.quant.gptq import gptq
 
     s = SIZES[a.size]["gptq"]
@@ -428,7 +428,7 @@ def _fit_gptq(runs: dict, per_expert_flops: float, columns: int) -> dict:
     """seconds per expert = F + L / (experts per call), least squares over the call sizes: F is the
     per-expert work (implied GPTQ FLOP/s = its FLOPs / F), L the per-call cost (the column loop's
     launches: implied seconds per launch = L / (columns x LAUNCHES_PER_COLUMN))."""
-    from quantkit.conversion.cost import LAUNCHES_PER_COLUMN
+    from quantkit.planner.budgets import LAUNCHES_PER_COLUMN
 
     xs = [1.0 / int(c) for c in runs]
     ys = [r["seconds_per_expert"] for r in runs.values()]

@@ -101,7 +101,7 @@ def kl_stats(a_logits: torch.Tensor, b_logits: torch.Tensor) -> dict:
 
 def compare_pair(cpu_out: Path, dev_out: Path) -> dict:
     """Verdict for one model: convert output on the CPU (cpu_out) vs on the device (dev_out)."""
-    from quantkit.checkpoint.shards import Checkpoint
+    from quantkit.checkpoint.reader import Checkpoint
     from quantkit.validation.forward import logits
 
     result = {"tensors": {kind: compare_tensors(cpu_out / kind, dev_out / kind) for kind in ("prefill", "decode")}}

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from quantkit import convert
-from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.inputs.modelspec import open_checkpoint
 from quantkit.inputs.tokens import load_tokens
 from quantkit.model.kvcache import E4M3_MAX, KVCache, per_tensor

@@ -16,7 +16,8 @@ from conftest import small_config
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from quantkit.checkpoint.shards import INDEX, CheckpointWriter
+from quantkit.checkpoint.index import INDEX
+from quantkit.checkpoint.writer import CheckpointWriter
 from quantkit.errors import CheckpointError, ConfigError
 from quantkit.model.arch import arch_from_config
 from quantkit.synthetic.tiny import init_weights

@@ -17,7 +17,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from quantkit.checkpoint.shards import CheckpointWriter
+from quantkit.checkpoint.writer import CheckpointWriter
 from quantkit.formats import fp8, int4
 from quantkit.model.arch import arch_from_config
 from quantkit.quant.gptq import quantize_rtn

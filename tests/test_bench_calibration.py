@@ -60,7 +60,7 @@ def test_variant_recipe_changes_only_the_named_field(bench, tmp_path):
 def test_last_layer_log_probs_equal_the_full_forward(bench):
     """realshape-glm's quality: the layers before the last run once, from the source; only the last
     layer and the head per checkpoint. On one checkpoint that is the full forward."""
-    from quantkit.checkpoint.shards import Checkpoint
+    from quantkit.checkpoint.reader import Checkpoint
     from quantkit.inputs.modelspec import resolve
     from quantkit.validation.forward import logits
 

@@ -747,7 +747,7 @@ def test_ctrl_c_says_resume_continues(src, whole, tmp_path, monkeypatch):
 
 
 def test_disk_precheck_message_has_real_sizes(src, tmp_path):
-    from quantkit.checkpoint.shards import Checkpoint
+    from quantkit.checkpoint.reader import Checkpoint
     from quantkit.conversion.precision import decide
     from quantkit.recipe import default_recipe
 

@@ -100,7 +100,7 @@ def test_a_partly_held_mtp_layer_is_still_refused(saved, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from quantkit.checkpoint.shards import Checkpoint
+    from quantkit.checkpoint.reader import Checkpoint
 
     folder = tmp_path / "part"
     shutil.copytree(saved, folder)

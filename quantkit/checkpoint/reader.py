@@ -122,6 +122,9 @@ class Checkpoint:
             check_links(self.folder)
         self.arch: ModelArch = load_arch(self.folder)
         self.check_finite = check_finite
+        # how the forward computes this checkpoint's Linears (quantkit.model.numerics): "weights" on the
+        # dequantized weights, "engine" as vLLM/SGLang do (FP8 block layers W8A8); validate sets it
+        self.numerics = "weights"
         self.release_consumed = release_consumed
         self._handles: dict[str, object] = {}
         self.bytes_read = 0  # stored bytes read from the files so far (validate reports it)
@@ -330,6 +333,11 @@ class Checkpoint:
             if s in self._held:
                 self._held.discard(s)
                 self._unread[self.weight_map[s]].discard(s)
+
+    def consumed(self, f: str) -> bool:
+        """Every tensor stored in shard file `f` has been read (held ones released): the file is done
+        with, so a prefetcher has nothing to fetch for it (it may already be released)."""
+        return not self._unread.get(f)
 
     def release_finished(self) -> list[str]:
         """Close every shard all of whose tensors have been read, and with a streamed source and

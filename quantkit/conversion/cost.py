@@ -17,7 +17,7 @@ C experts per chunk, B samples per micro-batch, w = 4 bytes per float32; compute
     moe_layer     experts, float32
     load_transient dequantizing the largest tensor: 3 float32 copies (values, scales, product);
                   the source itself costs nothing beyond that: it is read with positioned reads
-                  into memory freed with each tensor, not memory-mapped (quantkit.checkpoint.shards)
+                  into memory freed with each tensor, not memory-mapped (quantkit.checkpoint.reader)
     store         h and x for every calibration token: 2 N T D bytes-per-element (MoE layers)
                   (0 in RAM when disk-backed)
     routing       top-k ids (int16) and weights (float32): 6 N T k
@@ -53,9 +53,9 @@ expert of a layer quantized (int8 q + bf16 scales), which each rank holds betwee
 the h update (every rank still holds the whole store); time adds `exchange`, broadcasting them,
 and `gather`, giving every rank the micro-batches' h, x and routing the others computed.
 
-Time is FLOPs over a sustained rate per device (CPU_FLOPS_PER_THREAD measured on the 2-core test
-machine, GPTQ's column loop at CPU_GPTQ_EFFICIENCY of it; GPU rates from the data sheet at the
-efficiency stated in GPU_SPECS), bytes over disk bandwidth, and a per-column kernel-launch cost for
+Time is FLOPs over a sustained rate per device (the rates are quantkit.planner.budgets':
+CPU_FLOPS_PER_THREAD measured on the 2-core test machine, GPTQ's column loop at CPU_GPTQ_EFFICIENCY
+of it; GPU rates from the data sheet at the efficiency stated in GPU_SPECS), bytes over disk bandwidth, and a per-column kernel-launch cost for
 GPTQ's column loop on a GPU. The disk works while the layers compute (the next layer is read ahead,
 cut parts are saved in the background): the run pays the first layer's read, the last layer's
 write, `disk_wait` when reads and writes together need longer than the compute, and
@@ -75,22 +75,25 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from quantkit.conversion.activations import StorePlan
 from quantkit.errors import ConfigError
-from quantkit.planner.budgets import (  # noqa: F401  (GB, parse_bytes, expert_fixed_tokens: re-exported for plan --convert)
+from quantkit.planner.budgets import (
     BASE_BYTES,
     CHUNK_MAX,
+    CPU_DISK,
+    CPU_FLOPS_PER_THREAD,
+    CPU_GPTQ_EFFICIENCY,
     F32,
-    GB,
+    GLOO_BYTES,
     GPU_SPECS,
-    GiB,
+    LAUNCHES_PER_COLUMN,
+    NVLINK_BYTES,
     LayerShapes,
     device_memory,
-    expert_fixed_tokens,
     expert_flops,
     layer_shapes,
     parse_bytes,
@@ -99,6 +102,13 @@ from quantkit.planner.budgets import (  # noqa: F401  (GB, parse_bytes, expert_f
 )
 from quantkit.quant.methods import Inputs, method_for
 from quantkit.runtime.machine import available_host_memory, peak_rss  # noqa: F401
+from quantkit.runtime.units import GB, GiB
+
+if TYPE_CHECKING:
+    from quantkit.checkpoint.reader import Checkpoint
+    from quantkit.model.arch import ModelArch
+    from quantkit.recipe import Recipe
+
 
 MIN_SHARD = 256 * 2**20
 # convert's resume state holds h for every calibration token (26 GB for GLM 5.2's shipped recipe in
@@ -108,21 +118,6 @@ STATE_OVERHEAD = 0.05
 # On a GPU, GPTQ's column loop is launch-bound (LAUNCHES_PER_COLUMN small kernels per column,
 # whatever the batch), so a larger batch of experts per call costs launches once for all of them.
 CHUNK_MAX_GPU = 64
-
-# Sustained rates. CPU: float32 matmul per torch thread, in CPU time, on the 2-core AMD EPYC test
-# machine (2048x6144 @ 6144x2048 and 6144x4096 @ 4096x6144: 104-105 GFLOP/s as scripts/bench_realshape.py
-# prints it); times torch's threads. Wall time on a shared machine is longer by the load.
-CPU_FLOPS_PER_THREAD = 95e9
-# GPTQ's column loop on the CPU (rank-1 updates within each block, per-column quantization) runs
-# at a fraction of the matmul rate: 0.4, fitted to the real-shape GLM runs at 8x512 and 32x512
-# tokens and checked on the real-shape Kimi ones (docs/benchmarks.md).
-CPU_GPTQ_EFFICIENCY = 0.4
-CPU_DISK = 1.0e9  # bytes/s read or written
-# the multi-rank exchange (quantkit.runtime.distributed): NCCL over NVLink at a conservative share of its
-# 450 GB/s per direction for broadcasts; gloo over loopback TCP on one host
-NVLINK_BYTES = 100e9
-GLOO_BYTES = 1.0e9
-LAUNCHES_PER_COLUMN = 12
 
 
 @dataclass
@@ -692,7 +687,7 @@ def _model_for(model: str):
     return ckpt.arch, ckpt
 
 
-def _preset_sizes(model: str, arch, rec) -> tuple[int, tuple[int, int], int, float]:
+def _preset_sizes(model: str, arch: ModelArch, rec: Recipe) -> tuple[int, tuple[int, int], int, float]:
     """(source bytes, (prefill, decode) bytes, routed experts' bytes in the three, quantized
     fraction) of a preset, from the planner's checkpoint sizes at the recipe's group size."""
     from quantkit.conversion.precision import source_int4_group
@@ -709,7 +704,7 @@ def _preset_sizes(model: str, arch, rec) -> tuple[int, tuple[int, int], int, flo
     return sizes["source"].total_bytes, (sizes["prefill"].total_bytes, sizes["decode"].total_bytes), expert_bytes, quantized
 
 
-def _checkpoint_sizes(ckpt, rec) -> tuple[int, tuple[int, int], int, float]:
+def _checkpoint_sizes(ckpt: Checkpoint, rec: Recipe) -> tuple[int, tuple[int, int], int, float]:
     """The same as `_preset_sizes` for a checkpoint, from convert's own per-tensor decisions."""
     from quantkit.conversion.precision import decide_all, predicted_bytes
     from quantkit.model.tensors import TensorClass

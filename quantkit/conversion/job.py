@@ -9,13 +9,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.conversion.precision import Decision
 from quantkit.conversion.resume import State
+
+if TYPE_CHECKING:
+    from quantkit.conversion.cost import ConvertCost
+    from quantkit.model.arch import ModelArch
+    from quantkit.recipe import Recipe
+    from quantkit.runtime.distributed import Group
 
 
 @dataclass
@@ -24,17 +30,17 @@ class Job:
     the plan (set once quantkit.conversion.cost has sized the run), and the progress."""
 
     ckpt: Checkpoint
-    rec: Any  # quantkit.recipe.Recipe, overrides applied
+    rec: Recipe  # overrides applied
     decisions: dict[str, Decision]
-    group: Any  # quantkit.runtime.distributed.Group (SINGLE for a plain run)
+    group: Group  # SINGLE for a plain run
     dev: torch.device
     dtype: torch.dtype
     state: State
     state_dir: Path
-    cost: Any = None  # quantkit.conversion.cost.ConvertCost
+    cost: ConvertCost | None = None  # set by the pipeline once quantkit.conversion.cost has sized the run
 
     @property
-    def arch(self):
+    def arch(self) -> ModelArch:
         return self.ckpt.arch
 
     @property

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from quantkit.checkpoint.shards import Checkpoint, CheckpointWriter
+from quantkit.checkpoint.reader import Checkpoint
+from quantkit.checkpoint.writer import CheckpointWriter
 from quantkit.conversion.job import Job
 from quantkit.conversion.kvscales import kv_cache_scheme
 from quantkit.conversion.precision import (
@@ -100,7 +101,7 @@ class PairWriter:
         self.decode.flush()
 
     def drain(self) -> None:
-        """Both outputs' cut parts are on disk (quantkit.checkpoint.shards.CheckpointWriter saves in the background)."""
+        """Both outputs' cut parts are on disk (quantkit.checkpoint.writer.CheckpointWriter saves in the background)."""
         self.prefill.drain()
         self.decode.drain()
 
@@ -123,7 +124,7 @@ def owned_output(fn):
     @functools.wraps(fn)
     def wrapper(model, out, *args, device: str = "auto", **kwargs):
         from quantkit.checkpoint.outlock import acquire, unusable
-        from quantkit.model.reference import resolve_device
+        from quantkit.runtime.device import resolve_device
         from quantkit.runtime.distributed import from_env
 
         resolve_device(device)

@@ -31,11 +31,12 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from quantkit.checkpoint.finish import finish_pair, journal
-from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.checkpoint.unfinished import record_command
 from quantkit.conversion.job import Job
 from quantkit.conversion.outputs import (
@@ -56,6 +57,11 @@ from quantkit.inputs.modelspec import open_checkpoint
 from quantkit.runtime import distributed
 from quantkit.runtime.machine import peak_rss
 from quantkit.runtime.progress import LayerProgress
+
+if TYPE_CHECKING:
+    from quantkit.model.arch import ModelArch
+    from quantkit.recipe import Recipe
+    from quantkit.runtime.distributed import Group
 
 
 @owned_output
@@ -231,7 +237,7 @@ def _previous_run(out: Path, state_dir: Path, resume: bool, leader: bool) -> tup
     return None, finishing
 
 
-def _recipe(model, arch, recipe, **overrides):
+def _recipe(model: str, arch: ModelArch, recipe: str | Path | None, **overrides) -> Recipe:
     """The recipe named, else the model family's; the options given override its fields."""
     from quantkit.recipe import resolve_recipe
 
@@ -241,7 +247,7 @@ def _recipe(model, arch, recipe, **overrides):
 def _join_ranks(device: str, out: Path, delete_source_after: bool):
     """The compute device, and under torchrun the other ranks (quantkit.runtime.distributed); a plain
     run is SINGLE and this is a no-op. Several ranks share the source and (several nodes) --out."""
-    from quantkit.model.reference import resolve_device
+    from quantkit.runtime.device import resolve_device
 
     group, dev = distributed.init(resolve_device(device))
     if group.distributed and delete_source_after:
@@ -251,7 +257,7 @@ def _join_ranks(device: str, out: Path, delete_source_after: bool):
     return group, dev
 
 
-def _decide(ckpt: Checkpoint, rec) -> tuple[dict[str, Decision], bool]:
+def _decide(ckpt: Checkpoint, rec: Recipe) -> tuple[dict[str, Decision], bool]:
     """Every tensor's storage in both outputs, and whether the run reads calibration data
     (quantkit.conversion.precision: the same calls `plan --convert` makes)."""
     return decide_all(ckpt, rec), needs_calibration(rec)
@@ -264,7 +270,7 @@ def _later_options(args: dict) -> dict:
     return {v: args[k] for k, v in names.items() if args.get(k) is not None}
 
 
-def _validation_inputs(rec, ckpt: Checkpoint, *, eval_data, num_samples, seq_len, gen_tokens, gates) -> dict:
+def _validation_inputs(rec: Recipe, ckpt: Checkpoint, *, eval_data, num_samples, seq_len, gen_tokens, gates) -> dict:
     """What the chained validate will read, read now, before the first layer: its eval data must
     load and yield its windows, its gates must parse. On a real model a dataset that cannot load
     offline otherwise fails hours later, after every layer. Returns validate's keyword options."""
@@ -290,7 +296,7 @@ def _validation_inputs(rec, ckpt: Checkpoint, *, eval_data, num_samples, seq_len
     return {k: x for k, x in opts.items() if x is not None}
 
 
-def _calibration_tokens(rec, ckpt: Checkpoint, trust_remote_code: bool):
+def _calibration_tokens(rec: Recipe, ckpt: Checkpoint, trust_remote_code: bool):
     """The recipe's calibration tokens, tokenized with the source's own tokenizer."""
     from quantkit.inputs.tokens import load_tokens
 
@@ -357,7 +363,7 @@ def _debug_delay() -> None:
         time.sleep(delay)
 
 
-def _other_rank(out: Path, group, validate: bool, device, later: dict) -> ConvertResult:
+def _other_rank(out: Path, group: Group, validate: bool, device, later: dict) -> ConvertResult:
     """A multi-rank convert's rank > 0: rank 0 finishes the output alone and has the report; this
     rank joins the chained validate (with its share of the experts) once the output is finished."""
     result = ConvertResult(out, out / "prefill", out / "decode", {}, rank=group.rank)
@@ -366,7 +372,7 @@ def _other_rank(out: Path, group, validate: bool, device, later: dict) -> Conver
     return _validated(result, group, validate, device, False, later)
 
 
-def _validated(result: ConvertResult, group, validate: bool, device, progress, later: dict | None = None) -> ConvertResult:
+def _validated(result: ConvertResult, group: Group, validate: bool, device, progress, later: dict | None = None) -> ConvertResult:
     """convert's last step: `quantkit.validate` on the pair (unless validate=False), then the ranks part."""
     if validate:
         from quantkit.validation.pipeline import validate as run_validate

@@ -7,7 +7,10 @@ same KV cache from the same hidden states:
     routed experts                   FP8 128x128 block             INT4 group-G symmetric (GPTQ/AWQ/RTN,
                                                                    or the source's INT4 reused)
     attention, indexer wq_b/wk,      FP8 block, or BF16 where a projection cannot be blocked the way
-    shared experts, dense MLP        engines need (Kimi's q_a_proj, kv_a_proj_with_mqa): same in both
+    shared experts, dense MLP        engines need (Kimi's q_a_proj, kv_a_proj_with_mqa) or cannot run
+                                     as FP8 blocks at all (an input dim not a multiple of the block,
+                                     e.g. kv_b_proj at kv_lora_rank 64: formats.fp8.cannot_run; a
+                                     source FP8 tensor is then dequantized): same in both
     router, bias, norms, embeddings, as stored in the source, byte for byte: same in both
     head, vision, MTP extras
 
@@ -21,13 +24,18 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from quantkit.checkpoint.shards import Checkpoint, Stored
+from quantkit.checkpoint.reader import Checkpoint, Stored
 from quantkit.errors import ConfigError
 from quantkit.formats import fp8, int4
 from quantkit.model.arch import ModelArch
 from quantkit.model.tensors import TensorClass
 from quantkit.quant.methods import method_for
+
+if TYPE_CHECKING:
+    from quantkit.recipe import Recipe
+
 
 # Storage actions
 PASS = "pass"  # copy the stored tensors byte for byte
@@ -48,7 +56,7 @@ def _fp8_or_pass(st: Stored) -> str:
     return PASS if st.format == "fp8" else FP8
 
 
-def decide(st: Stored, recipe, group_size: int, source_group: int | None, always_bf16: tuple[str, ...] = ()) -> Decision:
+def decide(st: Stored, recipe: Recipe, group_size: int, source_group: int | None, always_bf16: tuple[str, ...] = ()) -> Decision:
     """Where one source tensor goes in each output; pure, so a dry run can check every name.
     `always_bf16`: the projections the model family never stores FP8 (its definition's)."""
     d = _decide_both(st, recipe, group_size, source_group, always_bf16)
@@ -61,7 +69,7 @@ def decide(st: Stored, recipe, group_size: int, source_group: int | None, always
     return d
 
 
-def _decide_both(st: Stored, recipe, group_size: int, source_group: int | None, always_bf16: tuple[str, ...]) -> Decision:
+def _decide_both(st: Stored, recipe: Recipe, group_size: int, source_group: int | None, always_bf16: tuple[str, ...]) -> Decision:
     info = st.info
     k = info.klass
     if k == TensorClass.ROUTED_EXPERT:
@@ -72,6 +80,12 @@ def _decide_both(st: Stored, recipe, group_size: int, source_group: int | None, 
         return Decision(prefill, INT4)
     linear = info.is_linear and k in (TensorClass.ATTENTION, TensorClass.INDEXER, TensorClass.SHARED_EXPERT, TensorClass.DENSE_MLP)
     if linear and info.proj not in always_bf16:
+        if why := fp8.cannot_run(st.shape, recipe.prefill.fp8_block):
+            # decided here, before any work: a source FP8 tensor of this shape is dequantized to BF16
+            # (the dtype engines compute an unquantized Linear in), a BF16 one kept as stored; in both
+            # outputs, so the pair still shares it byte for byte
+            return Decision(BF16 if st.format != "dense" else PASS, BF16 if st.format != "dense" else PASS,
+                            f"BF16 in both outputs: {why}")
         if st.format == "fp8":
             return Decision(PASS, PASS, "source FP8")
         setting = {TensorClass.SHARED_EXPERT: recipe.prefill.shared_experts, TensorClass.DENSE_MLP: recipe.prefill.dense_mlp}.get(k, "fp8")
@@ -301,7 +315,7 @@ def layer_experts(ckpt: Checkpoint, decisions: dict[str, Decision], layer: int) 
     return by_expert, {e for e in by_expert if decisions[f"{pre}mlp.experts.{e}.down_proj.weight"].decode == INT4}
 
 
-def decide_all(ckpt: Checkpoint, rec) -> dict[str, Decision]:
+def decide_all(ckpt: Checkpoint, rec: Recipe) -> dict[str, Decision]:
     """Every tensor's storage in both outputs under `rec`: what convert does, and what
     `plan --convert` sizes (one call, so the plan is the engine's own accounting)."""
     source_group = source_int4_group(ckpt.arch)
@@ -325,7 +339,7 @@ def check_groups(ckpt: Checkpoint, decisions: dict[str, Decision], group_size: i
                               f"columns, not a multiple of the INT4 group size {group_size}; {fix}")
 
 
-def needs_calibration(rec) -> bool:
+def needs_calibration(rec: Recipe) -> bool:
     """A calibrated method (quantkit.quant.methods.Method.calibrated) calibrates: the experts' Hessians
     need the tokens, and the FP8 KV cache's scales are measured on them too (quantkit.model.kvcache),
     so a source whose experts are all reused (Kimi's INT4) still gets its pass. A data-free convert

@@ -11,19 +11,23 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quantkit import __version__
-from quantkit.checkpoint.shards import Checkpoint, file_sha256
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.conversion.job import Job
 from quantkit.conversion.kvscales import kv_cache_report
 from quantkit.conversion.precision import PASS, precision_summary
 from quantkit.conversion.resume import State
 from quantkit.quant.experts import HOLDOUT, ExpertRecord
 from quantkit.quant.methods import METHODS, Inputs, method_for
+from quantkit.runtime.files import file_sha256
 from quantkit.runtime.machine import peak_rss
 from quantkit.runtime.progress import rich_html
 from quantkit.runtime.units import decimal_bytes
+
+if TYPE_CHECKING:
+    from quantkit.runtime.distributed import Group
 
 
 @dataclass
@@ -85,7 +89,7 @@ def source_identity(ckpt: Checkpoint) -> dict[str, str]:
     return {p.name: file_sha256(p) for p in sorted(ckpt.folder.iterdir()) if p.is_file()}
 
 
-def distributed_report(group, state: State, used: list[dict]) -> dict:
+def distributed_report(group: Group, state: State, used: list[dict]) -> dict:
     """The job's shape, each rank's share of the experts over all layers, the parts it wrote (this
     run) and its peak RSS (quantkit.runtime.distributed)."""
     if not group.distributed:

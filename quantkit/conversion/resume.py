@@ -15,12 +15,17 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from safetensors.torch import load_file, save_file
 
 from quantkit import __version__
 from quantkit.errors import OutputError
 from quantkit.runtime import faults
+
+if TYPE_CHECKING:
+    from quantkit.recipe import Recipe
+
 
 STATE_DIR = ".quantkit-convert"
 
@@ -39,7 +44,7 @@ class State:
     differ: list[str] = field(default_factory=list)
 
 
-def fingerprint(source_files: dict[str, str], rec, tokens) -> str:
+def fingerprint(source_files: dict[str, str], rec: Recipe, tokens) -> str:
     """One digest of everything that decides the output bytes (a resume must match it)."""
     return hashlib.sha256(json.dumps(
         [source_files, rec.model_dump(mode="json"), tokens.sha256 if tokens else None, __version__]).encode()).hexdigest()

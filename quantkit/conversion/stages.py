@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.conversion.activations import ActivationStore
 from quantkit.conversion.job import Job
 from quantkit.conversion.kvscales import write_kv_scales
@@ -29,6 +29,10 @@ from quantkit.quant.experts import ExpertRecord
 from quantkit.quant.methods import method_for
 from quantkit.runtime import distributed, faults
 
+if TYPE_CHECKING:
+    from quantkit.inputs.tokens import TokenData
+    from quantkit.runtime.distributed import Group
+
 
 @dataclass
 class Calibration:
@@ -37,11 +41,11 @@ class Calibration:
     layer to layer, and `split`, the group when several ranks share the micro-batches. An RTN run
     (no tokens) has none of these: store None."""
 
-    tokens: Any = None  # quantkit.inputs.tokens' calibration tokens
+    tokens: TokenData | None = None  # the calibration tokens (quantkit.inputs.tokens)
     store: ActivationStore | None = None
     ctx: Context | None = None
     topks: list = field(default_factory=list)
-    split: Any = None
+    split: Group | None = None
 
     def close(self) -> None:
         if self.store is not None:
@@ -211,7 +215,7 @@ class Prefetcher:
             self.pool.submit(self._fetch, f)
 
     def _fetch(self, f: str) -> None:
-        if self.ckpt._unread[f]:  # not consumed (and so not released) yet
+        if not self.ckpt.consumed(f):  # not released yet
             self.ckpt.remote.fetch(f)
 
     def close(self) -> None:

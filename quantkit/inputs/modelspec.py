@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.errors import ConfigError
 
 

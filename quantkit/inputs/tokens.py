@@ -38,8 +38,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from quantkit.checkpoint.shards import file_sha256
 from quantkit.errors import ConfigError
+from quantkit.runtime.files import file_sha256
 
 __all__ = ["TokenData", "load_tokens", "parse_spec", "HELDOUT_SEED"]
 

@@ -22,13 +22,14 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.model.arch import ModelArch
+from quantkit.model.numerics import linear
 
 W = dict[str, torch.Tensor]
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """The gated MLP of every dense layer and every expert: down(silu(gate x) * up x)."""
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
 
 def mlp(x: torch.Tensor, w: W, prefix: str) -> torch.Tensor:

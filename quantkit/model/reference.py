@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from quantkit.model.arch import ModelArch
 from quantkit.model.moe import Routing, mlp, moe
+from quantkit.model.numerics import linear  # every Linear, as the checkpoint's numerics compute it
 
 if TYPE_CHECKING:
     from quantkit.model.kvcache import KVCache
@@ -40,10 +41,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
-
-
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, w)
 
 
 # ---- rope --------------------------------------------------------------------------------------
@@ -300,25 +297,3 @@ def decoder_layer(h: torch.Tensor, w: W, ctx: Context, layer: int) -> LayerOutpu
 
 def head_weight_name(arch: ModelArch) -> str:
     return f"{arch.prefix}embed_tokens.weight" if arch.tie_word_embeddings else arch.head_name
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    """auto, cpu, cuda or cuda:N, checked against this machine (a one-line error, before any work)."""
-    from quantkit.errors import ConfigError
-
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ConfigError(f"--device {device!r}: not a device; use auto, cpu, cuda or cuda:N") from None
-    if dev.type == "cuda":
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n == 0:
-            raise ConfigError(f"--device {device}: no CUDA device on this machine (torch {torch.__version__}); "
-                              "use --device cpu or auto")
-        if dev.index is not None and dev.index >= n:
-            raise ConfigError(f"--device {device}: this machine has {n} CUDA device(s) (cuda:0..cuda:{n - 1}); pick one of them")
-    elif dev.type != "cpu":
-        raise ConfigError(f"--device {device}: quantkit runs on cpu or cuda; use auto, cpu, cuda or cuda:N")
-    return dev

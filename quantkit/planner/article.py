@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from quantkit.planner.units import GB, GiB
+from quantkit.runtime.units import GB, GiB
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 Shared by convert's cost estimate (quantkit.conversion.cost, whose docstring gives the whole
 memory and time accounting) and validate's expert chunking (quantkit.validation.pipeline): one
-set of layer shapes, one GPU table (quantkit.planner.gpus), one parser for sizes such as 8GB.
+set of layer shapes, one GPU table (quantkit.planner.gpus) and the CPU, disk and interconnect
+rates beside it, one parser for sizes such as 8GB.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import torch
 
 from quantkit.errors import ConfigError
 from quantkit.planner.gpus import GPUS
-from quantkit.planner.units import GB, GiB
 from quantkit.runtime.machine import available_host_memory
+from quantkit.runtime.units import GB, GiB
 
 F32 = 4
 
@@ -30,6 +31,23 @@ GPU_SPECS: dict[str, dict[str, float]] = {
     name: {"flops": g.flops, "mem_gib": g.mem_gib, "disk": g.disk, "launch": g.launch}
     for name, g in GPUS.items() if g.flops is not None
 }
+
+# The other sustained rates convert's cost model (quantkit.conversion.cost) assumes, beside the GPUs'.
+# CPU: float32 matmul per torch thread, in CPU time, on the 2-core AMD EPYC test machine
+# (2048x6144 @ 6144x2048 and 6144x4096 @ 4096x6144: 104-105 GFLOP/s as scripts/bench_realshape.py
+# prints it); times torch's threads. Wall time on a shared machine is longer by the load.
+CPU_FLOPS_PER_THREAD = 95e9
+# GPTQ's column loop on the CPU (rank-1 updates within each block, per-column quantization) runs
+# at a fraction of the matmul rate: 0.4, fitted to the real-shape GLM runs at 8x512 and 32x512
+# tokens and checked on the real-shape Kimi ones (docs/benchmarks.md).
+CPU_GPTQ_EFFICIENCY = 0.4
+CPU_DISK = 1.0e9  # bytes/s read or written
+# the multi-rank exchange (quantkit.runtime.distributed): NCCL over NVLink at a conservative share of its
+# 450 GB/s per direction for broadcasts; gloo over loopback TCP on one host
+NVLINK_BYTES = 100e9
+GLOO_BYTES = 1.0e9
+LAUNCHES_PER_COLUMN = 12
+
 
 def parse_bytes(v: int | float | str | None, what: str) -> int | None:
     """8GB, 8 GiB, 512MB, 8e9 or a number of bytes."""

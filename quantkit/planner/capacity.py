@@ -71,7 +71,7 @@ from quantkit.planner.render import (  # noqa: F401  (capacity_beside_delta, ren
     plan_tables,
     render_plan,
 )
-from quantkit.planner.units import GB, GiB
+from quantkit.runtime.units import GB, GiB
 
 KINDS = ("source", "bf16", "prefill", "decode", "int4-bf16")
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quantkit.checkpoint.shards import Checkpoint, Stored
+from quantkit.checkpoint.reader import Checkpoint, Stored
 
 
 def storage_format(st: Stored, ckpt: Checkpoint) -> str:
@@ -122,8 +122,8 @@ def _preset_label(spec, fmt) -> str:
 
 
 def inspect(model: str | Path, *, allow_unverified: bool = False) -> Inspection:
-    """Summarise a model folder, tiny id, hf:// id (headers only) or preset name (kimi-k2.6,
-    glm-5.2, deepseek-v3: from the real config, no weights): family, layers, params and bytes per
+    """Summarise a model folder, tiny id, hf:// id (headers only) or preset name
+    (`model.arch.preset_names()`: from the real config, no weights): family, layers, params and bytes per
     class, storage format."""
     from quantkit.inputs.modelspec import is_hub, is_realshape, is_tiny, open_checkpoint
     from quantkit.model.arch import preset_names

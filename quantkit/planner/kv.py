@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from quantkit.errors import ConfigError
 from quantkit.model.arch import ModelArch
-from quantkit.planner.units import GiB
+from quantkit.runtime.units import GiB
 
 KV_DTYPES = {"bf16": "bf16", "fp8": "fp8", "fp8_e4m3": "fp8"}
 

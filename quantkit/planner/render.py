@@ -12,7 +12,7 @@ import html
 from typing import Any
 
 from quantkit.model.tensors import TensorClass
-from quantkit.planner.units import GiB
+from quantkit.runtime.units import GiB
 
 Section = tuple[str, list[str], list[list[str]]]  # title, column headers, rows
 
@@ -103,7 +103,7 @@ def _by_class(plan) -> Section:
 
 def _kv(plan) -> Section:
     rows = [[d, str(v["latent"]), str(v["indexer_avg"]), f"{v['per_token']:,}"] for d, v in plan.kv_bytes_per_layer.items()]
-    return f"KV cache per token ({plan.kv_layers} layers)", ["dtype", "latent B/layer", "indexer B/layer", "B/token"], rows
+    return f"KV cache per token ({plan.kv_layers} layers)", ["dtype", "cache B/layer", "indexer B/layer", "B/token"], rows
 
 
 def _article(plan) -> Section:

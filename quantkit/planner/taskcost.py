@@ -15,10 +15,10 @@ import math
 from dataclasses import asdict, dataclass
 
 from quantkit.errors import ConfigError
+from quantkit.runtime.units import GB, GiB
 
 __all__ = ["PROFILES", "TaskProfile", "TaskCost", "activation_bytes", "task_cost"]
 
-GB = 1e9
 HBM = 4.8e12  # bytes/s of one H200's memory: every pass reads the kept weights and writes them dequantized (float32)
 
 
@@ -121,7 +121,7 @@ def plan_tasks(model: str, tasks: str | list[str], *, gpus: int = 1, gpu: str = 
         raise ConfigError(f"--gpu {gpu}: no sustained rates for a task-cost estimate (known: {known})")
     p = size_plan(model, group_size=group_size)
     arch = _arch(model)
-    return [task_cost(arch, t, row, p.checkpoints[row].total_bytes, active_params=p.params_active, gpus=gpus, gpu_bytes=int(spec.mem_gib * 2**30),
+    return [task_cost(arch, t, row, p.checkpoints[row].total_bytes, active_params=p.params_active, gpus=gpus, gpu_bytes=int(spec.mem_gib * GiB),
                       flops=spec.flops, disk=spec.disk)
             for t in names for row in ("source", "prefill", "decode")]
 

@@ -24,7 +24,8 @@ class ProbeResult:
         d = self.data
         out = [f"endpoint {d['endpoint']} (model {d['model']}), prompt set {d['prompt_set']['name']} "
                f"({d['prompt_set']['prompts']} prompts, max_tokens {d['prompt_set']['max_tokens']}); "
-               f"logprobs {'returned' if d['logprobs'] else 'not returned (greedy agreement only)'}",
+               f"logprobs {'returned' if d['logprobs'] else 'not returned (greedy agreement only)'}; "
+               f"candidates in {(d.get('numerics') or {}).get('mode', 'weights')} numerics",
                f"{'checkpoint':<62} {'greedy agree':>12} {'exact':>7} {'top-k KL':>10}"]
         for k, s in d["candidates"].items():
             kl = "—" if s["topk_kl"] is None else f"{s['topk_kl']:.4f}"
@@ -37,11 +38,18 @@ class ProbeResult:
 def probe(url: str, pair: str | Path, *, model: str | None = None, api_key_env: str = "OPENAI_API_KEY",
           timeout: float = 60.0, retries: int = 4, concurrency: int = 4, kv_cache_dtype: str = "auto",
           min_agree: float = 0.9, device: str = "auto", write_card: bool = False, logprobs: bool = True,
-          prompts: str | Path | None = None) -> ProbeResult:
+          prompts: str | Path | None = None, numerics: str = "engine") -> ProbeResult:
     """Probe `url` (an OpenAI-compatible server) with the recorded prompts and name the checkpoint of
     `pair` (a `quantkit convert` output, or one checkpoint folder) that it behaves most like.
-    `prompts`: another recorded prompt set (default: the shipped quantkit/probe/prompts.json)."""
+    `prompts`: another recorded prompt set (default: the shipped quantkit/probe/prompts.json).
+    `numerics`: how the candidates are computed (quantkit.model.numerics): `engine`, as vLLM, SGLang and
+    transformers compute the checkpoints as stored (FP8 block Linears W8A8), or `weights` (a server
+    running dequantized copies)."""
+    from quantkit.model.numerics import NUMERICS, numerics_record
     from quantkit.validation.targets import target
+
+    if numerics not in NUMERICS:
+        raise ProbeError(f"--numerics {numerics}: one of {', '.join(NUMERICS)}")
 
     t = target(pair, None)
     tok_dir = t.models.get("decode") or t.reference_path
@@ -58,7 +66,8 @@ def probe(url: str, pair: str | Path, *, model: str | None = None, api_key_env: 
     warnings = [f"prompt {p.id}: the server counted {r.prompt_tokens} prompt tokens, the pair's tokenizer "
                 f"{len(p.ids)}: the endpoint tokenizes differently (another tokenizer or chat template)"
                 for p, r in zip(ps.prompts, replies) if r.prompt_tokens is not None and r.prompt_tokens != len(p.ids)]
-    data = _compare(t, ps, observed, tok_dir, kv_cache_dtype, min_agree, device)
+    data = _compare(t, ps, observed, tok_dir, kv_cache_dtype, min_agree, device, numerics)
+    data["numerics"] = numerics_record(numerics)
     data.update(endpoint=ep.url, model=ep.model, date=_dt.date.today().isoformat(), warnings=warnings + data["warnings"],
                 logprobs=any(o.top for o in observed),
                 replies=[{"id": p.id, "text": r.text, "finish_reason": r.finish_reason, "tokens": o.tokens}
@@ -91,17 +100,19 @@ def _served_model(ep: Endpoint, model: str | None) -> str:
                      "name the one to probe with --model")
 
 
-def _compare(t, ps: PromptSet, observed: list[Observed], tok_dir, kv_cache_dtype, min_agree, device) -> dict:
+def _compare(t, ps: PromptSet, observed: list[Observed], tok_dir, kv_cache_dtype, min_agree, device, numerics) -> dict:
     """The reference continuations of every candidate, each scored against what the endpoint produced
     (torch and the reference forward are imported here, after the endpoint has answered)."""
-    from quantkit.checkpoint.shards import Checkpoint
+    from quantkit.checkpoint.reader import Checkpoint
     from quantkit.inputs.modelspec import open_checkpoint
-    from quantkit.model.reference import resolve_device
     from quantkit.probe.reference import candidates, greedy, keep_resident
+    from quantkit.runtime.device import resolve_device
 
     ckpts = {"reference": open_checkpoint(t.reference_source)} | {m: Checkpoint(p) for m, p in t.models.items() if m != "model"}
     if "model" in t.models:  # one checkpoint folder: it is the only candidate, as "source"
         ckpts = {"reference": Checkpoint(t.models["model"])}
+    for ck in ckpts.values():
+        ck.numerics = numerics
     arch = ckpts["reference"].arch
     cands = candidates(t.pair, arch.has_dsa, kv_cache_dtype)
     wanted = [[set(o.top[k]) | ({o.tokens[k]} if k < len(o.tokens) else set()) for k in range(len(o.top))] if o.top
@@ -181,9 +192,10 @@ def write_cards(t, data: dict) -> list[Path]:
     detail = (f"greedy agreement {s['greedy_agree']:.2f}" + (f", top-k KL {s['topk_kl']:.3g}" if s.get("topk_kl") is not None else "")
               if s else "")
     key = f"endpoint {data['endpoint']} (model {data['model']})"
+    numerics = f"; candidates in {data['numerics']['mode']} numerics" if data.get("numerics") else ""
     line = (f"- {key} probed on {data['date']}: {best['line']}" + (f" ({detail}" if detail else "")
-            + (f"; prompt set {data['prompt_set']['name']}, sha256 {data['prompt_set']['sha256'][:12]})" if detail else
-               f" (prompt set {data['prompt_set']['name']}, sha256 {data['prompt_set']['sha256'][:12]})"))
+            + (f"; prompt set {data['prompt_set']['name']}, sha256 {data['prompt_set']['sha256'][:12]}{numerics})" if detail else
+               f" (prompt set {data['prompt_set']['name']}, sha256 {data['prompt_set']['sha256'][:12]}{numerics})"))
     paths = []
     for which in ("prefill", "decode"):
         path = t.models[which] / "README.md"

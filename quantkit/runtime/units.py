@@ -1,6 +1,10 @@
-"""Quantities as people read them: the one place a byte count becomes text."""
+"""Byte units, defined once for every stage: GB (10**9) for disks, files and the Hub, GiB (2**30) for
+memory as drivers report it; and the one place a byte count becomes text."""
 
 from __future__ import annotations
+
+GB = 10**9
+GiB = 2**30
 
 
 def human_bytes(n: float) -> str:

@@ -9,7 +9,10 @@ checkpoint stores:
   - FP8 modules must get block FP8 with the block the scales were written for (128);
   - BF16 modules must stay unquantized;
   - the tensors the scheme's `create_weights` registers must take the stored tensors (names,
-    dtypes, shapes; fused modules and the experts' transposed layout accounted for).
+    dtypes, shapes; fused modules and the experts' transposed layout accounted for);
+  - an FP8 Linear's input dim must be whole 128-column activation groups (`block_shape_problems`:
+    a runtime rule, not a load-time one), for each engine and for compressed-tensors' own forward
+    (transformers), which names every tensor a target would refuse.
 
 Any engine exception is a refusal, reported with the module and the engine's message.
 
@@ -94,14 +97,17 @@ class ServingReport:
     folder: str
     quant_method: str
     engines: list[EngineReport]
+    # compressed-tensors' own forward (what transformers runs for a compressed-tensors checkpoint):
+    # the tensors it cannot compute (`block_shape_problems`)
+    compressed_tensors: list[str] = field(default_factory=list)
 
     @property
     def loads(self) -> bool:
-        return all(e.loads for e in self.engines)
+        return all(e.loads for e in self.engines) and not self.compressed_tensors
 
     def to_dict(self) -> dict:
         return {"folder": self.folder, "quant_method": self.quant_method, "loads": self.loads,
-                "engines": [asdict(e) for e in self.engines]}
+                "engines": [asdict(e) for e in self.engines], "compressed_tensors": self.compressed_tensors}
 
 
 # ---- the checkpoint ------------------------------------------------------------------------------
@@ -328,6 +334,42 @@ def _check_linear_rows(m: Module, params: dict, rows_w: int, rows_s: int) -> str
     return None
 
 
+# Where each target runs a block-FP8 Linear's activations through per-token-group quantization, which
+# needs the input dim to be whole groups of the block (the weight's output dim may end in a partial
+# block: every scale grid uses ceil). Not a load-time check at TP 1 (`create_weights` accepts it): the
+# first forward fails. The TP-split and merged-GEMM output rules are load-time ones, run for real by
+# the engines' own `create_weights` (vLLM `validate_fp8_block_shape`, SGLang `Fp8LinearMethod.
+# validate_block_quant_shapes`, both in the harness).
+ACTIVATION_GROUP_RULE = {
+    "vllm": "vLLM's per_token_group_quant_fp8 asserts x.shape[-1] % group_size == 0 at the first forward "
+            "(model_executor/layers/quantization/utils/fp8_utils.py)",
+    "sglang": "SGLang's sglang_per_token_group_quant_fp8 asserts x.shape[-1] % group_size == 0 at the first forward "
+              "(srt/layers/quantization/fp8_kernel.py)",
+    "compressed-tensors": "compressed-tensors' forward quantizes the input in groups of 128 and fails (\"unflatten: "
+                          "Provided sizes [1, 128] don't multiply up\"; quantization/lifecycle/forward.py), so "
+                          "transformers cannot run it",
+}
+
+
+def block_shape_problems(target: str, st: _Stored, mods: list[Module]) -> list[str]:
+    """The stored FP8 weights `target` (an engine, or "compressed-tensors") cannot compute: each named
+    with its shape, the rule and the fix (quantkit convert stores such a Linear BF16:
+    quantkit.formats.fp8.cannot_run)."""
+    out = []
+    for m in mods:
+        if m.kind != "linear":
+            continue
+        for shard in m.shards:
+            name = f"{shard}.weight"
+            if _format(st, shard) != "fp8" or name not in st.tensors:
+                continue
+            shape = st.tensors[name][1]
+            if len(shape) == 2 and shape[1] % FP8_BLOCK:
+                out.append(f"{name} {shape}: FP8 blocks over an input dim of {shape[1]}, not a multiple of "
+                           f"{FP8_BLOCK}: {ACTIVATION_GROUP_RULE[target]}; store it BF16 (quantkit convert does)")
+    return out
+
+
 def sglang_fusion_flags(config: dict, routed: str, shared: str, linear_int4: bool | None = None) -> list[str]:
     """`["--disable-shared-experts-fusion"]` when SGLang would fuse this checkpoint's shared expert into
     the routed MoE while the two are stored differently (the gate is cited in the module docstring).
@@ -393,6 +435,7 @@ def _verdict(engine: str, version: str, st: _Stored, mods: list[Module], ans: di
                             params_checked=bool(a.get("params")), note=a.get("params_error")))
         if problem:
             rep.problems.append(f"{m.name}: {problem}")
+    rep.problems += block_shape_problems(engine, st, mods)
     if engine == "sglang" and any(m.stored == "fp8" for m in mods):
         wbs = ans.get("weight_block_size")
         if wbs != [FP8_BLOCK, FP8_BLOCK]:
@@ -408,7 +451,7 @@ def rules_report(engine: str, st: _Stored, mods: list[Module], *, reason: str) -
     from quantkit.serving.engines import PINNED
 
     rep = EngineReport(engine, PINNED[engine], "rules", True)
-    rep.problems += rules_check(engine, st, mods)
+    rep.problems += rules_check(engine, st, mods) + block_shape_problems(engine, st, mods)
     rep.flags = _fusion_flag(engine, st, mods, _linear_group_is_int4(st.qc))
     rep.loads = not rep.problems
     rep.rows = [Row(m.name, m.stored, "(rules)", True) for m in mods]
@@ -465,8 +508,17 @@ def check_serving_many(folders: list[str | Path], engines: tuple[str, ...] = ENG
     paths = [Path(f) for f in folders]
     stored = [read_stored(p) for p in paths]
     per_engine = {e: engine_reports(e, stored, download=download) for e in engines}
-    return [ServingReport(str(p), st.qc.get("quant_method", "?"), [per_engine[e][i] for e in engines])
+    return [ServingReport(str(p), st.qc.get("quant_method", "?"), [per_engine[e][i] for e in engines],
+                          compressed_tensors_problems(st))
             for i, (p, st) in enumerate(zip(paths, stored))]
+
+
+def compressed_tensors_problems(st: _Stored) -> list[str]:
+    """What compressed-tensors' own forward (transformers loading the checkpoint as stored) cannot run;
+    [] for a checkpoint in another format (DeepSeek-native FP8: transformers' own FP8 path)."""
+    if st.qc.get("quant_method") != "compressed-tensors":
+        return []
+    return block_shape_problems("compressed-tensors", st, inventory(st, "vllm"))
 
 
 def serving_folders(path: str | Path) -> list[Path]:
@@ -511,4 +563,6 @@ def render(report: ServingReport):
         notes += [p for p in e.problems if not any(p.startswith(r.module + ":") for r in e.rows)]
         t.caption = "; ".join(notes) or None
         tables.append(t)
+    if report.compressed_tensors:
+        tables.append("[red]transformers (compressed-tensors forward) cannot run:[/red] " + "; ".join(report.compressed_tensors))
     return Group(*tables)

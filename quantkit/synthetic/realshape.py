@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from quantkit.checkpoint.shards import CheckpointWriter
+from quantkit.checkpoint.writer import CheckpointWriter
 from quantkit.formats import fp8, int4
 from quantkit.model.arch import ModelArch, arch_from_config, load_preset
 

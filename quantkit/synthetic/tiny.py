@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from quantkit.checkpoint.shards import CheckpointWriter
+from quantkit.checkpoint.writer import CheckpointWriter
 from quantkit.formats import fp8, int4
 from quantkit.model.arch import ModelArch, arch_from_config
 from quantkit.model.reference import Context, decoder_layer, head_weight_name, rms_norm

@@ -229,7 +229,7 @@ def _measured(which: str, v: dict) -> list[str]:
     out = [
         "## Measured against the source",
         "",
-        f"quantkit's reference forward, {v['device']}, {v['dtype']}. Eval data `{e['spec']}` ({e['num_samples']} x "
+        f"quantkit's reference forward, {v['device']}, {v['dtype']}, {_numerics(v)}. Eval data `{e['spec']}` ({e['num_samples']} x "
         f"{e['seq_len']} tokens, sha256 `{e['sha256']}`), never used for calibration; {v['gen_tokens']} greedy tokens "
         f"generated after each window. Source perplexity {v['reference_metrics']['ppl']:.4f}.",
         "",
@@ -357,3 +357,8 @@ def _size(n: int) -> str:
 
 def _f(v, fmt: str) -> str:
     return "—" if v is None else format(v, fmt)
+
+
+def _numerics(v: dict) -> str:
+    """Which numerics every number on the card used (validation.json before `numerics` existed: weights)."""
+    return (v.get("numerics") or {}).get("line", "weights numerics: every Linear on its dequantized weights")

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from quantkit.checkpoint.shards import Checkpoint
-from quantkit.model.reference import Context, LayerCache, head_weight_name, resolve_device, rms_norm
+from quantkit.checkpoint.reader import Checkpoint
+from quantkit.model.reference import Context, LayerCache, head_weight_name, rms_norm
+from quantkit.runtime.device import resolve_device
+
+if TYPE_CHECKING:
+    from quantkit.runtime.distributed import Group
 
 
 @dataclass
@@ -70,7 +74,7 @@ def layer_weights(ckpt: Checkpoint, layer: int, device, dtype) -> dict[str, torc
 
 
 def step(ckpts: dict[str, Checkpoint], streams: list[Stream], device, dtype, on_layer=None, advance=None,
-         chunk: int = 16, group=None, owners: dict[int, dict[int, int]] | None = None) -> None:
+         chunk: int = 16, group: Group | None = None, owners: dict[int, dict[int, int]] | None = None) -> None:
     """One forward of every stream over its `ids`, in lockstep: layer i of every checkpoint runs
     before layer i+1 of any; each checkpoint's layer is loaded once for all its streams, then freed.
     Leaves each stream's final hidden state in `h`; `on_layer(layer, {name: h})` sees every layer.

@@ -4,7 +4,7 @@ card's section."""
 
 from __future__ import annotations
 
-from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.errors import ConfigError
 from quantkit.model.families import find_family
 from quantkit.model.kvcache import KV_DTYPES, KVCache, checkpoint_scales

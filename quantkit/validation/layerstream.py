@@ -15,16 +15,22 @@ in ascending expert order, as one process does: the hidden states are one proces
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.model.moe import expert, route, shared_expert, weighted
+from quantkit.model.numerics import as_computed
 from quantkit.model.reference import attention, decoder_layer, rms_norm
 from quantkit.model.tensors import TensorClass
 
+if TYPE_CHECKING:
+    from quantkit.runtime.distributed import Group
+
 
 def streamed_layer(ckpt: Checkpoint, layer: int, hs: list[torch.Tensor], ctxs: list, device, dtype,
-                   chunk: int = 16, group=None, owner: dict[int, int] | None = None) -> list[torch.Tensor]:
+                   chunk: int = 16, group: Group | None = None, owner: dict[int, int] | None = None) -> list[torch.Tensor]:
     """New hidden states (B, T, D) of each stream after decoder layer `layer` of `ckpt`. `group`
     and `owner` (expert -> rank): this rank computes its own experts only (module docstring)."""
     a = ckpt.arch
@@ -36,7 +42,7 @@ def streamed_layer(ckpt: Checkpoint, layer: int, hs: list[torch.Tensor], ctxs: l
         if info.klass == TensorClass.ROUTED_EXPERT:
             by_expert.setdefault(info.expert, []).append(name)
         else:
-            w[name[len(pre):]] = ckpt.get(name, dtype).to(device)
+            w[name[len(pre):]] = as_computed(ckpt.get(name, dtype).to(device), ckpt.tensors[name].format, ckpt.numerics)
     if not a.is_moe(layer):
         return [decoder_layer(h, w, ctx, layer).hidden for h, ctx in zip(hs, ctxs)]
     eps = a.rms_norm_eps
@@ -52,7 +58,8 @@ def streamed_layer(ckpt: Checkpoint, layer: int, hs: list[torch.Tensor], ctxs: l
         part = [e for e in experts[start:start + chunk] if any(e in p for p in present)]
         if not part:
             continue
-        ew = {n[len(pre):]: ckpt.get(n, dtype).to(device) for e in part for n in by_expert[e]}
+        ew = {n[len(pre):]: as_computed(ckpt.get(n, dtype).to(device), ckpt.tensors[n].format, ckpt.numerics)
+              for e in part for n in by_expert[e]}
         for x, (idx, weight), out, p, mine in zip(xs, routes, outs, present, rows):
             for e in part:
                 if e not in p:

@@ -26,9 +26,9 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
-from quantkit.checkpoint.shards import Checkpoint
-from quantkit.model.reference import resolve_device
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.planner.taskcost import activation_bytes
+from quantkit.runtime.device import resolve_device
 from quantkit.validation.forward import Stream, heads, new_caches, step
 
 DEFAULT_BATCH_BYTES = 2 << 30

@@ -20,12 +20,18 @@ overlap, not a hidden-state error) and answer to the gates like any row (`indexe
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.errors import ConfigError
 from quantkit.validation.forward import Stream, heads, step
 from quantkit.validation.metrics import kl_top1
+
+if TYPE_CHECKING:
+    from quantkit.model.kvcache import KVCache
+    from quantkit.runtime.distributed import Group
 
 __all__ = ["LONG_SAMPLES", "long_card", "long_context", "long_len", "long_markdown"]
 
@@ -52,8 +58,8 @@ def long_len(arch, requested: int | None, folder) -> int:
     return requested
 
 
-def long_context(ckpts: dict[str, Checkpoint], ids: torch.Tensor, device, dtype, chunk: int = 16, group=None,
-                 owners=None, kv=None) -> dict:
+def long_context(ckpts: dict[str, Checkpoint], ids: torch.Tensor, device, dtype, chunk: int = 16, group: Group | None = None,
+                 owners: dict[int, dict[int, int]] | None = None, kv: KVCache | None = None) -> dict:
     """validation.json's `long_context`: one row per checkpoint over the (B, L) windows `ids`, each
     measured against the reference on the positions past index_topk. `kv` (quantkit.model.kvcache.KVCache,
     a pair only) adds `long_context_decode_kv`: decode/ with its index keys scored as the FP8 cache stores

@@ -21,23 +21,27 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from quantkit.checkpoint.shards import Checkpoint
-from quantkit.model.reference import resolve_device
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.runtime import faults
+from quantkit.runtime.device import resolve_device
 from quantkit.validation.forward import Stream, fork, heads, new_caches, step
 from quantkit.validation.kvrows import kv_rows
 from quantkit.validation.metrics import agreement, kl_top1, mean_nll, token_kl
 from quantkit.validation.mtprow import mtp_measure
 
+if TYPE_CHECKING:
+    from quantkit.runtime.distributed import Group
+
+
 __all__ = ["cross_phase_logits", "measure"]
 
 
 def measure(ckpts: dict[str, Checkpoint], ids: torch.Tensor, K: int, pair: bool, device, dtype, bar,
-            kv: dict[str, Any] | None = None, kv_calibrated: bool = False, chunk: int = 16, group=None,
+            kv: dict[str, Any] | None = None, kv_calibrated: bool = False, chunk: int = 16, group: Group | None = None,
             owners: dict[int, dict[int, int]] | None = None) -> dict:
     """Run every stream in lockstep and return the rows, per-layer curves and continuations.
     `kv`: variant -> quantkit.model.kvcache.KVCache; each adds the FP8-KV rows' streams (pairs only).
@@ -77,7 +81,7 @@ class _Lockstep:
     dtype: torch.dtype
     bar: Any  # quantkit.runtime.progress.LayerProgress: advanced once per checkpoint layer
     chunk: int
-    group: Any
+    group: Group | None
     owners: dict[int, dict[int, int]] | None
 
     @property

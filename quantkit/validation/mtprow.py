@@ -17,13 +17,19 @@ two checkpoints of one source, validated on the same windows, compare as a paire
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.model.mtp import embed_name, head_name, mtp_input, mtp_logits, shifted
 from quantkit.model.reference import Context
 from quantkit.validation.layerstream import streamed_layer
 from quantkit.validation.metrics import mean_se, window_kl_top1
+
+if TYPE_CHECKING:
+    from quantkit.runtime.distributed import Group
+
 
 NO_MTP_ROW = "no MTP layer"
 _TITLES = {"prefill": "prefill (FP8)", "decode": "decode (INT4)"}
@@ -31,7 +37,7 @@ _EXTRAS = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.w
 
 
 def mtp_forward(ckpt: Checkpoint, h_last: torch.Tensor, ids: torch.Tensor, device, dtype, chunk: int = 16,
-                group=None) -> torch.Tensor:
+                group: Group | None = None) -> torch.Tensor:
     """The first MTP layer's logits (B, T - 1, V) for windows `ids` (B, T) whose main-model last
     hidden states are `h_last` (B, T, D); its routed experts streamed `chunk` at a time."""
     a = ckpt.arch
@@ -53,7 +59,7 @@ def _accuracy(logits: torch.Tensor, ids: torch.Tensor) -> float:
 
 
 def mtp_measure(ckpts: dict[str, Checkpoint], hs: dict[str, torch.Tensor], ids: torch.Tensor, models: list[str],
-                device, dtype, chunk: int = 16, group=None) -> dict:
+                device, dtype, chunk: int = 16, group: Group | None = None) -> dict:
     """validation.json's `mtp`: the source's MTP against each model's (rows), on the prompt pass's
     last hidden states `hs` (checkpoint -> (B, T, D))."""
     ref = ckpts["reference"]

@@ -49,14 +49,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from quantkit import __version__
-from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.errors import ConfigError
-from quantkit.model.reference import resolve_device
+from quantkit.model.numerics import NUMERICS, numerics_record
+from quantkit.runtime.device import resolve_device
 from quantkit.runtime.progress import LayerProgress
 from quantkit.validation.gates import GATES_FAILED_EXIT, METRICS, check_gates, load_gates
 from quantkit.validation.kvrows import kv_variants
@@ -65,6 +66,10 @@ from quantkit.validation.measure import cross_phase_logits, measure
 from quantkit.validation.report import ValidationResult, render_markdown, write_files
 from quantkit.validation.targets import Settings, Target, config_sha256, settings, target, target_notes
 from quantkit.validation.weights import WEIGHTS, expert_owners, weights_plan, weights_report
+
+if TYPE_CHECKING:
+    from quantkit.runtime.distributed import Group
+
 
 # validate's names, and the ones scripts and tests have always imported from here (re-exported)
 __all__ = ["validate", "ValidationResult", "METRICS", "load_gates", "check_gates", "cross_phase_logits", "render_markdown",
@@ -121,6 +126,7 @@ def validate(
     limit: int | None = None,
     num_fewshot: int | None = None,
     long_context: int | None = None,
+    numerics: str = "weights",
 ) -> ValidationResult:
     """Measure a converted pair (or one checkpoint) against its reference, layer by layer.
 
@@ -145,6 +151,12 @@ def validate(
             in `task_dir`), items per task and shots: scores, paired deltas, flips (quantkit.validation.tasks).
         long_context: for a DSA model, the long windows' length (default 2 x index_topk, at most
             max_position_embeddings; 0: none): the long-context rows (quantkit.validation.longctx).
+        numerics: `engine` computes every checkpoint as vLLM/SGLang do (FP8 block Linears W8A8 with
+            activations quantized per token in 128-column groups, INT4 experts W4A16: the numbers a
+            user of those engines gets); `weights` on the dequantized weights alone (quantkit.model.numerics).
+            The default stays `weights` until the recipes' gates are re-derived under engine numerics:
+            the tiny GLM's GPTQ pair measures decode layer err 0.0389 > its recipe's 0.034 and
+            cross-phase KL 0.0254 > 0.02 there (gates set on weights numerics).
 
     Under torchrun (`quantkit validate --nproc N`) each rank runs the attention half of every
     layer and the routed experts that convert's partition gives it, and receives the others'
@@ -163,10 +175,14 @@ def validate(
     t0 = time.time()
     if weights not in WEIGHTS:
         raise ConfigError(f"--weights {weights}: one of {', '.join(WEIGHTS)}")
+    if numerics not in NUMERICS:
+        raise ConfigError(f"--numerics {numerics}: one of {', '.join(NUMERICS)}")
     from quantkit.validation.tasks import prepare, run_tasks
 
     spec = prepare(tasks, task_dir, limit, num_fewshot)  # before anything long: lm-eval there, the task names known
     inp = _inputs(dir, reference, eval_data, num_samples, seq_len, gen_tokens, gates)
+    for ck in inp.ckpts.values():
+        ck.numerics = numerics
     joined = distributed.joined()  # convert's ranks validate in the group they converted in
     group, dev = distributed.init(resolve_device(device))
     group = replace(group, after_failure="see the failing rank's log, then rerun the same command")
@@ -218,7 +234,7 @@ def _inputs(dir, reference, eval_data, num_samples, seq_len, gen_tokens, gates) 
     return _Inputs(t, ckpts, s, tokens)
 
 
-def _measure(inp: _Inputs, dev: torch.device, dtype, progress: bool, kv: dict, kv_info: dict, plan: dict, group,
+def _measure(inp: _Inputs, dev: torch.device, dtype, progress: bool, kv: dict, kv_info: dict, plan: dict, group: Group,
              owners) -> dict:
     """quantkit.validation.measure.measure under a progress bar of every checkpoint layer loaded."""
     L = inp.ckpts["reference"].arch.num_hidden_layers
@@ -230,7 +246,7 @@ def _measure(inp: _Inputs, dev: torch.device, dtype, progress: bool, kv: dict, k
                        kv_info.get("calibrated", False), plan["chunk"], group, owners)
 
 
-def _long_context(inp: _Inputs, dev: torch.device, dtype, plan: dict, group, owners, n: int, kv) -> dict | None:
+def _long_context(inp: _Inputs, dev: torch.device, dtype, plan: dict, group: Group, owners, n: int, kv) -> dict | None:
     """The long-context rows (quantkit.validation.longctx) on `n`-token windows past the DSA indexer's
     index_topk, with an FP8-KV decode row when `kv` is the FP8 cache; None when `n` is 0 (no indexer,
     or --long-context 0)."""
@@ -246,7 +262,7 @@ def _long_context(inp: _Inputs, dev: torch.device, dtype, plan: dict, group, own
     return out | {"sha256": tokens.sha256}
 
 
-def _gather_and_close(inp: _Inputs, plan: dict, group, joined: bool) -> list[dict]:
+def _gather_and_close(inp: _Inputs, plan: dict, group: Group, joined: bool) -> list[dict]:
     """Every rank's weights plan with what it read and its peak memory; then the group (unless convert
     opened it) and the checkpoints are closed."""
     from quantkit.runtime import distributed
@@ -262,7 +278,7 @@ def _gather_and_close(inp: _Inputs, plan: dict, group, joined: bool) -> list[dic
     return ranks
 
 
-def _record(inp: _Inputs, dev: torch.device, dtype, ranks: list[dict], group, m: dict, kv_info: dict,
+def _record(inp: _Inputs, dev: torch.device, dtype, ranks: list[dict], group: Group, m: dict, kv_info: dict,
             gate_results: list[dict], notes: list[str], t0: float) -> dict:
     """validation.json."""
     t, tokens = inp.t, inp.tokens
@@ -278,6 +294,7 @@ def _record(inp: _Inputs, dev: torch.device, dtype, ranks: list[dict], group, m:
         "gen_tokens": inp.s.gen_tokens,
         "device": str(dev) + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else ""),
         "dtype": str(dtype).removeprefix("torch."),
+        "numerics": numerics_record(inp.ckpts["reference"].numerics),
         "order": "lockstep: layer i of every checkpoint before layer i+1; one layer's weights in memory at a time "
                  "beyond those kept as stored (`weights`)",
         "weights": weights_report(ranks, group),

@@ -85,7 +85,8 @@ class ValidationResult:
         t.caption = (f"{verdict}: {n_pass}/{sum(1 for g in gates if g['passed'] is not None)} gate checks "
                      f"({d['gates_from']}){': ' + fails if fails else ''}\n"
                      f"reference ppl {d['reference_metrics']['ppl']:.3f}; eval {e['spec']} {e['num_samples']}x{e['seq_len']} "
-                     f"sha256 {e['sha256'][:12]}; {d['gen_tokens']} greedy tokens; {d['device']} {d['dtype']}; "
+                     f"sha256 {e['sha256'][:12]}; {d['gen_tokens']} greedy tokens; {d['device']} {d['dtype']} "
+                     f"{(d.get('numerics') or {}).get('mode', 'weights')} numerics; "
                      f"{d['seconds']:.1f}s" + tasks_caption(d) + _mtp_caption(d)
                      + "".join(f"\nnote: {n}" for n in d["notes"]))
         return t
@@ -111,7 +112,8 @@ def render_markdown(d: dict) -> str:
         f"# Validation: {d['reference']['spec']} vs `{d['dir']}`",
         "",
         f"**{'PASSED' if d['passed'] else 'FAILED'}** ({d['gates_from']} gates). quantkit {d['quantkit_version']}, "
-        f"{d['device']}, {d['dtype']}, {d['seconds']:.1f} s.",
+        f"{d['device']}, {d['dtype']}, {d['seconds']:.1f} s. Numerics: "
+        f"{(d.get('numerics') or {}).get('line', 'weights numerics')}.",
         "",
         f"Eval data: `{e['spec']}`, {e['num_samples']} x {e['seq_len']} tokens, sha256 `{e['sha256']}`. "
         f"Greedy continuation: {d['gen_tokens']} tokens after each window. "

@@ -9,8 +9,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from quantkit.checkpoint.shards import file_sha256
 from quantkit.errors import ConfigError
+from quantkit.runtime.files import file_sha256
 from quantkit.validation.gates import resolve_gates
 
 __all__ = ["Settings", "Target", "config_sha256", "settings", "target", "target_notes"]

@@ -6,18 +6,23 @@ validation.json's `weights` record of all that per rank."""
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
-from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.errors import ConfigError
+
+if TYPE_CHECKING:
+    from quantkit.runtime.distributed import Group
+
 
 __all__ = ["WEIGHTS", "expert_owners", "weights_plan", "weights_report"]
 
 WEIGHTS = ("auto", "resident", "stream")
 
 
-def expert_owners(arch, report: dict | None, group) -> dict[int, dict[int, int]] | None:
+def expert_owners(arch, report: dict | None, group: Group) -> dict[int, dict[int, int]] | None:
     """layer -> expert -> rank for every MoE layer, as convert partitions them (quantkit.runtime.distributed.
     partition over the routed calibration tokens the report records, plus GPTQ's fixed cost);
     experts with no record count 0 tokens. None for a single process."""
@@ -32,7 +37,7 @@ def expert_owners(arch, report: dict | None, group) -> dict[int, dict[int, int]]
             for layer in range(arch.num_hidden_layers) if arch.is_moe(layer)}
 
 
-def weights_plan(ckpts: dict[str, Checkpoint], owners, group, dev: torch.device, weights: str, max_host_memory,
+def weights_plan(ckpts: dict[str, Checkpoint], owners, group: Group, dev: torch.device, weights: str, max_host_memory,
                  max_gpu_memory, exchange: int) -> dict:
     """What this rank reads and what it keeps. Its share: the decoder layers' tensors but the routed
     experts of other ranks, and the embedding, norm and head. `auto` keeps as much of the share as
@@ -89,7 +94,7 @@ def weights_plan(ckpts: dict[str, Checkpoint], owners, group, dev: torch.device,
             "budget_bytes": budget, "chunk": chunk, "experts": experts}
 
 
-def weights_report(ranks: list[dict], group) -> dict:
+def weights_report(ranks: list[dict], group: Group) -> dict:
     """validation.json's `weights`: how the weights were held and read, per rank."""
     mode = ("resident" if all(r["kept_bytes"] == r["share_bytes"] for r in ranks) else
             "stream" if not any(r["kept_bytes"] for r in ranks) else "partly resident")

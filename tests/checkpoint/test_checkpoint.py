@@ -20,7 +20,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import quantkit.checkpoint.reader as ckmod
-from quantkit.checkpoint.shards import INDEX, Checkpoint, CheckpointWriter
+from quantkit.checkpoint.index import INDEX
+from quantkit.checkpoint.reader import Checkpoint
+from quantkit.checkpoint.writer import CheckpointWriter
 from quantkit.errors import CheckpointError, OutputError
 from quantkit.model.arch import arch_from_config
 from quantkit.synthetic.tiny import init_weights
@@ -445,11 +447,23 @@ def test_readahead_requests_exactly_a_layers_stored_bytes(tiny_glm):
             ckpt.storage_bytes(n) for n in ckpt.names(layer)) > 0
 
 
+def test_a_shard_is_consumed_once_every_tensor_in_it_is_read(tiny_glm):
+    """Checkpoint.consumed: the prefetcher of a streamed source (conversion.stages) skips a shard whose
+    tensors have all been read, since release_finished may already have dropped it."""
+    ckpt = Checkpoint(tiny_glm)
+    f = ckpt.weight_map[next(iter(ckpt.tensors[ckpt.names(0)[0]].parts.values()))]
+    inside = [n for n in ckpt.names() if any(ckpt.weight_map[s] == f for s in ckpt.tensors[n].parts.values())]
+    assert not ckpt.consumed(f)
+    for n in inside:
+        ckpt.get(n)
+    assert ckpt.consumed(f) and f in ckpt.release_finished()
+
+
 def test_kept_tensors_are_read_once_as_stored_and_handed_out_as_copies(tiny_glm):
     """Checkpoint.keep (validate's resident weights): a kept layer is read from the file once, into
     one block, and every get after that dequantizes the kept bytes: the same values as reading the
     file; a caller that writes into what it got does not change what the next get returns."""
-    from quantkit.checkpoint.shards import DTYPES
+    from quantkit.checkpoint.index import DTYPES
 
     plain, kept = Checkpoint(tiny_glm), Checkpoint(tiny_glm)
     names = kept.names(1)

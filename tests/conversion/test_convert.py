@@ -16,7 +16,7 @@ import torch
 from conftest import starve_expert
 from oracle import read_raw, transformers_model
 
-from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.conversion.pipeline import convert
 from quantkit.errors import OutputError
 from quantkit.quant.gptq import quantize_rtn
@@ -357,7 +357,7 @@ def test_new_family_of_existing_layer_kinds_needs_only_its_definition(qwen3, tin
     as for Qwen3-MoE, tensor for tensor under the new names."""
     from dataclasses import replace
 
-    from quantkit.checkpoint.shards import CheckpointWriter
+    from quantkit.checkpoint.writer import CheckpointWriter
     from quantkit.model.families import QWEN3_MOE, REGISTRY, register
     from quantkit.planner.inspection import inspect
     from quantkit.synthetic.tiny import tokenizer_files

@@ -10,9 +10,11 @@ import torch
 from typer.testing import CliRunner
 
 from quantkit.cli import app
-from quantkit.conversion.cost import GB, parse_bytes, plan_convert, plan_convert_for
+from quantkit.conversion.cost import plan_convert, plan_convert_for
 from quantkit.errors import ConfigError
 from quantkit.model.arch import arch_from_config, load_preset
+from quantkit.planner.budgets import parse_bytes
+from quantkit.runtime.units import GB
 
 runner = CliRunner()
 

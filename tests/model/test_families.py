@@ -92,7 +92,7 @@ def test_qwen3_moe_inspects_as_its_inventory_says(tmp_path):
     inventory from config.json alone lists the same tensors with the same shapes."""
     from test_reference import tiny_qwen3_moe
 
-    from quantkit.checkpoint.shards import Checkpoint
+    from quantkit.checkpoint.reader import Checkpoint
     from quantkit.planner.inspection import inspect
 
     ckpt = Checkpoint(tiny_qwen3_moe(tmp_path / "qwen3"))

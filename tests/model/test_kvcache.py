@@ -132,7 +132,7 @@ def test_ue8m0_is_the_next_power_of_two():
 def test_bf16_cache_leaves_the_forward_unchanged(tiny_kimi):
     """Context.kv = KVCache("bf16") must be the old forward exactly; fp8 stores quantized keys only
     in the cache (a prefill chunk attends to its fresh keys, a decode step to the stored ones)."""
-    from quantkit.checkpoint.shards import Checkpoint
+    from quantkit.checkpoint.reader import Checkpoint
     from quantkit.validation.forward import layer_weights
 
     ck = Checkpoint(tiny_kimi)

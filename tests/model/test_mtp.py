@@ -10,7 +10,7 @@ import torch
 from oracle import dequantized_state_dict, transformers_model
 from safetensors.torch import save_file
 
-from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.conversion.pipeline import convert
 from quantkit.validation.forward import layer_weights, run
 from quantkit.validation.metrics import paired, token_kl

@@ -7,7 +7,7 @@ import torch
 from conftest import small_config, write_random
 from oracle import transformers_model
 
-from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.model.arch import arch_from_config
 from quantkit.model.reference import apply_rope, rope_inv_freq
 from quantkit.validation.forward import logits, new_caches, run

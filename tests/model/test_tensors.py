@@ -8,7 +8,7 @@ import re
 import pytest
 from conftest import small_config
 
-from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.errors import CheckpointError
 from quantkit.model.arch import arch_from_config
 from quantkit.model.tensors import TensorClass, classify, logical_name

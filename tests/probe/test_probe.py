@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -140,7 +141,7 @@ def _parting_prompts(out: Path, source: Path, tmp: Path, max_tokens: int = 4, wa
 def test_transformers_serve_source_and_decode_are_told_apart(pair, tmp_path):
     out, _, source = pair
     prompts = _parting_prompts(out, source, tmp_path)
-    kw = dict(prompts=prompts, kv_cache_dtype="bf16", device="cpu", concurrency=2)
+    kw = dict(prompts=prompts, kv_cache_dtype="bf16", device="cpu", concurrency=2, numerics="weights")  # fp32 copies
     with TransformersServe(_fp32_copy(source, tmp_path / "source"), tmp_path) as srv:
         r_src = probe(srv.url, out, model=srv.folder, **kw).data
     with TransformersServe(_fp32_copy(out / "decode", tmp_path / "decode"), tmp_path) as srv:
@@ -177,13 +178,18 @@ def test_transformers_cpu_fp8_reads_partial_blocks_wrong(tiny_glm):
 
 
 # ---- (b) the logprobs path: a loopback server running transformers' own model classes -------------------
-def _hf_model(folder: Path):
+def _hf_model(folder: Path, as_stored: bool = False):
+    """transformers' model of `folder`: `as_stored`, as compressed-tensors runs it (FP8 layers W8A8, INT4
+    experts dequantized: quantkit's engine numerics), else on its dequantized weights (weights numerics)."""
     from compressed_tensors.quantization import disable_quantization
     from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                                 quantization_config=CompressedTensorsConfig(dequantize=True))
-    model.apply(disable_quantization)  # as tests/conversion/test_convert.py: the dequantized INT4 weights, no fake-quant pass
+    if as_stored:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                     quantization_config=CompressedTensorsConfig(dequantize=True))
+        model.apply(disable_quantization)  # as tests/conversion/test_convert.py: the dequantized INT4 weights, no fake-quant pass
     for p in model.parameters():
         p.data = p.data.float()
     return model.eval(), AutoTokenizer.from_pretrained(folder)
@@ -204,8 +210,8 @@ class Loopback:
 class LogprobServer(Loopback):
     """OpenAI-format /v1/completions and /v1/chat/completions with top_logprobs, greedy, from a transformers model."""
 
-    def __init__(self, folder: Path, name: str = "tiny-decode"):
-        self.model, self.tok = _hf_model(folder)
+    def __init__(self, folder: Path, name: str = "tiny-decode", as_stored: bool = False):
+        self.model, self.tok = _hf_model(folder, as_stored)
         self.name, self.requests = name, []
         self.lock = threading.Lock()
         outer = self
@@ -269,7 +275,7 @@ class LogprobServer(Loopback):
 def test_logprobs_path_names_decode_with_topk_kl(pair, tmp_path):
     out, prompts, _ = pair
     with LogprobServer(out / "decode") as srv:
-        res = probe(srv.url, out, prompts=prompts, kv_cache_dtype="bf16", device="cpu", write_card=True)
+        res = probe(srv.url, out, prompts=prompts, kv_cache_dtype="bf16", device="cpu", write_card=True, numerics="weights")
         sent = list(srv.requests)
     d = res.data
     assert d["logprobs"] and d["model"] == "tiny-decode"
@@ -292,6 +298,62 @@ def test_logprobs_path_names_decode_with_topk_kl(pair, tmp_path):
         card = (out / which / "README.md").read_text()
         assert "## Precision per tensor class" in card, which
         assert f"endpoint {srv.url} (model tiny-decode) probed on {d['date']}: consistent with decode/ INT4" in card, which
+
+
+def test_logprobs_path_names_decode_served_as_stored(pair):
+    """transformers running decode/ as stored (compressed-tensors: FP8 layers W8A8) is named decode/ by the
+    default engine numerics, with a top-k KL as small as the dequantized copy's under weight numerics."""
+    out, prompts, _ = pair
+    with LogprobServer(out / "decode", as_stored=True) as srv:
+        d = probe(srv.url, out, prompts=prompts, kv_cache_dtype="bf16", device="cpu").data
+    assert d["numerics"]["mode"] == "engine"
+    assert d["verdict"]["match"] == "decode", d["verdict"]
+    dec = d["candidates"]["decode"]
+    assert dec["prompts_exact"] == 3 and dec["topk_kl"] < 1e-3 and dec["topk_kl"] < d["candidates"]["source"]["topk_kl"]
+
+
+def _kv_lora_64(dst: Path, tiny_glm: Path, rank: int = 64) -> Path:
+    """The tiny GLM cut to kv_lora_rank 64: kv_a_proj_with_mqa keeps its first 64 latent rows and its rope
+    rows, kv_a_layernorm its first 64 weights, kv_b_proj its first 64 input columns (FP8 blocks re-made
+    for the new shapes: kv_b_proj [256, 64] is half a block wide, as GLM-5.2 would store it). Damaged as a
+    model, but trained everywhere else, so its logits are peaked enough for greedy tokens to mean something."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from quantkit.formats import fp8
+
+    shutil.copytree(tiny_glm, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    old, rope = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    (dst / "config.json").write_text(json.dumps(dict(cfg, kv_lora_rank=rank), indent=2))
+    for f in sorted(dst.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            meta, t = h.metadata(), {k: h.get_tensor(k) for k in h.keys()}  # noqa: SIM118 - a safetensors handle
+        cut = {k for k in t if k.endswith(("kv_a_layernorm.weight", "kv_a_proj_with_mqa.weight", "kv_b_proj.weight"))}
+        for k in cut:
+            if k.endswith("kv_a_layernorm.weight"):
+                t[k] = t[k][:rank].clone()
+                continue
+            w = fp8.dequantize(t[k], t[k + "_scale_inv"])
+            w = w[:, :rank] if k.endswith("kv_b_proj.weight") else torch.cat([w[:rank], w[old:old + rope]])
+            t[k], t[k + "_scale_inv"] = fp8.quantize(w)
+        if cut:
+            save_file({k: v.contiguous() for k, v in t.items()}, str(f), metadata=meta)
+    return dst
+
+
+def test_decode_of_a_kv_lora_64_model_runs_as_stored_and_is_named(pair, tmp_path, tiny_glm):
+    """kv_lora_rank 64: convert stores kv_b_proj BF16 (tests/conversion/test_precision.py), so transformers
+    runs decode/ as stored, and the probe (engine numerics) names it decode/."""
+    _, prompts, _ = pair
+    out = convert(_kv_lora_64(tmp_path / "src", tiny_glm), tmp_path / "out", method="rtn", validate=False,
+                  progress=False)
+    assert out.report["decisions"]["model.layers.0.self_attn.kv_b_proj.weight"]["decode"] == "bf16"
+    with LogprobServer(out.decode, as_stored=True) as srv:
+        d = probe(srv.url, out.out, prompts=prompts, kv_cache_dtype="bf16", device="cpu").data
+    assert d["verdict"]["match"] == "decode", d["verdict"]
+    dec = d["candidates"]["decode"]
+    assert dec["prompts_exact"] == 3 and dec["topk_kl"] < 1e-3 and dec["topk_kl"] < d["candidates"]["source"]["topk_kl"]
 
 
 # ---- the comparison, on numbers worked by hand ---------------------------------------------------------

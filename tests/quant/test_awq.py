@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import starve_expert
 
-from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.conversion.pipeline import convert
 from quantkit.inputs.tokens import load_tokens
 from quantkit.model.moe import route, swiglu

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.conversion.pipeline import convert
 from quantkit.model.moe import swiglu
 from quantkit.quant.experts import PROJS, expert_weights

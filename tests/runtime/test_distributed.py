@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantkit.conversion.cost import expert_fixed_tokens, plan_convert_for
+from quantkit.conversion.cost import plan_convert_for
+from quantkit.planner.budgets import expert_fixed_tokens
 from quantkit.quant.gptq import gptq
 from quantkit.runtime import distributed
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.model.reference import Context, decoder_layer
 from quantkit.validation.forward import layer_weights
 

@@ -88,7 +88,7 @@ def test_damaged_indexer_passes_short_windows_and_fails_the_long_context_row(run
 
 
 def test_long_window_length_is_checked_up_front(tiny_glm, tiny_kimi):
-    from quantkit.checkpoint.shards import Checkpoint
+    from quantkit.checkpoint.reader import Checkpoint
 
     glm, kimi = Checkpoint(tiny_glm).arch, Checkpoint(tiny_kimi).arch
     assert long_len(kimi, None, tiny_kimi) == 0  # no indexer: no long-context rows
@@ -103,7 +103,7 @@ def test_long_window_length_is_checked_up_front(tiny_glm, tiny_kimi):
 def test_fp8_index_keys_add_a_decode_kv_row(runs, tiny_glm):
     # the long pass with the FP8 cache vLLM stores for DSA models: the same rows, plus decode/ scoring
     # FP8 index keys (the indexer's selection is where the cache's error acts in a prefill)
-    from quantkit.checkpoint.shards import Checkpoint
+    from quantkit.checkpoint.reader import Checkpoint
     from quantkit.inputs.tokens import load_tokens
     from quantkit.model.kvcache import KVCache
     from quantkit.validation.longctx import long_context

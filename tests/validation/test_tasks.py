@@ -99,7 +99,7 @@ def test_streaming_model_matches_lm_eval_hf_item_by_item(tiny_glm, task_dir, hf_
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from quantkit.checkpoint.shards import Checkpoint
+    from quantkit.checkpoint.reader import Checkpoint
     from quantkit.planner.taskcost import activation_bytes
     from quantkit.validation.lmmodel import QuantkitLM
 

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from quantkit.checkpoint.shards import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.cli import app
 from quantkit.conversion.pipeline import convert
 from quantkit.errors import ConfigError
