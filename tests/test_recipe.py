@@ -17,7 +17,7 @@ from quantkit.model.arch import arch_from_config
 from quantkit.recipe import Recipe, available_recipes, default_recipe, load_recipe, recipe_dirs, recipe_overrides, resolve_recipe
 from quantkit.synthetic.tiny import tiny_config
 
-SHIPPED = ["deepseek-v3", "glm-5.2", "kimi-k2.6", "tiny-glm-5.2", "tiny-kimi-k2.6"]
+SHIPPED = ["deepseek-v3", "glm-5.2", "kimi-k2.6", "qwen3-moe", "tiny-glm-5.2", "tiny-kimi-k2.6", "tiny-qwen3-moe"]
 REPO_RECIPES = Path(__file__).resolve().parent.parent / "recipes"  # the one place they live (setup.py ships them)
 
 
