@@ -66,6 +66,9 @@ class GPTQSettings(_Section):
     # GPTQ's static group scales: min-max; a clip search (mse); or the clip search weighted by the damped diag(H) (hessian)
     observer: Literal["minmax", "mse", "hessian"] = "minmax"
     prior_tokens: int = Field(0, ge=0)  # p: H_e = (n_e H_e + p H_all) / (n_e + p) (streamed GPTQ; 0: off)
+    # c: each expert's H + c * (in width / fit tokens) * mean(diag H) * I on top of dampening, an
+    # isotropic prior that grows as calibration thins (quantkit.quant.experts.expert_dampening; 0: off)
+    width_prior: float = Field(0.0, ge=0)
     static_groups: bool = True  # group scales from the original W (llm-compressor); false: from the updated W
     # each routed token's Hessian weight (streamed GPTQ): none; gate = its router weight (MoEQuant);
     # gate2 = the weight squared (the expert's share of the layer output error), normalized per expert

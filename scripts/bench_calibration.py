@@ -267,7 +267,8 @@ def run_class(name: str, args, work: Path, env: dict, say) -> dict:
         data = str(wd / "calib.npy")
         np.save(data, markov_windows(*calib, 0).numpy())
     runs: dict = {}
-    plan = [("RTN", "rtn", base), ("GPTQ", "gptq", base), ("AWQ", "awq", base), ("RTN-clip", "rtn-clip", base)]
+    plan = [(k, m, base) for k, m in (("RTN", "rtn"), ("GPTQ", "gptq"), ("AWQ", "awq"), ("RTN-clip", "rtn-clip"))
+            if k == "RTN" or k in args.base.split(",")]
     for spec in args.variant:
         vname, _, fields = spec.partition(":")
         kv = dict(f.split("=", 1) for f in fields.split(",") if f)
@@ -278,7 +279,7 @@ def run_class(name: str, args, work: Path, env: dict, say) -> dict:
         runs[key] = quantkit_run(src, wd / key, method, calib, G, recipe, logs, env, data)
     tokens = load_tokens(data, tokenizer=src, num_samples=calib[0], seq_len=calib[1],
                          seed=rec.calibration.seed)
-    if runs["GPTQ"]["sha256"] != tokens.sha256:
+    if any(m["sha256"] not in (None, tokens.sha256) for m in runs.values()):
         raise RuntimeError(f"{name}: calibration ids differ between quantkit and llm-compressor")
     ref = bc.reference_copy(src, wd / "ref", "float32")
     reused: dict = {}
@@ -493,6 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-seq-len", type=int, default=64)
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE,...")
     ap.add_argument("--no-llmc", action="store_true", help="skip llm-compressor (experiments)")
+    ap.add_argument("--base", default="GPTQ,AWQ,RTN-clip",
+                    help="the tiny recipe's runs beside RTN (always run), comma-separated; '' for none (variants only)")
     ap.add_argument("--llmc-from", type=Path, default=None,
                     help="reuse llm-compressor's outputs from an earlier --out folder (same classes and calibration)")
     ap.add_argument("--llmc-actorder", choices=["recipe", "static"], default="static",

@@ -160,7 +160,7 @@ def _gate_norms(routing: LayerRouting, run: list[int], weighting: str) -> list[f
 
 def expert_hessians(store: ActivationStore, routing: LayerRouting, run: list[int], all_tokens: set[int],
                     inputs=None, held: dict | None = None, prior: int = 0, window: int = 0,
-                    weighting: str = "none") -> torch.Tensor:
+                    weighting: str = "none", fit_rows: list | None = None) -> torch.Tensor:
     """H_e = 2/n_e sum x x^T [len(run), in, in] over each expert's fit tokens (the layer's fit
     tokens for the experts in `all_tokens`), accumulated one micro-batch at a time; held-out tokens
     never enter. `inputs(j, x_e)` maps an expert's input rows to the rows of the Linear whose Hessian
@@ -176,7 +176,8 @@ def expert_hessians(store: ActivationStore, routing: LayerRouting, run: list[int
     weighting (gptq.hessian_weighting): "gate" weights each routed token's x x^T by its router
     weight for the expert (MoEQuant's affinity-guided Hessian), "gate2" by that weight squared (the
     factor the token's expert-output error has in the layer output); each divided by the expert's
-    mean of it (`_gate_norms`). Experts fitted on every token (`all_tokens`) stay unweighted."""
+    mean of it (`_gate_norms`). Experts fitted on every token (`all_tokens`) stay unweighted.
+    `fit_rows`, when a list, receives each expert's fit-token count (gptq.width_prior's n)."""
     H = None
     N = routing.starts[-1]
     if not prior:
@@ -187,6 +188,7 @@ def expert_hessians(store: ActivationStore, routing: LayerRouting, run: list[int
         n_all = N - N // HOLDOUT
     w_all = prior / max(n_all, 1)
     n = torch.zeros(len(run), dtype=torch.float64)
+    rows = [0] * len(run)
     seen = {e: 0 for e in run}
     parts: dict[int, list] = {e: [] for e in run}
     norms = _gate_norms(routing, run, weighting) if weighting != "none" else None
@@ -200,6 +202,7 @@ def expert_hessians(store: ActivationStore, routing: LayerRouting, run: list[int
                     parts[e].append(xb[routed_out])
             seen[e] += int((idx_b == e).sum())
             xe = xb[fit]
+            rows[j] += len(xe)
             if inputs is not None:
                 xe = inputs(j, xe)
             if H is None:
@@ -224,6 +227,8 @@ def expert_hessians(store: ActivationStore, routing: LayerRouting, run: list[int
     if held is not None:
         for e in run:
             held[e] = torch.cat(parts[e]) if parts[e] else None
+    if fit_rows is not None:
+        fit_rows[:] = rows
     return H
 
 
@@ -245,7 +250,7 @@ def gptq_experts(store: ActivationStore, routing: LayerRouting, ew: dict[str, to
     fit on the non-held-out tokens, starved experts take gptq.fallback, and each expert is kept
     only if its held-out output error beats RTN's (guard_against_rtn). Same contract as
     conversion.quantize_experts followed by the guard."""
-    from quantkit.quant.experts import ExpertRecord, guard_against_rtn, rtn_expert
+    from quantkit.quant.experts import ExpertRecord, guard_against_rtn, prior_of, rtn_expert
 
     g = recipe.gptq
     counts = routing.counts
@@ -267,16 +272,17 @@ def gptq_experts(store: ActivationStore, routing: LayerRouting, ew: dict[str, to
     run = [e for e in experts if e not in quantized]
     if run:
         all_tokens = hungry & set(run)
-        I = ew[f"mlp.experts.{run[0]}.gate_proj.weight"].shape[0]
+        I, Wgu_width = ew[f"mlp.experts.{run[0]}.gate_proj.weight"].shape
         # gate and up: one Hessian per expert, shared; the weights stacked by rows [C, 2I, D]
         held: dict = {}
+        n_fit: list = []
         H = expert_hessians(store, routing, run, all_tokens, held=held, prior=g.prior_tokens, window=window,
-                            weighting=weighting)
+                            weighting=weighting, fit_rows=n_fit)
         Wgu = torch.stack([torch.cat([ew[f"mlp.experts.{e}.gate_proj.weight"],
                                       ew[f"mlp.experts.{e}.up_proj.weight"]]) for e in run]).float()
         box = [H]
         del H
-        qgu = run_gptq(Wgu, box.pop(), group_size, g, layer, run, consume=True)
+        qgu = run_gptq(Wgu, box.pop(), group_size, g, layer, run, consume=True, fit_tokens=n_fit)
         del Wgu
         gu_hat = QuantizedWeight(qgu.q, qgu.scale).dequantize(torch.float32)  # [C, 2I, D]
 
@@ -289,7 +295,7 @@ def gptq_experts(store: ActivationStore, routing: LayerRouting, ew: dict[str, to
         Wd = torch.stack([ew[f"mlp.experts.{e}.down_proj.weight"] for e in run]).float()  # [C, D, I]
         box = [Hd]
         del Hd
-        qd = run_gptq(Wd, box.pop(), group_size, g, layer, run, consume=True)
+        qd = run_gptq(Wd, box.pop(), group_size, g, layer, run, consume=True, fit_tokens=n_fit)
         del Wd
         layer_held = None
         for j, e in enumerate(run):
@@ -299,7 +305,7 @@ def gptq_experts(store: ActivationStore, routing: LayerRouting, ew: dict[str, to
                 "down_proj": QuantizedWeight(qd.q[j], qd.scale[j]),
             }
             r = ExpertRecord(layer, e, int(counts[e]), "gptq", "all_tokens" if e in hungry else None,
-                             float(qgu.loss[j] + qd.loss[j]))
+                             float(qgu.loss[j] + qd.loss[j]), prior=prior_of(g, n_fit[j], Wgu_width))
             x_held = held.get(e)
             if x_held is None:  # no held-out routed token: every held-out token of the layer
                 layer_held = _layer_heldout(store, window) if layer_held is None else layer_held

@@ -177,7 +177,8 @@ def _experts_summary(experts: list[dict]) -> dict:
             "starved": sum(1 for e in experts if e["fallback"] == "all_tokens" or e["fallback"] == "rtn"),
             "guarded": sum(1 for e in experts if e.get("heldout")),
             "guard_kept_rtn": sum(1 for e in experts if e.get("guard") == "rtn"),
-            "awq_kept_s1": sum(1 for e in experts if e.get("guard") == "awq-s1")}
+            "awq_kept_s1": sum(1 for e in experts if e.get("guard") == "awq-s1"),
+            "width_prior": sum(1 for e in experts if e.get("prior"))}
 
 
 def _pair_report(model, job: Job, tokens, source_files: dict[str, str], out: Path, t_start: float,

@@ -73,7 +73,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from quantkit.quant.experts import ExpertRecord, calibration_inputs, expert_weights, rtn_expert, run_gptq
+from quantkit.quant.experts import ExpertRecord, calibration_inputs, expert_weights, prior_of, rtn_expert, run_gptq
 from quantkit.quant.gptq import QuantizedWeight, quantize_rtn
 
 __all__ = [
@@ -292,7 +292,8 @@ def _quantize_smoothed(X, Wg, Wu, Wd, s, Y, group_size, quantizer, g, a, layer, 
     Hx = torch.stack([_second_moment(xe) for xe in X])  # (C, D, D) = E[x x^T]
     Wgu = torch.stack([Wg, up_s], 1)  # (C, 2, I, D)
     if quantizer == "gptq":
-        qgu = run_gptq(Wgu, (2 * Hx)[:, None].expand(-1, 2, -1, -1), group_size, g, layer, chunk)
+        qgu = run_gptq(Wgu, (2 * Hx)[:, None].expand(-1, 2, -1, -1), group_size, g, layer, chunk,
+                       fit_tokens=[len(xe) for xe in X])
     else:
         qgu = quantize_clipped(Wgu, group_size, auto_clip(Wgu, Hx[:, None], group_size, a.grid))
     gu_hat = qgu.dequantize()  # (C, 2, I, D)
@@ -300,7 +301,7 @@ def _quantize_smoothed(X, Wg, Wu, Wd, s, Y, group_size, quantizer, g, a, layer, 
     Z_hat = [F.silu(xe @ gu_hat[i, 0].T) * (xe @ gu_hat[i, 1].T) for i, xe in enumerate(X)]  # (n, I), ~ z / s
     Hz_s = torch.stack([_second_moment(zh) for zh in Z_hat])  # (C, I, I)
     if quantizer == "gptq":
-        qd = run_gptq(down_s, 2 * Hz_s, group_size, g, layer, chunk)
+        qd = run_gptq(down_s, 2 * Hz_s, group_size, g, layer, chunk, fit_tokens=[len(xe) for xe in X])
     else:
         qd = quantize_clipped(down_s, group_size, auto_clip(down_s, Hz_s, group_size, a.grid))
     d_hat = qd.dequantize()  # (C, D, I)
@@ -384,6 +385,7 @@ def quantize_experts_awq(
             quantized[e] = _expert(qgu, qd, i)
             if alternatives is not None:
                 alternatives[e] = {"awq-s1": _expert(qgu1, qd1, i)}
-            records.append(ExpertRecord(layer, e, len(tokens[e]), "awq", fallback[e], err[i].item()))
+            records.append(ExpertRecord(layer, e, len(tokens[e]), "awq", fallback[e], err[i].item(),
+                                        prior=prior_of(g, len(X[i]), X[i].shape[-1])))
     records.sort(key=lambda r: r.expert)
     return quantized, records

@@ -13,6 +13,13 @@ One policy, in one place, for GPTQ (quantkit.conversion.pipeline) and AWQ (quant
   gptq.fallback: "all_tokens" fits on every fit token of the layer, "rtn" rounds to nearest.
   An expert is never fitted on zero tokens (H = 0 would quantize it to all zeros), whatever
   min_tokens says.
+* Thin calibration. An expert fitted on n tokens of an input width d has a Hessian of rank at
+  most n, estimated from n / d tokens per column: GPTQ then moves error into the directions the
+  calibration never excited, which unseen inputs (other text, tool calls, random ids) do excite,
+  and the held-out guard cannot see it (its tokens come from the same text). gptq.width_prior = c
+  adds an isotropic prior, c * d / n times mean(diag H) on the diagonal (`expert_dampening`), on
+  top of the recipe's dampening: negligible with many tokens per column, pulling towards RTN's
+  objective (isotropic inputs) as they thin. The record keeps each expert's prior.
 * Guard. After quantization, each expert's output error on its held-out routed tokens is
   compared with RTN's; the lower one is stored, and the record says which and both errors. So no
   expert is stored worse than RTN on data it was not fitted to (up to the noise of its held-out
@@ -31,7 +38,7 @@ from quantkit.quant.gptq import HessianError, QuantizedWeight, gptq, quantize_rt
 
 __all__ = ["PROJS", "HOLDOUT", "ExpertRecord", "expert_weights", "is_heldout", "is_heldout_window", "split_heldout", "starved",
            "calibration_inputs",
-           "heldout_inputs", "rtn_expert", "run_gptq", "guard_against_rtn", "guard_experts"]
+           "expert_dampening", "prior_of", "heldout_inputs", "rtn_expert", "run_gptq", "guard_against_rtn", "guard_experts"]
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 HOLDOUT = 8  # every 8th calibration token of a layer is held out of fitting, to judge the result
@@ -49,6 +56,7 @@ class ExpertRecord:
     heldout: int = 0  # tokens the guard judged on
     err: float | None = None  # mean squared expert-output error per held-out token, calibrated weights
     err_rtn: float | None = None  # the same for RTN
+    prior: float | None = None  # gptq.width_prior's added dampening for gate/up (c * width / fit tokens)
     rank: int | None = None  # multi-rank convert: the rank that quantized it (quantkit.runtime.distributed)
 
 
@@ -115,14 +123,35 @@ def rtn_expert(w: dict[str, torch.Tensor], e: int, group_size: int) -> dict[str,
     return {p: quantize_rtn(t, group_size) for p, t in zip(PROJS, expert_weights(w, e))}
 
 
+def expert_dampening(g, fit_tokens: list[int], width: int) -> float | torch.Tensor:
+    """The dampening GPTQ adds to each expert's diag(H), as a fraction of its mean: the recipe's
+    gptq.dampening, plus with gptq.width_prior = c > 0 the isotropic prior c * width / n for an
+    expert fitted on n tokens of a Linear `width` inputs wide, one per expert (C,). With the prior
+    off, the float itself (the bytes of every earlier convert)."""
+    c = getattr(g, "width_prior", 0.0)
+    if not c:
+        return g.dampening
+    return torch.tensor([g.dampening + c * width / max(n, 1) for n in fit_tokens], dtype=torch.float64)
+
+
+def prior_of(g, fit_tokens: int, width: int) -> float | None:
+    """An expert's gptq.width_prior term for its record (gate/up's width), None when off."""
+    c = getattr(g, "width_prior", 0.0)
+    return round(c * width / max(fit_tokens, 1), 6) if c else None
+
+
 def run_gptq(W: torch.Tensor, H: torch.Tensor, group_size: int, g, layer: int, experts,
-             consume: bool = False) -> QuantizedWeight:
+             consume: bool = False, fit_tokens: list[int] | None = None) -> QuantizedWeight:
     """`quantkit.quant.gptq.gptq` with the recipe's settings; a broken Hessian becomes a one-line error.
-    consume=True lets GPTQ factor H in place and free it (the caller must hold no other reference)."""
+    consume=True lets GPTQ factor H in place and free it (the caller must hold no other reference).
+    fit_tokens: each expert's (W's first batch dim) fit-token count, for gptq.width_prior."""
+    damp = g.dampening if fit_tokens is None else expert_dampening(g, fit_tokens, W.shape[-1])
+    if isinstance(damp, torch.Tensor):  # (C,) -> (C, 1, ...) against W's batch dims
+        damp = damp.reshape(-1, *[1] * (W.dim() - 3))
     box = [H]
     del H  # no reference left here, so that a consumed H is freed inside gptq
     try:
-        return gptq(W, box.pop(), group_size, block_size=g.block_size, dampening=g.dampening, actorder=g.actorder,
+        return gptq(W, box.pop(), group_size, block_size=g.block_size, dampening=damp, actorder=g.actorder,
                     consume=consume, observer=getattr(g, "observer", "minmax"),
                     static_groups=getattr(g, "static_groups", True))
     except HessianError as e:

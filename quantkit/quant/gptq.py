@@ -182,7 +182,7 @@ def gptq(
     num_bits: int = 4,
     *,
     block_size: int = 128,
-    dampening: float = 0.01,
+    dampening: float | torch.Tensor = 0.01,
     actorder: bool = False,
     scale_dtype: torch.dtype = torch.bfloat16,
     static_groups: bool = True,
@@ -201,6 +201,8 @@ def gptq(
     observer="mse": static group scales from `mse_group_scales` (a clip search) instead of min-max;
     "hessian": the same search weighted by the damped diag(H) (squared error: GPTQ's own objective
     without the off-diagonal terms), so a group's clip is chosen for the inputs the column sees.
+    dampening: a float, or a tensor broadcastable to W's batch dims (one per expert: the isotropic
+    prior of quantkit.quant.experts.expert_dampening, which grows as an expert's tokens thin).
     Raises HessianError naming the batch indices whose damped H is not positive definite.
     """
     _check_groups(W, group_size)
@@ -215,6 +217,8 @@ def gptq(
     own_h = consume and H.dtype == torch.float32 and H.device == device and H.is_contiguous()
     H = H.reshape(-1, columns, columns).to(device, torch.float32, copy=not own_h)  # [E, in, in]
     E = W.shape[0]
+    if isinstance(dampening, torch.Tensor):  # one per batch entry, [E, 1]
+        dampening = dampening.to(device, torch.float32).expand(batch).reshape(E, 1)
 
     # Group scales from the original weights (llm-compressor's observer runs before GPTQ).
     if observer == "mse":
@@ -243,7 +247,10 @@ def gptq(
     W.masked_fill_(dead.unsqueeze(-2), 0.0)
 
     # Hinv = upper Cholesky factor of (H + damp I)^-1.
-    diag.add_((dampening * diag.mean(dim=-1)).unsqueeze(-1))
+    if isinstance(dampening, torch.Tensor):
+        diag.add_(dampening * diag.mean(dim=-1, keepdim=True))
+    else:
+        diag.add_((dampening * diag.mean(dim=-1)).unsqueeze(-1))
     # One [E, in, in] matrix alive at a time besides the factor being built (H, then L, then
     # inv(H), then Hinv): at hidden 6144 each is 151 MB per expert.
     try:  # torch checks the factorization itself; no host read of our own on the happy path

@@ -94,7 +94,9 @@ class GPTQ(Method):
         g = recipe.get("gptq") or {}
         return (f"- GPTQ: dampening {g.get('dampening')}, block {g.get('block_size')}, actorder {g.get('actorder')}, "
                 f"group scales {g.get('observer', 'minmax')}, experts with fewer than {g.get('min_tokens')} routed "
-                f"tokens take `{g.get('fallback')}`")
+                f"tokens take `{g.get('fallback')}`"
+                + (f"; thin-calibration prior {g['width_prior']:g} x input width / fit tokens added to each expert's "
+                   f"dampening" if g.get("width_prior") else ""))
 
 
 class AWQ(Method):
@@ -112,7 +114,8 @@ class AWQ(Method):
     def settings_line(self, recipe: dict) -> str | None:
         a, g = recipe.get("awq") or {}, recipe.get("gptq") or {}
         return (f"- AWQ: grid {a.get('grid')}, duo scaling {a.get('duo_scaling')}, then GPTQ on the smoothed weights "
-                f"(dampening {g.get('dampening')}, block {g.get('block_size')}, actorder {g.get('actorder')})")
+                f"(dampening {g.get('dampening')}, block {g.get('block_size')}, actorder {g.get('actorder')})"
+                + (f"; thin-calibration prior {g['width_prior']:g} x input width / fit tokens" if g.get("width_prior") else ""))
 
 
 class RTN(Method):

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.model.moe import route
-from quantkit.quant.experts import ExpertRecord, calibration_inputs, expert_weights, rtn_expert, run_gptq
+from quantkit.quant.experts import ExpertRecord, calibration_inputs, expert_weights, prior_of, rtn_expert, run_gptq
 from quantkit.quant.gptq import QuantizedWeight, hessian_from_inputs
 
 
@@ -46,13 +46,14 @@ def quantize_experts_gptq(
         # gate and up: one Hessian per expert, shared by both projections
         H = torch.stack([hessian_from_inputs(inputs[e].float()) for e in run])  # (C, D, D)
         Wgu = torch.stack([torch.stack(expert_weights(w, e)[:2]) for e in run]).float()  # (C, 2, I, D)
-        qgu = run_gptq(Wgu, H[:, None].expand(-1, 2, -1, -1), group_size, g, layer, run)
+        n_fit = [len(inputs[e]) for e in run]
+        qgu = run_gptq(Wgu, H[:, None].expand(-1, 2, -1, -1), group_size, g, layer, run, fit_tokens=n_fit)
         # down: inputs are what the quantized gate/up produce on the same tokens
         gu_hat = qgu.dequantize(torch.float32)  # (C, 2, I, D)
         Z = [F.silu(inputs[e].float() @ gu_hat[i, 0].T) * (inputs[e].float() @ gu_hat[i, 1].T) for i, e in enumerate(run)]
         Hd = torch.stack([hessian_from_inputs(z) for z in Z])  # (C, I, I)
         Wd = torch.stack([expert_weights(w, e)[2] for e in run]).float()  # (C, D, I)
-        qd = run_gptq(Wd, Hd, group_size, g, layer, run)
+        qd = run_gptq(Wd, Hd, group_size, g, layer, run, fit_tokens=n_fit)
         for i, e in enumerate(run):
             quantized[e] = {
                 "gate_proj": QuantizedWeight(qgu.q[i, 0], qgu.scale[i, 0]),
@@ -60,7 +61,8 @@ def quantize_experts_gptq(
                 "down_proj": QuantizedWeight(qd.q[i], qd.scale[i]),
             }
             loss = (qgu.loss[i].sum() + qd.loss[i]).item() if qgu.loss is not None else None
-            records.append(ExpertRecord(layer, e, len(tokens[e]), "gptq", fallback[e], loss))
+            records.append(ExpertRecord(layer, e, len(tokens[e]), "gptq", fallback[e], loss,
+                                        prior=prior_of(g, n_fit[i], Wgu.shape[-1])))
     records.sort(key=lambda r: r.expert)
     return quantized, records
 

@@ -212,7 +212,9 @@ def _guard_line(report: dict) -> str:
     calibrated = sum(e.get(n, 0) for n, m in METHODS.items() if m.calibrated)  # a guard that kept RTN recorded rtn
     return (f"- guard: {e.get('guarded', 0)} judged against RTN on held-out tokens, {e.get('guard_kept_rtn', 0)} kept RTN"
             + (f", {e['awq_kept_s1']} AWQ kept s = 1" if e.get("awq_kept_s1") else "")
-            + f"; {calibrated}/{made} quantized routed experts stored calibrated")
+            + f"; {calibrated}/{made} quantized routed experts stored calibrated"
+            + (f", {e['width_prior']} under the thin-calibration prior (per expert in the report's `prior`)"
+               if e.get("width_prior") else ""))
 
 
 def _measured(which: str, v: dict) -> list[str]:

@@ -44,10 +44,11 @@ def _streamed(x, idx, weight, n, t, micro_batch):
     return store, routing
 
 
-@pytest.mark.parametrize("micro_batch", [N, 1])
-def test_streamed_gptq_equals_whole_layer_gptq(micro_batch):
+@pytest.mark.parametrize(("micro_batch", "width_prior"), [(N, 0.0), (1, 0.0), (N, 0.5)])
+def test_streamed_gptq_equals_whole_layer_gptq(micro_batch, width_prior):
     w, x, idx, weight = _layer()
     rec = load_recipe("tiny-glm-5.2")
+    rec.gptq.width_prior = width_prior  # the thin-calibration prior: the same fit-token counts on both paths
     store, routing = _streamed(x, idx, weight, N, T, micro_batch)
     experts = list(range(E))
     q_s, rec_s = gptq_experts(store, routing, w, experts, rec, 32, layer=1)
@@ -59,6 +60,8 @@ def test_streamed_gptq_equals_whole_layer_gptq(micro_batch):
     assert [r.fallback for r in rec_s] == [r.fallback for r in rec_m] == [None, None, None, "all_tokens"]
     assert [r.heldout for r in rec_s] == [r.heldout for r in rec_m]
     assert [r.method for r in rec_s] == [r.method for r in rec_m]
+    assert [r.prior for r in rec_s] == [r.prior for r in rec_m]
+    assert all(r.prior for r in rec_s) if width_prior else all(r.prior is None for r in rec_s)
     for e in experts:
         for p in PROJS:
             a, b = q_s[e][p], q_m[e][p]

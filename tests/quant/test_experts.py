@@ -10,6 +10,7 @@ from quantkit.quant.experts import (
     PROJS,
     ExpertRecord,
     calibration_inputs,
+    expert_dampening,
     guard_against_rtn,
     heldout_inputs,
     split_heldout,
@@ -80,3 +81,25 @@ def test_guard_keeps_whichever_is_better_on_heldout_tokens():
     kept = guard_against_rtn(xh, w, 0, bad, 32, r)
     assert r.guard == "rtn" and r.method == "rtn" and r.err > r.err_rtn and r.heldout == len(xh) == 25
     assert all(torch.equal(kept[p].q, good[p].q) for p in PROJS)
+
+
+def test_width_prior_grows_as_calibration_thins_and_is_off_by_default():
+    """gptq.width_prior: each expert's dampening + c * width / fit tokens; off, the recipe's float
+    (so every earlier convert's bytes), and the record keeps each expert's prior."""
+    g = load_recipe("tiny-glm-5.2").gptq
+    assert expert_dampening(g, [10, 1000], D) == g.dampening
+    g.width_prior = 0.5
+    d = expert_dampening(g, [16, 64, 0], D)
+    assert torch.allclose(d, torch.tensor([g.dampening + 0.5 * D / 16, g.dampening + 0.5 * D / 64,
+                                           g.dampening + 0.5 * D]).double())
+    x, w = _layer()
+    rec = load_recipe("tiny-glm-5.2")
+    tokens = {0: torch.arange(400), 1: torch.arange(40), 2: torch.arange(40)}
+    q0, _ = quantize_experts(x, w, tokens, [0, 1], rec, 32, "gptq", 1)
+    rec.gptq.width_prior = 1.0
+    q1, records = quantize_experts(x, w, tokens, [0, 1], rec, 32, "gptq", 1)
+    assert records[0].prior == round(D / 350, 6) and records[1].prior == round(D / 35, 6)
+    # the thin expert moves towards RTN, the well-fed one barely moves
+    rtn = quantize_rtn(w["mlp.experts.1.gate_proj.weight"], 32).dequantize()
+    dist = [q[1]["gate_proj"].dequantize().sub(rtn).norm() for q in (q0, q1)]
+    assert dist[1] < dist[0]
