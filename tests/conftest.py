@@ -13,6 +13,13 @@ from pathlib import Path
 # (a small GPTQ convert: 3.6-26 s against 1.0-1.2 s at load average 6-8 on 2 cores); the bytes are
 # the same (only how an idle thread waits changes, not how work is split).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# One thread per test process, and per subprocess it starts (OMP_NUM_THREADS is read when torch loads):
+# the test command runs two workers on two cores, so two threads each oversubscribed the machine, and a
+# CLI run inside a test took the machine's core count (2 on CI, more elsewhere) while the in-process code
+# took 2. With 1 everywhere, a test's numbers do not change with the machine's core count, and an
+# in-process result and a subprocess's are computed alike. Measured: test_validate + test_convert run
+# side by side (the two workers' situation) 109 s with 2 threads each, 98 s with 1.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -23,9 +30,8 @@ from quantkit.model.arch import arch_from_config
 from quantkit.quant.gptq import quantize_rtn
 from quantkit.synthetic.tiny import GLM, KIMI_TEXT, init_weights, tiny_path
 
-# Float reductions (and so INT4 rounding of a few weights) depend on the thread count: fix it, so
-# a test's numbers do not change with the machine's core count.
-torch.set_num_threads(2)
+# Float reductions (and so INT4 rounding of a few weights) depend on the thread count: fix it (above).
+torch.set_num_threads(1)
 
 
 # Files that run for minutes (the real-width conversions), started before every other file.
