@@ -28,6 +28,7 @@ micro-batch's selection is kept for the next (IndexShare) layers, as (B, T, k) i
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,10 @@ from quantkit.model.moe import mlp, route, shared_expert, swiglu, weighted
 from quantkit.model.reference import attention, rms_norm
 from quantkit.quant.experts import HOLDOUT, is_heldout, is_heldout_window, run_gptq, starved
 from quantkit.quant.gptq import QuantizedWeight
+
+if TYPE_CHECKING:  # annotations only, as in conversion/stages.py
+    from quantkit.recipe import Recipe
+    from quantkit.runtime.distributed import Group
 
 
 class LayerRouting:
@@ -58,7 +63,7 @@ class LayerRouting:
 
 
 def attention_pass(store: ActivationStore, w: dict, ctx, layer: int, topks: list, moe: bool,
-                   group=None) -> LayerRouting | None:
+                   group: Group | None = None) -> LayerRouting | None:
     """The attention half (and a dense layer's MLP, or a MoE layer's shared expert), per micro-batch.
 
     With several ranks (`group`), each computes only its own micro-batches (Group.owns_batch), then
@@ -95,7 +100,7 @@ def attention_pass(store: ActivationStore, w: dict, ctx, layer: int, topks: list
     return LayerRouting(idx, wt, [len(t) for t in idx], a.n_routed_experts) if moe else None
 
 
-def _share_attention(group, store: ActivationStore, ctx, layer: int, topks: list, idx: list, wt: list,
+def _share_attention(group: Group, store: ActivationStore, ctx, layer: int, topks: list, idx: list, wt: list,
                      moe: bool) -> None:
     """After a split attention pass: every rank gets every micro-batch's x, routing and DSA
     selection (in place in `topks`, `idx`, `wt`), and the layer's KV-cache maxima over all tokens.
@@ -118,7 +123,7 @@ def _tokens(idx_b: torch.Tensor, e: int) -> tuple[torch.Tensor, torch.Tensor]:
     return (idx_b == e).nonzero(as_tuple=True)
 
 
-def _passes(store: ActivationStore, routing: LayerRouting, group=None):
+def _passes(store: ActivationStore, routing: LayerRouting, group: Group | None = None):
     """(micro-batch index, slice, x as float32 (B*T, D), top-k ids, top-k weights) in order; with
     `group`, only the micro-batches that rank owns."""
     D = store.shape[-1]
@@ -245,7 +250,7 @@ def _layer_heldout(store: ActivationStore, window: int = 0) -> torch.Tensor:
 
 
 def gptq_experts(store: ActivationStore, routing: LayerRouting, ew: dict[str, torch.Tensor], experts: list[int],
-                 recipe, group_size: int, layer: int):
+                 recipe: Recipe, group_size: int, layer: int):
     """GPTQ for a chunk of routed experts from streamed Hessians, with quantkit.quant.experts' policy:
     fit on the non-held-out tokens, starved experts take gptq.fallback, and each expert is kept
     only if its held-out output error beats RTN's (guard_against_rtn). Same contract as
@@ -316,7 +321,7 @@ def gptq_experts(store: ActivationStore, routing: LayerRouting, ew: dict[str, to
     return quantized, [records[e] for e in sorted(records)]
 
 
-def add_expert_outputs(store: ActivationStore, routing: LayerRouting, weights: dict[int, tuple], group=None) -> None:
+def add_expert_outputs(store: ActivationStore, routing: LayerRouting, weights: dict[int, tuple], group: Group | None = None) -> None:
     """h += router weight * expert(x) for the given experts (weights: e -> (gate, up, down)), per
     micro-batch; with several ranks (`group`) only this rank's micro-batches (their h is shared at
     the end of the layer)."""
@@ -333,7 +338,7 @@ def add_expert_outputs(store: ActivationStore, routing: LayerRouting, weights: d
 
 
 def convert_experts(ckpt, pair, decisions, layer: int, store: ActivationStore | None, routing: LayerRouting | None,
-                    recipe, group_size: int, method: str, dtype, dev, bar, chunk: int, group=None,
+                    recipe: Recipe, group_size: int, method: str, dtype, dev, bar, chunk: int, group: Group | None = None,
                     shares: dict | None = None) -> list:
     """The routed experts of one MoE layer, `chunk` at a time: loaded (dequantized), quantized when
     decode stores them as new INT4, written to both outputs, and, when calibrating (store given),
@@ -396,8 +401,8 @@ def convert_experts(ckpt, pair, decisions, layer: int, store: ActivationStore | 
     return sorted(records, key=lambda r: r.expert)
 
 
-def _quantize_share(group, store: ActivationStore, routing: LayerRouting, load, int4: list[int], counts: list[int],
-                    recipe, group_size: int, method: str, layer: int, dev, bar, chunk: int, records: list,
+def _quantize_share(group: Group, store: ActivationStore, routing: LayerRouting, load, int4: list[int], counts: list[int],
+                    recipe: Recipe, group_size: int, method: str, layer: int, dev, bar, chunk: int, records: list,
                     shares: dict | None, n_experts: int, arch) -> dict:
     """Multi-rank: quantize this rank's part of the layer's INT4 experts (quantkit.runtime.distributed.partition
     by routed tokens), `chunk` at a time, then exchange, so that every rank returns every INT4
@@ -432,7 +437,7 @@ def _quantize_share(group, store: ActivationStore, routing: LayerRouting, load, 
     return done
 
 
-def _quantize_chunk(store: ActivationStore | None, routing: LayerRouting | None, ew: dict, need: list[int], recipe,
+def _quantize_chunk(store: ActivationStore | None, routing: LayerRouting | None, ew: dict, need: list[int], recipe: Recipe,
                     group_size: int, method: str, layer: int, dev) -> tuple[dict, list]:
     """Quantize the experts `need` (their source weights in `ew`) by `method`, with the inputs the
     registered method asks for (quantkit.quant.methods.Inputs); calibrated ones pass the held-out
