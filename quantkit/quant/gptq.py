@@ -266,30 +266,39 @@ def gptq(
 
     Q = torch.zeros(W.shape, dtype=torch.int8, device=device)  # [E, out, in]
     Losses = torch.zeros(E, rows, device=device)  # [E, out]
+    # The block is worked on transposed, [E, count, out]: column i of W is then row i, contiguous, so the
+    # per-column rounding and the within-block update run over contiguous memory (the [E, out, count]
+    # layout made every column op a strided gather: the loop took most of a real-width expert's time
+    # on CPU). Every element sees the same float32 operations in the same order as in the paper's
+    # layout, so the result is bit for bit the same; Err1 goes back to [E, out, count] (a copy) for the
+    # loss and the lazy update, which therefore also run exactly as before.
     for i1 in range(0, columns, block_size):
         i2 = min(i1 + block_size, columns)
-        W1 = W[..., i1:i2].clone()  # [E, out, count]
-        # S1 [E, out, count]: the scale of each entry of the block
-        S1 = scale.gather(-1, g_idx[:, None, i1:i2].expand(-1, rows, -1))
-        Err1 = torch.zeros_like(W1)
+        W1 = W[..., i1:i2].transpose(-1, -2).contiguous()  # [E, count, out], working copy
+        # S1 [E, count, out]: the scale of each entry of the block
+        S1 = scale.gather(-1, g_idx[:, None, i1:i2].expand(-1, rows, -1)).transpose(-1, -2).contiguous()
+        Err1 = torch.zeros_like(W1)  # [E, count, out]
+        Q1 = torch.empty(W1.shape, dtype=torch.int8, device=device)  # [E, count, out]
         Hinv1 = Hinv[:, i1:i2, i1:i2]  # [E, count, count]
 
         for i in range(i2 - i1):
             if not static_groups and (i1 + i) % group_size == 0:  # new group: scale from current W
                 g = (i1 + i) // group_size
-                Wg = W1[..., i : i + group_size]  # [E, out, group_size]
+                Wg = W1[:, i : i + group_size].transpose(-1, -2)  # [E, out, group_size]
                 scale[..., g] = group_scales(Wg, group_size, num_bits, scale_dtype)[..., 0]
-                S1[..., i : i + group_size] = scale[..., g : g + 1]
-            w = W1[..., i]  # [E, out]
-            s = S1[..., i]  # [E, out]
+                S1[:, i : i + group_size] = scale[..., g].unsqueeze(-2)
+            w = W1[:, i]  # [E, out]
+            s = S1[:, i]  # [E, out]
             q = _round(w, s, num_bits)
             w_hat = (q.to(s.dtype) * s).float()  # in the scale dtype, as compressed-tensors
             d = Hinv1[:, i, i]  # [E]
             err = (w - w_hat) / d.unsqueeze(-1)  # [E, out]
-            Q[..., i1 + i] = q.to(torch.int8)
-            Err1[..., i] = err
-            W1[..., i:] -= err.unsqueeze(-1) * Hinv1[:, i, i:].unsqueeze(-2)  # within-block update
+            Q1[:, i] = q.to(torch.int8)
+            Err1[:, i] = err
+            W1[:, i:] -= Hinv1[:, i, i:].unsqueeze(-1) * err.unsqueeze(-2)  # within-block update, [E, count - i, out]
 
+        Q[..., i1:i2] = Q1.transpose(-1, -2)
+        Err1 = Err1.transpose(-1, -2).contiguous()  # [E, out, count]
         Losses += torch.sum(Err1.square(), -1) / 2
         # lazy batch update of all the columns after the block: [E, out, count] @ [E, count, rest]
         W[..., i2:] -= torch.bmm(Err1, Hinv[:, i1:i2, i2:])
