@@ -156,7 +156,6 @@ def test_bf16_cache_leaves_the_forward_unchanged(tiny_kimi):
 def pairs(tmp_path_factory, tiny_glm, tiny_kimi):
     from quantkit import convert
 
-    torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("kv")
     return {n: convert(f"tiny:{n}", root / n, validate=False, progress=False).out for n in ("kimi-k2.6", "glm-5.2")}
 

@@ -3,7 +3,7 @@ bytes 1 rank does; a killed or hung rank stops the job within a bounded time and
 it; the partition balances routed tokens; the planner divides what is split and says what is not.
 
 Threads: every process here, the single-process references included, runs torch on ONE thread
-(OMP_NUM_THREADS=1 in _env; the in-process ones through the one_thread fixture): the bytes are
+(OMP_NUM_THREADS=1 in _env; the in-process ones as every test process, tests/conftest.py): the bytes are
 equal at equal threads per process, which is what the reports' reproducibility.threads_per_rank
 records (docs/reliability.md, "Reproducing the bytes")."""
 
@@ -50,15 +50,6 @@ def _torchrun(model: str, out: Path, *args: str, nproc: int = 2, **env) -> subpr
 def _files(out: Path) -> dict[str, bytes]:
     return {str(p.relative_to(out)): p.read_bytes() for which in ("prefill", "decode")
             for p in sorted((out / which).iterdir())}
-
-
-@pytest.fixture
-def one_thread():
-    """torch on one thread, as the subprocesses run (two threads on a loaded 2-core machine crawl)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +116,7 @@ def _gptq_batches(device: str) -> None:
             at += n
 
 
-def test_gptq_bytes_do_not_depend_on_the_batch_cpu(one_thread):
+def test_gptq_bytes_do_not_depend_on_the_batch_cpu():
     _gptq_batches("cpu")
 
 
@@ -136,7 +127,7 @@ def test_gptq_bytes_do_not_depend_on_the_batch_cuda():
     _gptq_batches("cuda")
 
 
-def test_expert_chunk_does_not_change_the_output(tmp_path, monkeypatch, one_thread):
+def test_expert_chunk_does_not_change_the_output(tmp_path, monkeypatch):
     """convert at 16, 3 and 1 experts per chunk: one output (each rank chunks its own experts)."""
     import quantkit.conversion.cost as cost
     from quantkit.conversion.pipeline import convert

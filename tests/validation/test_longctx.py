@@ -21,14 +21,6 @@ INDEXER_LAYER = 2  # owns an indexer in the tiny GLM (IndexShare: layers 0, 2, 4
 SHORT = {"num_samples": 2, "seq_len": 14, "gen_tokens": 2}  # prompt + decode step see <= 15 < index_topk 16 tokens
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _reseal(out: Path, changed: str) -> None:
     """Rewrite both manifests (`changed` no longer a tensor the pair shares) and the report's digests,
     as a converter that wrote the damage would."""

@@ -62,15 +62,6 @@ def _independent_logits(folder, ids: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(h, ck.get(head_weight_name(a)))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """As tests/validation/test_validate.py: the tiny ops gain nothing from threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def glm_pair(tmp_path_factory, tiny_glm):
     return convert("tiny:glm-5.2", tmp_path_factory.mktemp("numerics") / "glm", method="rtn", validate=False,

@@ -25,16 +25,6 @@ runner = CliRunner()
 DAMAGED_LAYER = 2  # an MoE layer of the tiny GLM (layer 0 is dense), with an indexer (DSA)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny models' ops are far too small to gain from threads, and under a loaded machine OpenMP's
-    spinning makes them ~10x slower; one thread keeps the module inside its time budget."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory, tiny_glm, tiny_kimi) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("pairs")
