@@ -12,7 +12,7 @@ from pathlib import Path
 from quantkit.errors import ConfigError
 from quantkit.probe.client import Endpoint, ProbeError, Reply
 from quantkit.probe.compare import Observed, score, verdict
-from quantkit.probe.prompts import PromptSet, read_prompt_set, tokenize_prompt_set
+from quantkit.probe.prompts import PromptSet, load_tokenizer, read_prompt_set, tokenize_prompt_set
 from quantkit.validation.card import PROBES_HEADING as CARD_HEADING
 
 
@@ -57,11 +57,11 @@ def probe(url: str, pair: str | Path, *, model: str | None = None, api_key_env: 
     ep = Endpoint(url, model, api_key_env, timeout, retries, concurrency=concurrency, logprobs=logprobs)
     try:
         ep.model = _served_model(ep, model)  # the usual failures (no server, wrong URL or model) before any tokenizer
-        ps = tokenize_prompt_set(prompt_file, Path(tok_dir))
+        tok = load_tokenizer(Path(tok_dir))
+        ps = tokenize_prompt_set(prompt_file, tok)
         replies = ep.complete_all(ps.prompts, ps.max_tokens, ps.top_logprobs)
     finally:
         ep.close()
-    tok = _tokenizer(Path(tok_dir))
     observed = [_observe(r, tok) for r in replies]
     warnings = [f"prompt {p.id}: the server counted {r.prompt_tokens} prompt tokens, the pair's tokenizer "
                 f"{len(p.ids)}: the endpoint tokenizes differently (another tokenizer or chat template)"
@@ -141,12 +141,6 @@ def _dsa_warnings(arch, ps: PromptSet) -> list[str]:
 
 
 # ---- tokens ------------------------------------------------------------------------------------------
-def _tokenizer(folder: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(folder))
-
-
 def _observe(r: Reply, tok) -> Observed:
     """The reply in the pair's token ids: the logprobs' tokens where the server returned them (vLLM's
     `token_id:N` form, or decoded strings), else the text tokenized by the pair's tokenizer."""

@@ -57,15 +57,19 @@ def read_prompt_set(path: Path | None = None) -> PromptFile:
     return PromptFile(where, raw, d)
 
 
-def tokenize_prompt_set(f: PromptFile, tokenizer_dir: Path) -> PromptSet:
-    """Each prompt's token ids under `tokenizer_dir`'s tokenizer (chat: its template, with the generation prompt)."""
+def load_tokenizer(tokenizer_dir: Path):
+    """The pair's tokenizer; one line naming the folder when it has none."""
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        return AutoTokenizer.from_pretrained(str(tokenizer_dir))
     except (OSError, ValueError) as e:
         raise ConfigError(f"{tokenizer_dir}: no tokenizer the probe can use ({str(e).splitlines()[0]}); "
                           "the pair's folders need tokenizer.json/tokenizer_config.json") from None
+
+
+def tokenize_prompt_set(f: PromptFile, tok) -> PromptSet:
+    """Each prompt's token ids under the pair's tokenizer `tok` (chat: its template, with the generation prompt)."""
     prompts = []
     for p in f.data["prompts"]:
         if p["kind"] == "chat":
@@ -81,4 +85,4 @@ def tokenize_prompt_set(f: PromptFile, tokenizer_dir: Path) -> PromptSet:
 
 def load_prompt_set(tokenizer_dir: Path, path: Path | None = None) -> PromptSet:
     """The recorded prompts (the shipped prompts.json unless `path`), tokenized by `tokenizer_dir`'s tokenizer."""
-    return tokenize_prompt_set(read_prompt_set(path), tokenizer_dir)
+    return tokenize_prompt_set(read_prompt_set(path), load_tokenizer(tokenizer_dir))
