@@ -67,6 +67,15 @@ def prepare(tasks: str | list[str] | None, task_dir=None, limit=None, num_fewsho
     lm_eval_module()
     from lm_eval.tasks import TaskManager
 
+    if task_dir is not None:
+        # lm-eval's index of its own tasks reads ~15K YAMLs (about 20 s); tasks that are all in --task-dir
+        # need only that folder's
+        local = TaskManager(include_path=str(task_dir), include_defaults=False)
+        if set(names) <= set(local.all_tasks):
+            try:
+                return TaskSpec(names, Path(task_dir), limit, num_fewshot, _loaded(local, names))
+            except ConfigError:
+                pass  # e.g. a local group over lm-eval's own tasks: the whole index below decides
     manager = TaskManager(include_path=str(task_dir) if task_dir else None)
     known = set(manager.all_tasks)
     for name in names:
@@ -76,7 +85,12 @@ def prepare(tasks: str | list[str] | None, task_dir=None, limit=None, num_fewsho
             near = difflib.get_close_matches(name, sorted(known), n=3)
             raise ConfigError(f"--tasks {name}: no such lm-eval task" + (f" (did you mean {', '.join(near)}?)" if near else "")
                               + ("; local task YAMLs go in --task-dir" if task_dir is None else f" in lm-eval or {task_dir}"))
-    try:  # builds each task and loads its data now, not after the KL rows
+    return TaskSpec(names, Path(task_dir) if task_dir else None, limit, num_fewshot, _loaded(manager, names))
+
+
+def _loaded(manager, names: list[str]):
+    """`manager` once every task is built and its data loaded: now, not after the KL rows."""
+    try:
         if hasattr(manager, "load"):  # lm-eval 0.4.10+
             manager.load(names)
         else:
@@ -87,7 +101,7 @@ def prepare(tasks: str | list[str] | None, task_dir=None, limit=None, num_fewsho
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ConfigError(f"--tasks {','.join(names)}: lm-eval could not load the task data ({type(e).__name__}: {first}); "
                           "offline, point the task YAML at local files (dataset_path: json, data_files) in --task-dir") from None
-    return TaskSpec(names, Path(task_dir) if task_dir else None, limit, num_fewshot, manager)
+    return manager
 
 
 def batch_bytes(budget_bytes: int, kept_bytes: int) -> int:
