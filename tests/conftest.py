@@ -17,8 +17,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # the test command runs two workers on two cores, so two threads each oversubscribed the machine, and a
 # CLI run inside a test took the machine's core count (2 on CI, more elsewhere) while the in-process code
 # took 2. With 1 everywhere, a test's numbers do not change with the machine's core count, and an
-# in-process result and a subprocess's are computed alike. Measured: test_validate + test_convert run
-# side by side (the two workers' situation) 109 s with 2 threads each, 98 s with 1.
+# in-process result and a subprocess's are computed alike.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
