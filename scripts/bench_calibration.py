@@ -17,7 +17,7 @@ independent units; positions inside one are correlated). `z` = difference / SE.
     python scripts/bench_calibration.py                          # every class, ~25 min on 2 cores
     python scripts/bench_calibration.py --classes tiny-glm,random-glm-fp8
     python scripts/bench_calibration.py --classes tiny-glm --no-llmc --variant damp0.1:gptq.dampening=0.1
-    python scripts/bench_calibration.py --classes tiny-glm --no-llmc --base GPTQ --mix-reversed 0.25
+    python scripts/bench_calibration.py --classes tiny-glm --no-llmc --base "" --variant ship:... --mix-reversed 0.25
 
 --variant NAME:FIELD=VALUE[,FIELD=VALUE] adds a quantkit GPTQ run with recipe fields changed (an
 experiment, docs/benchmarks.md "Calibration experiments"); METHOD=awq in the list makes it an AWQ run.
@@ -223,22 +223,28 @@ def quantkit_run(src: Path, out: Path, method: str, calib: tuple[int, int], G: i
     return m
 
 
-def mix_recipe(base: str, calib: tuple[int, int], share: float, wd: Path) -> Path:
-    """A recipe file: `base` calibrated on a mix at the same total windows: (1 - share) of them
-    synthetic:train, `share` the same language reversed (other corpus seeds than every eval set's,
-    written as a token file), a second language that the in-distribution set never shows."""
+def mix_second_source(calib: tuple[int, int], wd: Path) -> Path:
+    """--mix-reversed's second source, a token file: the same language reversed, from corpus seeds
+    no eval set uses (MIX_REVERSED_SEED and up; the reversed eval set is REVERSED_SEED's)."""
     import numpy as np
-    import yaml
 
-    from quantkit.recipe import load_recipe
     from quantkit.synthetic.tiny import batches
 
     second = wd / "calib-reversed.npy"
     np.save(second, batches(calib[0], calib[1], MIX_REVERSED_SEED).flip(-1).numpy())
-    data = load_recipe(base).model_dump(mode="json")
+    return second
+
+
+def mix_recipe(recipe: str | Path, second: Path, share: float, path: Path) -> Path:
+    """A recipe file: `recipe` (a name or file) calibrated on a mix at the same total windows:
+    (1 - share) of them synthetic:train, `share` from `second`."""
+    import yaml
+
+    from quantkit.recipe import load_recipe
+
+    data = load_recipe(recipe).model_dump(mode="json")
     data["calibration"].update(dataset=None, mix=[{"data": "synthetic:train", "weight": 1 - share},
                                                   {"data": str(second), "weight": share}])
-    path = wd / "mix.yaml"
     path.write_text(yaml.safe_dump(data))
     load_recipe(path)
     return path
@@ -300,8 +306,9 @@ def run_class(name: str, args, work: Path, env: dict, say) -> dict:
     if args.mix_reversed:
         if corpus != "synthetic":
             raise RuntimeError(f"{name}: --mix-reversed needs a class calibrated on the synthetic corpus")
-        mixed = mix_recipe(base, calib, args.mix_reversed, wd)
-        plan += [(f"{k} mix", m, mixed) for k, m in (("GPTQ", "gptq"), ("AWQ", "awq")) if k in args.base.split(",")]
+        second = mix_second_source(calib, wd)
+        plan += [(f"{k} mix", m, mix_recipe(r, second, args.mix_reversed, wd / f"{k}-mix.yaml"))
+                 for k, m, r in list(plan) if k != "RTN"]
     for key, method, recipe in plan:
         say(f"{name}: quantkit {key} ...")
         runs[key] = quantkit_run(src, wd / key.replace(" ", "-"), method, calib, G, recipe, logs, env,
@@ -530,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE,...")
     ap.add_argument("--no-llmc", action="store_true", help="skip llm-compressor (experiments)")
     ap.add_argument("--mix-reversed", type=float, default=0.0, metavar="SHARE",
-                    help="add 'GPTQ mix' (and 'AWQ mix' when AWQ is in --base): calibrated on a calibration.mix of "
+                    help="beside every calibrated run X, 'X mix': the same recipe calibrated on a calibration.mix of "
                          "synthetic:train and, for SHARE of the same windows, the reversed language (docs/benchmarks.md)")
     ap.add_argument("--base", default="GPTQ,AWQ,RTN-clip",
                     help="the tiny recipe's runs beside RTN (always run), comma-separated; '' for none (variants only)")

@@ -63,9 +63,9 @@ def test_mix_recipe_keeps_the_total_and_holds_out_the_eval_sets(bench, tmp_path)
 
     from quantkit.recipe import load_recipe, recipe_overrides
 
-    r = load_recipe(bench.mix_recipe("tiny-glm-5.2", (32, 16), 0.25, tmp_path))
+    second = bench.mix_second_source((32, 16), tmp_path)
+    r = load_recipe(bench.mix_recipe("tiny-glm-5.2", second, 0.25, tmp_path / "mix.yaml"))
     r = recipe_overrides(r, num_samples=32, seq_len=16)  # the bench's --num-samples / --seq-len, as convert applies them
-    second = tmp_path / "calib-reversed.npy"
     assert r.calibration.sources() == [("synthetic:train", 24), (str(second), 8)] and r.calibration.dataset is None
     rev = torch.from_numpy(np.load(second))
     evals = bench.eval_sets(4, 16, 512)["reversed"]
