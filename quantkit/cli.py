@@ -220,7 +220,7 @@ def convert(
     recipe: Recipe = None,
     preset: Annotated[Optional[str], typer.Option(help="Alias of --recipe: a shipped recipe name (kimi-k2.6, glm-5.2, ...).")] = None,
     method: Method = None,
-    calib: Annotated[Optional[str], typer.Option(help="Calibration data: hf:org/name@split, a .jsonl, .txt, .parquet, .npy or .safetensors file, or synthetic:train.", show_default=RECIPES)] = None,
+    calib: Annotated[Optional[str], typer.Option(help="Calibration data: hf:org/name@split, a .jsonl, .txt, .parquet, .npy or .safetensors file, or synthetic:train; replaces a recipe's calibration.mix.", show_default=RECIPES)] = None,
     num_samples: NumSamples = None,
     seq_len: SeqLen = None,
     group_size: GroupSize = None,

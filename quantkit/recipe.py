@@ -19,7 +19,7 @@ import math
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from quantkit.errors import ConfigError
 from quantkit.quant.methods import METHODS, unknown_method
 
-__all__ = ["Recipe", "load_recipe", "default_recipe", "recipe_overrides", "resolve_recipe", "recipe_dirs", "available_recipes"]
+__all__ = ["Recipe", "load_recipe", "recipe_file", "default_recipe", "recipe_overrides", "resolve_recipe", "recipe_dirs", "available_recipes"]
 
 # A projection `prefill.keep_bf16` may name: the last component of a module name. Which ones a model
 # has is its family definition's (quantkit.model.family); `resolve_recipe` checks them against it.
@@ -50,11 +50,77 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
 
 
+class MixSource(_Section):
+    """One source of a calibration mix: a data spec and its share, in tokens or as a weight."""
+
+    data: str = Field(min_length=1)  # a quantkit.inputs.tokens spec (synthetic:train, a local file, hf:org/name@split)
+    tokens: int | None = Field(None, ge=1)  # this many tokens (a multiple of seq_len)
+    weight: float | None = Field(None, gt=0)  # this share of num_samples windows (the weights sum to 1)
+
+
+MIX_WEIGHT_SUM = 0.01  # how far the weights may sum from 1 (so 0.33 + 0.33 + 0.34 passes, 0.5 + 0.6 does not)
+
+
 class Calibration(_Section):
     dataset: str | None = None  # a quantkit.inputs.tokens spec; required by a calibrated method (gptq, awq)
+    # several sources instead of one (chat, code, tool calls, another language): quantkit.inputs.mix
+    mix: list[MixSource] | None = None
     num_samples: int = Field(128, ge=1)
     seq_len: int = Field(512, ge=1)
     seed: int = Field(0, ge=0)
+
+    def sources(self) -> list[tuple[str, int]]:
+        """(spec, windows) of every source: the one dataset's num_samples, or each mix source's
+        windows (tokens / seq_len, or its weight's share of num_samples by largest remainder, ties
+        to the earlier source), in the recipe's order."""
+        if not self.mix:
+            return [(self.dataset, self.num_samples)] if self.dataset else []
+        if self.mix[0].tokens is not None:
+            return [(m.data, m.tokens // self.seq_len) for m in self.mix]
+        total = sum(m.weight for m in self.mix)
+        exact = [self.num_samples * m.weight / total for m in self.mix]
+        windows = [math.floor(x) for x in exact]
+        by_remainder = sorted(range(len(exact)), key=lambda i: (windows[i] - exact[i], i))
+        for i in by_remainder[: self.num_samples - sum(windows)]:
+            windows[i] += 1
+        return [(m.data, n) for m, n in zip(self.mix, windows)]
+
+    def problems(self) -> list[str]:
+        """What is wrong with the mix, one line each (field path first); empty when fine."""
+        if self.mix is None:
+            return []
+        if self.dataset:
+            return [f"calibration.mix: give calibration.dataset (one source) or calibration.mix (several), not both; "
+                    f"remove dataset: {self.dataset}"]
+        if not self.mix:
+            return ["calibration.mix: empty; list sources as {data: <spec>, weight: <share>} or remove mix"]
+        out = []
+        for i, m in enumerate(self.mix):
+            if (m.tokens is None) == (m.weight is None):
+                out.append(f"calibration.mix[{i}]: {m.data}: give tokens or weight (one of them)")
+        kinds = {m.tokens is None for m in self.mix}
+        if out or len(kinds) > 1:
+            return out or ["calibration.mix: some sources give tokens, others weight; use one of them for every source"]
+        if self.mix[0].tokens is not None:
+            need = self.num_samples * self.seq_len
+            for i, m in enumerate(self.mix):
+                if m.tokens % self.seq_len:
+                    out.append(f"calibration.mix[{i}]: {m.data}: tokens {m.tokens} is not a multiple of seq_len "
+                               f"{self.seq_len}; use {max(1, round(m.tokens / self.seq_len)) * self.seq_len}")
+            have = sum(m.tokens for m in self.mix)
+            if not out and have != need:
+                out.append(f"calibration.mix: the tokens sum to {have}, num_samples x seq_len is {need}; "
+                           f"set num_samples: {have // self.seq_len}")
+            return out
+        total = sum(m.weight for m in self.mix)
+        if abs(total - 1) > MIX_WEIGHT_SUM:
+            return [f"calibration.mix: the weights sum to {total:g}; make them sum to 1 (each is its source's share "
+                    f"of the num_samples windows)"]
+        for (spec, n), m in zip(self.sources(), self.mix):
+            if n == 0:
+                out.append(f"calibration.mix: {spec}: weight {m.weight:g} of {self.num_samples} windows is no "
+                           f"window; raise its weight or num_samples")
+        return out
 
 
 class GPTQSettings(_Section):
@@ -149,7 +215,6 @@ with warnings.catch_warnings():
         prefill: PrefillSettings = Field(default_factory=PrefillSettings)
         decode: DecodeSettings = Field(default_factory=DecodeSettings)
         validate: ValidateSettings = Field(default_factory=ValidateSettings)
-
         @field_validator("method")
         @classmethod
         def _registered(cls, name: str) -> str:
@@ -159,8 +224,9 @@ with warnings.catch_warnings():
 
         @model_validator(mode="after")
         def _consistent(self) -> "Recipe":
-            problems = []
-            if METHODS[self.method].calibrated and not self.calibration.dataset:
+            problems = self.calibration.problems()
+            sources = [] if problems else self.calibration.sources()
+            if METHODS[self.method].calibrated and not (sources or problems):
                 free = " or ".join(n for n, m in METHODS.items() if not m.calibrated)
                 problems.append(f"calibration.dataset: method {self.method} needs calibration data; "
                                 f"add a spec such as synthetic:train or hf:org/name@split, or use method: {free}")
@@ -170,8 +236,8 @@ with warnings.catch_warnings():
             if not self.gptq.static_groups and self.gptq.actorder:
                 problems.append("gptq.static_groups: false needs gptq.actorder: false (a group's scale is set "
                                 "when its first column is reached, in the original column order)")
-            cal, val = _same_data(self.calibration.dataset), _same_data(self.validate.dataset)
-            if val is not None and val == cal:
+            val = _same_data(self.validate.dataset)
+            if val is not None and val in {_same_data(spec) for spec, _ in sources}:
                 problems.append(f"validate.dataset: {self.validate.dataset} is the calibration data; evaluate on held-out "
                                 "data (synthetic:heldout, a test split, or another file)")
             if problems:
@@ -219,6 +285,11 @@ def load_recipe(path_or_name: str | Path) -> Recipe:
         raise ConfigError(f"{where}: a recipe is a YAML mapping of fields (name, method, calibration, ...); "
                           f"got {type(data).__name__}")
     return _validate(data, where)
+
+
+def recipe_file(path_or_name: str | Path) -> str:
+    """The file a recipe path or name reads, as errors name it (relative to the current folder when inside it)."""
+    return _display(_find(path_or_name))
 
 
 def _find(path_or_name: str | Path) -> Path:
@@ -292,6 +363,8 @@ def recipe_overrides(recipe: Recipe, **cli_options: Any) -> Recipe:
         for key in parents:
             node = node[key]
         node[leaf] = value
+        if option == "calib":  # --calib names the one source: it replaces a recipe's mix
+            node["mix"] = None
         changed = True
     if not changed:
         return recipe
@@ -348,11 +421,21 @@ def _field_name(loc: tuple) -> str:
 def _fields_at(loc: tuple) -> list[str]:
     model: type[BaseModel] = Recipe
     for key in loc:
+        if isinstance(key, int):  # an item of a list of sections (calibration.mix.0)
+            continue
         info = model.model_fields.get(key)
-        if info is None or not isinstance(info.annotation, type) or not issubclass(info.annotation, BaseModel):
+        inner = _section_in(info.annotation) if info is not None else None
+        if inner is None:
             return []
-        model = info.annotation
+        model = inner
     return sorted(model.model_fields)
+
+
+def _section_in(annotation) -> type[BaseModel] | None:
+    """The section model a field holds: itself, or inside `list[...]` / `... | None`."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for m in map(_section_in, get_args(annotation)) if m is not None), None)
 
 
 def _display(path: Path) -> str:

@@ -17,6 +17,7 @@ independent units; positions inside one are correlated). `z` = difference / SE.
     python scripts/bench_calibration.py                          # every class, ~25 min on 2 cores
     python scripts/bench_calibration.py --classes tiny-glm,random-glm-fp8
     python scripts/bench_calibration.py --classes tiny-glm --no-llmc --variant damp0.1:gptq.dampening=0.1
+    python scripts/bench_calibration.py --classes tiny-glm --no-llmc --base "" --variant ship:... --mix-reversed 0.25
 
 --variant NAME:FIELD=VALUE[,FIELD=VALUE] adds a quantkit GPTQ run with recipe fields changed (an
 experiment, docs/benchmarks.md "Calibration experiments"); METHOD=awq in the list makes it an AWQ run.
@@ -51,6 +52,7 @@ import bench_convert as bc  # noqa: E402  (scripts/ is not a package)
 EVAL_SEED = 2000  # corpus seeds >= 1000 are never seen by the tiny models' training or calibration
 REVERSED_SEED = 3000
 RANDOM_IDS_SEED = 4000
+MIX_REVERSED_SEED = 500  # --mix-reversed's second source: train-side corpus seeds, above what synthetic:train reaches here
 
 
 # ---- the model classes -------------------------------------------------------------------------------
@@ -211,7 +213,7 @@ def variant_recipe(base: str, fields: dict, path: Path) -> Path:
 def quantkit_run(src: Path, out: Path, method: str, calib: tuple[int, int], G: int, recipe: Path | str, logs: Path,
                  env: dict, data: str = "synthetic:train", rest: str = "bf16") -> dict:
     cmd = [sys.executable, "-m", "quantkit.cli", "convert", str(src), "--out", str(out), "--method", method,
-           "--recipe", str(recipe), "--calib", data, "--num-samples", str(calib[0]),
+           "--recipe", str(recipe), *(["--calib", data] if data else []), "--num-samples", str(calib[0]),
            "--seq-len", str(calib[1]), "--group-size", str(G), "--decode-rest", rest, "--device", "cpu",
            "--no-validate", "--json"]
     m = bc.measured(cmd, logs / f"{out.name}.log", env=env)
@@ -219,6 +221,33 @@ def quantkit_run(src: Path, out: Path, method: str, calib: tuple[int, int], G: i
     m["experts"] = report["experts"]
     m["sha256"] = (report["calibration"] or {}).get("sha256")
     return m
+
+
+def mix_second_source(calib: tuple[int, int], wd: Path) -> Path:
+    """--mix-reversed's second source, a token file: the same language reversed, from corpus seeds
+    no eval set uses (MIX_REVERSED_SEED and up; the reversed eval set is REVERSED_SEED's)."""
+    import numpy as np
+
+    from quantkit.synthetic.tiny import batches
+
+    second = wd / "calib-reversed.npy"
+    np.save(second, batches(calib[0], calib[1], MIX_REVERSED_SEED).flip(-1).numpy())
+    return second
+
+
+def mix_recipe(recipe: str | Path, second: Path, share: float, path: Path) -> Path:
+    """A recipe file: `recipe` (a name or file) calibrated on a mix at the same total windows:
+    (1 - share) of them synthetic:train, `share` from `second`."""
+    import yaml
+
+    from quantkit.recipe import load_recipe
+
+    data = load_recipe(recipe).model_dump(mode="json")
+    data["calibration"].update(dataset=None, mix=[{"data": "synthetic:train", "weight": 1 - share},
+                                                  {"data": str(second), "weight": share}])
+    path.write_text(yaml.safe_dump(data))
+    load_recipe(path)
+    return path
 
 
 def guard_summary(experts: list[dict]) -> dict:
@@ -274,12 +303,19 @@ def run_class(name: str, args, work: Path, env: dict, say) -> dict:
         kv = dict(f.split("=", 1) for f in fields.split(",") if f)
         method = kv.pop("METHOD", "gptq")
         plan.append((vname, method, variant_recipe(base, kv, wd / f"{vname}.yaml")))
+    if args.mix_reversed:
+        if corpus != "synthetic":
+            raise RuntimeError(f"{name}: --mix-reversed needs a class calibrated on the synthetic corpus")
+        second = mix_second_source(calib, wd)
+        plan += [(f"{k} mix", m, mix_recipe(r, second, args.mix_reversed, wd / f"{k}-mix.yaml"))
+                 for k, m, r in list(plan) if k != "RTN"]
     for key, method, recipe in plan:
         say(f"{name}: quantkit {key} ...")
-        runs[key] = quantkit_run(src, wd / key, method, calib, G, recipe, logs, env, data)
+        runs[key] = quantkit_run(src, wd / key.replace(" ", "-"), method, calib, G, recipe, logs, env,
+                                 None if key.endswith(" mix") else data)
     tokens = load_tokens(data, tokenizer=src, num_samples=calib[0], seq_len=calib[1],
                          seed=rec.calibration.seed)
-    if any(m["sha256"] not in (None, tokens.sha256) for m in runs.values()):
+    if any(m["sha256"] not in (None, tokens.sha256) for k, m in runs.items() if not k.endswith(" mix")):
         raise RuntimeError(f"{name}: calibration ids differ between quantkit and llm-compressor")
     ref = bc.reference_copy(src, wd / "ref", "float32")
     reused: dict = {}
@@ -306,8 +342,8 @@ def run_class(name: str, args, work: Path, env: dict, say) -> dict:
                                     logs / f"{key}.log", env=env)
     say(f"{name}: quality ...")
     sets = eval_sets(args.eval_samples, args.eval_seq_len, arch.vocab_size, corpus)
-    folders = {k: (reused.get(k, wd / k) if k.startswith("llmc")
-                   else bc.splice_experts(ref, wd / k / "decode", wd / f"{k}-spliced")) for k in runs}
+    folders = {k: (reused.get(k, wd / k) if k.startswith("llmc") else bc.splice_experts(
+                   ref, wd / k.replace(" ", "-") / "decode", wd / f"{k.replace(' ', '-')}-spliced")) for k in runs}
     kl = {s: {} for s in sets}
     for s, ids in sets.items():
         ref_lp = bc.log_probs(ref, ids)
@@ -320,6 +356,8 @@ def run_class(name: str, args, work: Path, env: dict, say) -> dict:
             row[s] = {"kl": kl[s][k].mean().item(), "vs_rtn": vars(paired(kl[s][k], kl[s]["RTN"]))}
             if "llmc" in kl[s]:
                 row[s]["vs_llmc"] = vars(paired(kl[s][k], kl[s]["llmc"]))
+            if k.endswith(" mix"):  # the same method calibrated on one source, at the same total tokens
+                row[s]["vs_unmixed"] = vars(paired(kl[s][k], kl[s][k[: -len(" mix")]]))
         if "experts" in m:
             row["guard"] = guard_summary(m["experts"])
         table[k] = row
@@ -476,6 +514,10 @@ def render(res: dict) -> str:
             line += (f"  {g['calibrated_better']}/{g['judged']}, {g['stored_calibrated']}/{g['total']}"
                      f" ({'agrees' if agree else 'DISAGREES'} with KL)")
         lines.append(line)
+    for k, r in rows.items():
+        if "vs_unmixed" in r[sets[0]]:
+            lines.append(f"{k} - {k[: -len(' mix')]} (paired, z): " + ", ".join(
+                f"{s} {_d(r[s]['vs_unmixed'])}" for s in sets))
     if "llmc" in rows:
         lines.append(f"wall GPTQ / llmc {rows['GPTQ']['wall_s'] / rows['llmc']['wall_s']:.2f} (target <= 0.5)")
     return "\n".join(lines)
@@ -494,6 +536,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-seq-len", type=int, default=64)
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE,...")
     ap.add_argument("--no-llmc", action="store_true", help="skip llm-compressor (experiments)")
+    ap.add_argument("--mix-reversed", type=float, default=0.0, metavar="SHARE",
+                    help="beside every calibrated run X, 'X mix': the same recipe calibrated on a calibration.mix of "
+                         "synthetic:train and, for SHARE of the same windows, the reversed language (docs/benchmarks.md)")
     ap.add_argument("--base", default="GPTQ,AWQ,RTN-clip",
                     help="the tiny recipe's runs beside RTN (always run), comma-separated; '' for none (variants only)")
     ap.add_argument("--llmc-from", type=Path, default=None,

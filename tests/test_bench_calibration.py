@@ -57,6 +57,21 @@ def test_variant_recipe_changes_only_the_named_field(bench, tmp_path):
     assert r.gptq.dampening == 0.1 and r.gptq.block_size == base.gptq.block_size and r.method == base.method
 
 
+def test_mix_recipe_keeps_the_total_and_holds_out_the_eval_sets(bench, tmp_path):
+    """--mix-reversed: a quarter of the same windows from the reversed language, none of them an eval window."""
+    import numpy as np
+
+    from quantkit.recipe import load_recipe, recipe_overrides
+
+    second = bench.mix_second_source((32, 16), tmp_path)
+    r = load_recipe(bench.mix_recipe("tiny-glm-5.2", second, 0.25, tmp_path / "mix.yaml"))
+    r = recipe_overrides(r, num_samples=32, seq_len=16)  # the bench's --num-samples / --seq-len, as convert applies them
+    assert r.calibration.sources() == [("synthetic:train", 24), (str(second), 8)] and r.calibration.dataset is None
+    rev = torch.from_numpy(np.load(second))
+    evals = bench.eval_sets(4, 16, 512)["reversed"]
+    assert not any(bool((w == c).all()) for w in evals for c in rev)
+
+
 def test_last_layer_log_probs_equal_the_full_forward(bench):
     """realshape-glm's quality: the layers before the last run once, from the source; only the last
     layer and the head per checkpoint. On one checkpoint that is the full forward."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import small_config, write_random
 from oracle import dequantized_state_dict
@@ -220,7 +221,8 @@ def test_overrides():
     assert recipe_overrides(base) is base and recipe_overrides(base, method=None, group_size=None) is base
     r = recipe_overrides(base, method="rtn", group_size=128, num_samples=16, seq_len=256, calib="synthetic:train", seed=3)
     assert (r.method, r.group_size) == ("rtn", 128)
-    assert r.calibration.model_dump() == {"dataset": "synthetic:train", "num_samples": 16, "seq_len": 256, "seed": 3}
+    assert r.calibration.model_dump() == {"dataset": "synthetic:train", "mix": None, "num_samples": 16, "seq_len": 256,
+                                          "seed": 3}
     assert r.prefill == base.prefill and base.group_size == 32  # the base recipe is untouched
     for kwargs, line in [
         (dict(group_size=100), "command line (recipe kimi-k2.6): --group-size: must be one of 32, 64 or 128 (got 100)"),
@@ -236,3 +238,62 @@ def test_overrides():
         assert str(e.value) == line
     with pytest.raises(TypeError, match="unknown option"):
         recipe_overrides(base, group=32)
+
+
+# ---- calibration mixes ---------------------------------------------------------------------------
+MIX = "name: x\ncalibration:\n  num_samples: 8\n  seq_len: 32\n  mix:\n"
+
+
+def test_mix_windows_by_weight_or_tokens(tmp_path):
+    r = load_recipe(write(tmp_path, MIX + "  - {data: synthetic:train, weight: 0.34}\n  - {data: a.jsonl, weight: 0.33}\n"
+                                          "  - {data: b.jsonl, weight: 0.33}\n"))
+    assert r.calibration.sources() == [("synthetic:train", 3), ("a.jsonl", 3), ("b.jsonl", 2)]  # largest remainder
+    r = load_recipe(write(tmp_path, MIX + "  - {data: synthetic:train, tokens: 192}\n  - {data: a.jsonl, tokens: 64}\n"))
+    assert r.calibration.sources() == [("synthetic:train", 6), ("a.jsonl", 2)]
+    single = recipe_overrides(r, calib="synthetic:train")  # --calib names the one source: the mix goes
+    assert single.calibration.mix is None and single.calibration.sources() == [("synthetic:train", 8)]
+
+
+@pytest.mark.parametrize("body, line", [
+    ("  - {data: a.jsonl, weight: 0.5}\n  - {data: b.jsonl, weight: 0.7}\n",
+     "calibration.mix: the weights sum to 1.2; make them sum to 1"),
+    ("  - {data: a.jsonl, weight: 0.5}\n  - {data: b.jsonl, tokens: 128}\n",
+     "calibration.mix: some sources give tokens, others weight; use one of them for every source"),
+    ("  - {data: a.jsonl}\n", "calibration.mix[0]: a.jsonl: give tokens or weight (one of them)"),
+    ("  - {data: a.jsonl, tokens: 100}\n", "calibration.mix[0]: a.jsonl: tokens 100 is not a multiple of seq_len 32; "
+     "use 96"),
+    ("  - {data: a.jsonl, tokens: 128}\n", "calibration.mix: the tokens sum to 128, num_samples x seq_len is 256; "
+     "set num_samples: 4"),
+    ("  - {data: a.jsonl, weight: 0.99}\n  - {data: b.jsonl, weight: 0.01}\n",
+     "calibration.mix: b.jsonl: weight 0.01 of 8 windows is no window; raise its weight or num_samples"),
+    ("  - {data: a.jsonl, weight: 1.0}\n  dataset: c.jsonl\n", "calibration.mix: give calibration.dataset (one source)"),
+    ("  - {data: a.jsonl, wieght: 1.0}\n", "calibration.mix.0.wieght: unknown field; did you mean 'weight'?"),
+])
+def test_bad_mixes_name_file_source_and_fix(tmp_path, body, line):
+    (got,) = errors(write(tmp_path, MIX + body))
+    assert got.startswith(f"{tmp_path / 'r.yaml'}: {line}"), got
+
+
+def test_a_mix_converts_with_per_source_counts(tmp_path):
+    """Two local sources (a token file and the synthetic corpus) calibrate a small GLM; the report and
+    card list each source's tokens; a source that cannot give its windows stops the run before any layer."""
+    from quantkit.validation import card
+
+    src, _ = write_random(tmp_path / "src", small_config("glm"))
+    ids = tmp_path / "second.npy"
+    np.save(ids, np.random.default_rng(0).integers(0, 100, size=(64, 16)))
+    recipe = tmp_path / "mix.yaml"
+    recipe.write_text(MIX.replace("seq_len: 32", "seq_len: 16") + "  - {data: synthetic:train, weight: 0.75}\n"
+                      f"  - {{data: {ids}, weight: 0.25}}\n")
+    res = convert(src, tmp_path / "out", recipe=recipe, validate=False, progress=False)
+    cal = res.report["calibration"]
+    assert cal["sources"] == [{"spec": "synthetic:train", "windows": 6, "tokens": 96},
+                              {"spec": f"file:{ids}", "windows": 2, "tokens": 32}]
+    assert (cal["num_samples"], cal["tokens"]) == (8, 128)
+    lines = card._recipe(res.report)  # the card's "Recipe and calibration" section
+    assert any("`synthetic:train` 96 tokens (6 windows)" in line for line in lines), lines
+    recipe.write_text(recipe.read_text().replace(str(ids), str(tmp_path / "missing.npy")))
+    with pytest.raises(ConfigError) as e:
+        convert(src, tmp_path / "bad", recipe=recipe, validate=False, progress=False)
+    assert str(e.value).startswith(f"{recipe}: calibration.mix[1] ({tmp_path / 'missing.npy'}): ")
+    assert "file not found" in str(e.value) and not (tmp_path / "bad" / "decode").exists()

@@ -138,7 +138,7 @@ def convert(
     finished, finishing = _previous_run(out, state_dir, resume, group.leader)
     if finished is not None:  # --resume after a run that had completed: only its validate is left
         return _validated(finished, group, validate, device, progress, _later_options(locals()))
-    tokens = _calibration_tokens(rec, ckpt, trust_remote_code) if calibrate else None
+    tokens = _calibration_tokens(rec, recipe, ckpt, trust_remote_code) if calibrate else None
     later = {"max_host_memory": max_host_memory, "max_gpu_memory": max_gpu_memory}  # the chained validate's options
     if validate:
         later |= _validation_inputs(rec, ckpt, eval_data=eval_data, num_samples=eval_num_samples, seq_len=eval_seq_len,
@@ -283,7 +283,7 @@ def _validation_inputs(rec: Recipe, ckpt: Checkpoint, *, eval_data, num_samples,
     fix = "pass --eval-data (a local .jsonl/.txt file, or synthetic:heldout) or --no-validate"
     if not dataset:
         raise ConfigError(f"recipe {rec.name}: no validate.dataset to validate the pair with; {fix}")
-    if eval_data is None and dataset.strip() == (rec.calibration.dataset or "").strip():
+    if eval_data is None and dataset.strip() in {spec.strip() for spec, _ in rec.calibration.sources()}:
         raise ConfigError(f"recipe {rec.name}: validate.dataset {dataset} is the calibration data; {fix}")
     try:
         resolve_gates(gates, v.gates, f"recipe {rec.name}")
@@ -296,13 +296,28 @@ def _validation_inputs(rec: Recipe, ckpt: Checkpoint, *, eval_data, num_samples,
     return {k: x for k, x in opts.items() if x is not None}
 
 
-def _calibration_tokens(rec: Recipe, ckpt: Checkpoint, trust_remote_code: bool):
-    """The recipe's calibration tokens, tokenized with the source's own tokenizer."""
+def _calibration_tokens(rec: Recipe, recipe: str | Path | None, ckpt: Checkpoint, trust_remote_code: bool):
+    """The recipe's calibration tokens, tokenized with the source's own tokenizer: its one dataset,
+    or its mix (quantkit.inputs.mix), every source read before the first layer. `recipe` is what
+    convert was given (a file, a name, or None for the model family's), for naming the file."""
+    from quantkit.inputs.mix import MixSourceError, load_mix
     from quantkit.inputs.tokens import load_tokens
+    from quantkit.recipe import recipe_file
 
     c = rec.calibration
-    return load_tokens(c.dataset, tokenizer=ckpt.folder, num_samples=c.num_samples, seq_len=c.seq_len, seed=c.seed,
-                       trust_remote_code=trust_remote_code)
+    if not c.mix:
+        return load_tokens(c.dataset, tokenizer=ckpt.folder, num_samples=c.num_samples, seq_len=c.seq_len, seed=c.seed,
+                           trust_remote_code=trust_remote_code)
+    try:
+        return load_mix(c.sources(), tokenizer=ckpt.folder, seq_len=c.seq_len, seed=c.seed,
+                        trust_remote_code=trust_remote_code)
+    except MixSourceError as e:
+        try:
+            where = recipe_file(recipe if recipe is not None else rec.name)
+        except ConfigError:
+            where = f"recipe {rec.name}"
+        raise ConfigError(f"{where}: calibration.mix[{e.index}] ({e.spec}): {e.problem}; or point this source at "
+                          "other data, lower its share, or remove it from the mix") from None
 
 
 def _plan(job: Job, calibrate: bool, progress: bool, *, validate: bool, max_host_memory, max_gpu_memory,

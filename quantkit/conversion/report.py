@@ -203,6 +203,8 @@ def _pair_report(model, job: Job, tokens, source_files: dict[str, str], out: Pat
         "calibration": None if tokens is None else {
             "spec": tokens.spec, "num_samples": int(tokens.ids.shape[0]), "seq_len": int(tokens.ids.shape[1]),
             "tokens": int(tokens.ids.numel()), "sha256": tokens.sha256, "source": tokens.source,
+            **({"sources": [{k: x[k] for k in ("spec", "windows", "tokens")} for x in tokens.source["sources"]]}
+               if tokens.source.get("kind") == "mix" else {}),  # a mix's per-source counts (quantkit.inputs.mix)
         },
         "calibration_choice": "each layer calibrated on the hidden states of the quantized decode model (sequential)",
         "layers": state.layers,

@@ -186,6 +186,9 @@ def _recipe(report: dict) -> list[str]:
     if cal:
         out.append(f"- calibration data: `{cal['spec']}`, {cal['num_samples']} x {cal['seq_len']} = {cal['tokens']} tokens, "
                    f"sha256 `{cal['sha256']}`; {report.get('calibration_choice', '')}")
+        if cal.get("sources"):
+            out.append("- calibration mix (per source, interleaved): " + ", ".join(
+                f"`{x['spec']}` {x['tokens']} tokens ({x['windows']} windows)" for x in cal["sources"]))
     else:
         out.append("- calibration data: none (no expert needed it)")
     shown = dict.fromkeys((method, method.data_free()))  # the method and its data-free form, always
