@@ -71,7 +71,7 @@ class Family:
     mtp_embed_copies: bool = False  # the MTP layer stores its own embed_tokens and shared_head.head
     trust_remote_code: bool = False  # the tokenizer (or model) ships its own code
     # how the chat model writes a tool call in its text (quantkit.validation.toolcalls.SYNTAXES): "hermes"
-    # (<tool_call>{json}</tool_call>), "kimi_k2", "glm" (<arg_key>/<arg_value>) or "deepseek_v3"
+    # (<tool_call>{json}</tool_call>), "kimi_sections" (Kimi K2), "glm45" (<arg_key>/<arg_value>) or "deepseek_fences"
     tool_calls: str = "hermes"
 
     # what ships with quantkit

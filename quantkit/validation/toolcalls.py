@@ -165,7 +165,7 @@ def _deepseek(text: str) -> list[Call]:
     return [Call(n, a) for n, a in re.findall(pat, text, re.S)]
 
 
-SYNTAXES = {"hermes": _hermes, "kimi_k2": _kimi, "glm": _glm, "deepseek_v3": _deepseek}
+SYNTAXES = {"hermes": _hermes, "kimi_sections": _kimi, "glm45": _glm, "deepseek_fences": _deepseek}
 
 
 def parse_calls(text: str, syntax: str) -> list[Call]:

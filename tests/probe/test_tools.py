@@ -103,7 +103,7 @@ def test_endpoint_tool_calls_scored_against_the_source(pair):
     sent = [b for b in srv.requests if "tools" in b]
     assert len(sent) == 3 and all(b["temperature"] == 0 and b["max_tokens"] == 4 and b["tools"] for b in sent)
     t = res.data["tool_calls"]
-    assert t["reference_row"] == "reference" and t["numerics"] == "engine" and t["syntax"] == "glm"
+    assert t["reference_row"] == "reference" and t["numerics"] == "engine" and t["syntax"] == "glm45"
     src, ep = t["rows"]["reference"], t["rows"]["endpoint"]
     # the tiny source never calls a tool; the endpoint calls on 2 prompts, one call breaking count's schema
     assert src["tool_calls"] == 0 and src["prompts"] == ep["prompts"] == 3

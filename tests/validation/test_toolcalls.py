@@ -37,10 +37,10 @@ def test_task_without_schemas_is_one_line_naming_file_and_prompt(tmp_path):
 
 @pytest.mark.parametrize("syntax, text", [
     ("hermes", 'ok <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'),
-    ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>"
+    ("kimi_sections", "<|tool_calls_section_begin|><|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>"
                 '{"a": 1, "b": 2}<|tool_call_end|><|tool_calls_section_end|>'),
-    ("glm", "<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n<arg_key>b</arg_key>\n<arg_value>2</arg_value>\n</tool_call>"),
-    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n"
+    ("glm45", "<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n<arg_key>b</arg_key>\n<arg_value>2</arg_value>\n</tool_call>"),
+    ("deepseek_fences", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n"
                     '{"a": 1, "b": 2}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
 ])
 def test_each_family_syntax_parses_to_the_same_call(syntax, text):
@@ -48,6 +48,13 @@ def test_each_family_syntax_parses_to_the_same_call(syntax, text):
     assert c.name == "add" and json.loads(c.arguments) == {"a": 1, "b": 2}
     assert schema_problem(c, [ADD]) is None
     assert parse_calls("the quick cat chases the", syntax) == []
+
+
+def test_every_family_names_a_known_syntax():
+    from quantkit.model.families import REGISTRY
+    from quantkit.validation.toolcalls import SYNTAXES
+
+    assert {f.tool_calls for f in REGISTRY.values()} <= set(SYNTAXES)
 
 
 def test_schema_problems_are_named():
@@ -109,7 +116,7 @@ def _shipped() -> str:
 def test_validate_tool_task_rows_cards_and_markdown(validated):
     out, d = validated
     t = d["tool_calls"]
-    assert t["syntax"] == "glm" and t["numerics"] == d["numerics"]["mode"] == "weights"
+    assert t["syntax"] == "glm45" and t["numerics"] == d["numerics"]["mode"] == "weights"
     assert t["task"]["prompts"] == 3 and t["task"]["name"] == "tools-3"
     assert list(t["rows"]) == ["reference", "prefill", "decode", "decode_kv"]
     for r in t["rows"].values():  # every prompt ran on every row and is accounted for
