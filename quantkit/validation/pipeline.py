@@ -39,6 +39,7 @@ parts, each readable on its own:
     weights    which experts each rank runs, what it reads and keeps in memory
     kvrows     the FP8 KV-cache variants and rows
     longctx    DSA models: windows past index_topk, KL there and the indexer's top-k overlap
+    toolcalls  --tool-task: tool-call F1 (finish_reason tool_calls) and schema accuracy against the source
     measure    the lockstep passes and every number (metrics: the one KL, mean and SE)
     gates      the metrics and rows a gate can bound, gate files, the check
     report     the result object, validation.md, validation.png, the files written

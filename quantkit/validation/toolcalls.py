@@ -34,7 +34,7 @@ from pathlib import Path
 from quantkit.errors import ConfigError
 
 __all__ = ["Call", "Generation", "ToolTask", "SYNTAXES", "read_tool_task", "parse_calls", "schema_problem", "compare",
-           "generate", "run_tool_task", "tool_markdown", "tool_card"]
+           "generate", "run_tool_task", "tool_markdown", "tool_card", "tool_caption"]
 
 DEFAULT = "default"  # --tool-task default: the shipped quantkit/validation/tooltask.json
 ROWS = {"reference": "source", "prefill": "prefill (FP8)", "decode": "decode (INT4)", "model": "model",
