@@ -74,8 +74,8 @@ def probe(url: str, pair: str | Path, *, model: str | None = None, api_key_env: 
     warnings = [f"prompt {p.id}: the server counted {r.prompt_tokens} prompt tokens, the pair's tokenizer "
                 f"{len(p.ids)}: the endpoint tokenizes differently (another tokenizer or chat template)"
                 for p, r in zip(ps.prompts, replies) if r.prompt_tokens is not None and r.prompt_tokens != len(p.ids)]
-    syntax = arch_from_config(json.loads((Path(tok_dir) / "config.json").read_text())).definition.tool_calls
     if tools:
+        syntax = arch_from_config(json.loads((Path(tok_dir) / "config.json").read_text())).definition.tool_calls
         tool_ids = check_tool_replies(ep.url, tools, tool_replies, tok, syntax)  # before the long part, too
     data = _compare(t, ps, observed, tok_dir, kv_cache_dtype, min_agree, device, numerics)
     if tools:
