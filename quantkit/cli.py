@@ -298,6 +298,7 @@ def validate(
     num_fewshot: Annotated[Optional[int], typer.Option(help="--tasks: few-shot examples (default: each task's).")] = None,
     long_context: Annotated[Optional[int], typer.Option(help="DSA models: tokens per long-context window (default 2 x index_topk, at most max_position_embeddings; 0: skip).")] = None,
     numerics: Annotated[str, typer.Option(help="engine: compute as vLLM/SGLang do (FP8 block Linears W8A8, activations quantized per token in 128-column groups; INT4 experts W4A16); weights: on the dequantized weights alone (the default until the recipes' gates are re-derived under engine numerics).")] = "weights",
+    tool_task: Annotated[Optional[str], typer.Option(help="A tool task (JSON/JSONL chat prompts with OpenAI-style tool schemas; `default`: the shipped one): tool-call F1 and schema accuracy of every checkpoint against the source.")] = None,
     quiet: Quiet = False,
     json_out: Json = False,
 ):
@@ -309,7 +310,7 @@ def validate(
                           gen_tokens=gen_tokens, device=device, gates=gate, progress=not (json_out or quiet), kv_cache_dtype=kv_cache_dtype,
                           max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory, weights=weights,
                           tasks=tasks, task_dir=task_dir, limit=limit, num_fewshot=num_fewshot, numerics=numerics,
-                          long_context=long_context)
+                          long_context=long_context, tool_task=tool_task)
     from quantkit.runtime.distributed import from_env
 
     if not from_env().leader:  # rank 0 prints and decides the exit status
@@ -382,6 +383,7 @@ def probe(
     write_card: Annotated[bool, typer.Option("--write-card", help="Add the verdict to the pair's model cards.")] = False,
     prompts: Annotated[Optional[Path], typer.Option(help="Another recorded prompt set (JSON like quantkit/probe/prompts.json; default: that one).")] = None,
     numerics: Annotated[str, typer.Option(help="How the candidates are computed: engine (as vLLM/SGLang/transformers run the checkpoints as stored: FP8 block Linears W8A8) or weights (dequantized copies).")] = "engine",
+    tool_task: Annotated[Optional[str], typer.Option(help="Also send a tool task's prompts with tools= (`default`: the shipped one): finish_reason tool_calls F1 against the source and the schema accuracy of the endpoint's calls.")] = None,
     json_out: Json = False,
 ):
     """Check an OpenAI-compatible endpoint against the pair's reference forward; name the checkpoint it behaves like."""
@@ -389,7 +391,7 @@ def probe(
 
     result = run_probe(url, pair, model=model, api_key_env=api_key_env, timeout=timeout, retries=retries,
                        concurrency=concurrency, kv_cache_dtype=kv_cache_dtype, min_agree=min_agree, device=device,
-                       write_card=write_card, prompts=prompts, numerics=numerics)
+                       write_card=write_card, prompts=prompts, numerics=numerics, tool_task=tool_task)
     if json_out:
         emit_json(result.data)
     else:

@@ -397,6 +397,11 @@ def _load_tokenizer(folder: str, trust_remote_code: bool):
     return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, local_files_only=True)
 
 
+def open_tokenizer(folder: Path, trust_remote_code: bool = False):
+    """The tokenizer in `folder` (loaded once per process), or one line saying what is wrong with it."""
+    return _tokenizer(Path(folder), trust_remote_code, str(folder))
+
+
 def _tokenizer(folder: Path | None, trust_remote_code: bool, spec: str):
     if folder is None:
         raise ConfigError(f"{spec}: text data needs a tokenizer; pass the model folder as tokenizer")

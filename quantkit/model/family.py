@@ -70,6 +70,9 @@ class Family:
     always_bf16: tuple[str, ...] = ()  # Linears no checkpoint stores FP8 (GLM's indexer weights_proj)
     mtp_embed_copies: bool = False  # the MTP layer stores its own embed_tokens and shared_head.head
     trust_remote_code: bool = False  # the tokenizer (or model) ships its own code
+    # how the chat model writes a tool call in its text (quantkit.validation.toolcalls.SYNTAXES): "hermes"
+    # (<tool_call>{json}</tool_call>), "kimi_sections" (Kimi K2), "glm45" (<arg_key>/<arg_value>) or "deepseek_fences"
+    tool_calls: str = "hermes"
 
     # what ships with quantkit
     recipe: str | None = None  # the shipped recipe `convert` uses by default (None: none yet, --recipe needed)

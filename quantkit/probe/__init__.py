@@ -10,5 +10,6 @@ behaves like. Parts:
     client     the HTTP side: API key, timeouts, retries, bounded concurrency, one-line errors
     reference  the candidates' greedy continuations and log-probabilities (quantkit.validation.forward)
     compare    agreement up to the first divergence, top-k KL, the verdict
+    tools      --tool-task: the tool prompts with tools=, an endpoint without tool support, the printed lines
     pipeline   the command: check the endpoint, then compute, compare, report, write the cards
 """

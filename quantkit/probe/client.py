@@ -138,6 +138,21 @@ class Endpoint:
         d = self.request("POST", "/chat/completions" if chat else "/completions", body)
         return parse_reply(d, chat, self.url)
 
+    def chat_tools(self, prompt, max_tokens: int) -> ToolReply:
+        """One greedy chat request with the prompt's `tools=` (a quantkit.validation.toolcalls.ToolPrompt).
+        A 4xx answer to it (the main prompts having been answered) means the server takes no tools."""
+        body = {"model": self.model, "messages": prompt.messages, "tools": prompt.tools, "tool_choice": "auto",
+                "max_tokens": max_tokens, "temperature": 0, "n": 1, "stream": False}
+        try:
+            d = self.request("POST", "/chat/completions", body)
+        except ProbeError as e:
+            if e.status is None or not 400 <= e.status < 500 or e.status in (401, 403, 429):
+                raise
+            raise ProbeError(f"{self.url}/chat/completions: {e.status} to a request with tools= (prompt {prompt.id}: "
+                             f"{str(e).split(': ', 1)[-1][:120]}); the endpoint has no tool support (vLLM/SGLang: start it "
+                             "with a --tool-call-parser for the model; vLLM also --enable-auto-tool-choice)", e.status) from None
+        return parse_tool_reply(d, self.url)
+
     def complete_all(self, prompts, max_tokens: int, top_logprobs: int) -> list[Reply]:
         """Every prompt, at most `concurrency` in flight; the first prompt alone first, so a server that
         refuses the model (or the request) fails once, not once per prompt."""
@@ -145,6 +160,33 @@ class Endpoint:
         with ThreadPoolExecutor(max_workers=max(1, self.concurrency)) as pool:
             rest = list(pool.map(lambda p: self.complete(p, max_tokens, top_logprobs), prompts[1:]))
         return [first, *rest]
+
+
+@dataclass
+class ToolReply:
+    """One tool prompt's answer: finish_reason, the message's content and tool_calls (name, arguments text)."""
+
+    finish_reason: str | None
+    text: str
+    calls: list[tuple[str, str]]
+    prompt_tokens: int | None
+
+
+def parse_tool_reply(d: dict, url: str) -> ToolReply:
+    """An OpenAI chat answer's finish_reason, content and `message.tool_calls`."""
+    choices = d.get("choices")
+    c = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else None
+    msg = (c or {}).get("message")
+    if not isinstance(msg, dict):
+        raise ProbeError(f"{url}: the answer has no choices[0].message; not an OpenAI-compatible server")
+    calls = []
+    for tc in msg.get("tool_calls") or []:
+        fn = tc.get("function") if isinstance(tc, dict) else None
+        if isinstance(fn, dict):
+            args = fn.get("arguments")
+            calls.append((str(fn.get("name")), args if isinstance(args, str) else json.dumps(args)))
+    usage = d.get("usage") if isinstance(d.get("usage"), dict) else {}
+    return ToolReply(c.get("finish_reason"), msg.get("content") or "", calls, usage.get("prompt_tokens"))
 
 
 def parse_reply(d: dict, chat: bool, url: str) -> Reply:

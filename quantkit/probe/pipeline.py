@@ -10,10 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantkit.errors import ConfigError
+from quantkit.model.arch import arch_from_config
 from quantkit.probe.client import Endpoint, ProbeError, Reply
 from quantkit.probe.compare import Observed, score, verdict
 from quantkit.probe.prompts import PromptSet, load_tokenizer, read_prompt_set, tokenize_prompt_set
+from quantkit.probe.tools import check_tool_replies, tool_lines
 from quantkit.validation.card import PROBES_HEADING as CARD_HEADING
+from quantkit.validation.toolcalls import read_tool_task
 
 
 @dataclass
@@ -32,19 +35,22 @@ class ProbeResult:
             out.append(f"{s['label']:<62} {s['greedy_agree']:>12.3f} {s['prompts_exact']:>3}/{s['prompts']:<3} {kl:>10}")
         out += [f"warning: {w}" for w in d["warnings"]]
         out.append(f"verdict: {d['verdict']['line']}")
-        return out
+        return out + tool_lines(d.get("tool_calls"))
 
 
 def probe(url: str, pair: str | Path, *, model: str | None = None, api_key_env: str = "OPENAI_API_KEY",
           timeout: float = 60.0, retries: int = 4, concurrency: int = 4, kv_cache_dtype: str = "auto",
           min_agree: float = 0.9, device: str = "auto", write_card: bool = False, logprobs: bool = True,
-          prompts: str | Path | None = None, numerics: str = "engine") -> ProbeResult:
+          prompts: str | Path | None = None, numerics: str = "engine", tool_task: str | Path | None = None) -> ProbeResult:
     """Probe `url` (an OpenAI-compatible server) with the recorded prompts and name the checkpoint of
     `pair` (a `quantkit convert` output, or one checkpoint folder) that it behaves most like.
     `prompts`: another recorded prompt set (default: the shipped quantkit/probe/prompts.json).
     `numerics`: how the candidates are computed (quantkit.model.numerics): `engine`, as vLLM, SGLang and
     transformers compute the checkpoints as stored (FP8 block Linears W8A8), or `weights` (a server
-    running dequantized copies)."""
+    running dequantized copies).
+    `tool_task`: also send a tool task's prompts (`default`: quantkit/validation/tooltask.json) with `tools=`
+    to the chat API and score the answers against the source's, computed here (quantkit.validation.toolcalls):
+    finish_reason tool_calls F1 and the schema accuracy of the endpoint's calls, in `data["tool_calls"]`."""
     from quantkit.model.numerics import NUMERICS, numerics_record
     from quantkit.validation.targets import target
 
@@ -54,19 +60,26 @@ def probe(url: str, pair: str | Path, *, model: str | None = None, api_key_env: 
     t = target(pair, None)
     tok_dir = t.models.get("decode") or t.reference_path
     prompt_file = read_prompt_set(Path(prompts) if prompts else None)
+    tools = read_tool_task(tool_task)  # a bad tool task fails before the endpoint is asked
     ep = Endpoint(url, model, api_key_env, timeout, retries, concurrency=concurrency, logprobs=logprobs)
     try:
         ep.model = _served_model(ep, model)  # the usual failures (no server, wrong URL or model) before any tokenizer
         tok = load_tokenizer(Path(tok_dir))
         ps = tokenize_prompt_set(prompt_file, tok)
         replies = ep.complete_all(ps.prompts, ps.max_tokens, ps.top_logprobs)
+        tool_replies = [ep.chat_tools(p, tools.max_tokens) for p in tools.prompts] if tools else None
     finally:
         ep.close()
     observed = [_observe(r, tok) for r in replies]
     warnings = [f"prompt {p.id}: the server counted {r.prompt_tokens} prompt tokens, the pair's tokenizer "
                 f"{len(p.ids)}: the endpoint tokenizes differently (another tokenizer or chat template)"
                 for p, r in zip(ps.prompts, replies) if r.prompt_tokens is not None and r.prompt_tokens != len(p.ids)]
+    if tools:
+        syntax = arch_from_config(json.loads((Path(tok_dir) / "config.json").read_text())).definition.tool_calls
+        tool_ids = check_tool_replies(ep.url, tools, tool_replies, tok, syntax)  # before the long part, too
     data = _compare(t, ps, observed, tok_dir, kv_cache_dtype, min_agree, device, numerics)
+    if tools:
+        data["tool_calls"] = _tool_calls(t, tools, tool_ids, tool_replies, tok, tok_dir, syntax, numerics, device)
     data["numerics"] = numerics_record(numerics)
     data.update(endpoint=ep.url, model=ep.model, date=_dt.date.today().isoformat(), warnings=warnings + data["warnings"],
                 logprobs=any(o.top for o in observed),
@@ -126,6 +139,24 @@ def _compare(t, ps: PromptSet, observed: list[Observed], tok_dir, kv_cache_dtype
     return {"pair": str(t.out), "warnings": _dsa_warnings(arch, ps), "prompt_set": {"name": ps.name, "sha256": ps.sha256, "prompts": len(ps.prompts),
                                                "max_tokens": ps.max_tokens, "top_logprobs": ps.top_logprobs},
             "candidates": scores, "verdict": verdict(scores, {c.key: c.label for c in cands}, min_agree)}
+
+
+def _tool_calls(t, tools, ids: list[list[int]], replies, tok, tok_dir, syntax: str, numerics: str, device) -> dict:
+    """The source's answers to the tool prompts through quantkit's forward (the reference, as
+    K2-Vendor-Verifier takes the official API), and the endpoint's scored against them."""
+    from quantkit.checkpoint.reader import Checkpoint
+    from quantkit.inputs.modelspec import open_checkpoint
+    from quantkit.runtime.device import resolve_device
+    from quantkit.validation.toolcalls import Call, Generation, as_generation, eos_ids, generate, result
+
+    ref = Checkpoint(t.models["model"]) if "model" in t.models else open_checkpoint(t.reference_source)
+    ref.numerics = numerics
+    raw = generate({"reference": ref}, {"reference": ("reference", None)}, ids, tools.max_tokens, eos_ids(Path(tok_dir), tok),
+                   resolve_device(device))
+    gens = {"reference": [as_generation(x, stopped, tok, syntax) for x, stopped in raw["reference"]],
+            "endpoint": [Generation(r.finish_reason, [Call(n, a) for n, a in r.calls], r.text) for r in replies]}
+    ref.close()
+    return result(tools, syntax, numerics, gens)
 
 
 def _dsa_warnings(arch, ps: PromptSet) -> list[str]:

@@ -156,8 +156,15 @@ def save_tokenizer(folder: Path, vocab_size: int) -> None:
     # decoded text would not re-encode (those are words of their own here)
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
     tok.save(str(folder / "tokenizer.json"))
+    # Tools (`apply_chat_template(..., tools=...)`, OpenAI-style schemas) render as their JSON after a
+    # `<|system|>` turn, and an assistant turn's `tool_calls` as JSON after its content, in the words
+    # the tokenizer has (most of the JSON is <unk>: the vocabulary is the trained model's and stays
+    # as it is). Without tools the text is the same as before, token for token.
     chat = (
-        "{% for m in messages %}{{ '<|' + m['role'] + '|> ' + m['content'] + ' ' }}{% endfor %}"
+        "{% if tools %}{{ '<|system|> tools : ' + (tools | tojson) + ' ' }}{% endif %}"
+        "{% for m in messages %}{{ '<|' + m['role'] + '|> ' + (m['content'] or '') + ' ' }}"
+        "{% if m['tool_calls'] is defined and m['tool_calls'] %}{{ (m['tool_calls'] | tojson) + ' ' }}{% endif %}"
+        "{% endfor %}"
         "{% if add_generation_prompt %}{{ '<|assistant|> ' }}{% endif %}"
     )
     (folder / "tokenizer_config.json").write_text(json.dumps({

@@ -145,8 +145,10 @@ def render_card(which: str, report: dict, validation: dict, *, license: dict[str
     lines.append(f"| **size** | {_size(report['outputs'][which]['bytes'])} | {_size(report['outputs'][other]['bytes'])} |")
     from quantkit.validation.kvrows import card_section
     from quantkit.validation.tasks import tasks_card
+    from quantkit.validation.toolcalls import tool_card
 
-    lines += ["", *_recipe(report), "", *_measured(which, validation), "", *tasks_card(validation), *card_section(report, validation), "",
+    lines += ["", *_recipe(report), "", *_measured(which, validation), "", *tasks_card(validation), *tool_card(validation),
+              *card_section(report, validation), "",
               *serving_section(which, report, name, decode_config), ""]
     return "\n".join(lines)
 

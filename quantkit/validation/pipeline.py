@@ -39,6 +39,7 @@ parts, each readable on its own:
     weights    which experts each rank runs, what it reads and keeps in memory
     kvrows     the FP8 KV-cache variants and rows
     longctx    DSA models: windows past index_topk, KL there and the indexer's top-k overlap
+    toolcalls  --tool-task: tool-call F1 (finish_reason tool_calls) and schema accuracy against the source
     measure    the lockstep passes and every number (metrics: the one KL, mean and SE)
     gates      the metrics and rows a gate can bound, gate files, the check
     report     the result object, validation.md, validation.png, the files written
@@ -127,6 +128,7 @@ def validate(
     num_fewshot: int | None = None,
     long_context: int | None = None,
     numerics: str = "weights",
+    tool_task: str | Path | None = None,
 ) -> ValidationResult:
     """Measure a converted pair (or one checkpoint) against its reference, layer by layer.
 
@@ -157,6 +159,10 @@ def validate(
             The default stays `weights` until the recipes' gates are re-derived under engine numerics:
             the tiny GLM's GPTQ pair measures decode layer err 0.0389 > its recipe's 0.034 and
             cross-phase KL 0.0254 > 0.02 there (gates set on weights numerics).
+        tool_task: a local tool task (JSON/JSONL chat prompts with OpenAI-style tool schemas; `default`:
+            the shipped quantkit/validation/tooltask.json): each prompt rendered with its tools by the chat
+            template, greedy on every checkpoint row, tool-call F1 (finish_reason tool_calls) and schema
+            accuracy against the source (quantkit.validation.toolcalls).
 
     Under torchrun (`quantkit validate --nproc N`) each rank runs the attention half of every
     layer and the routed experts that convert's partition gives it, and receives the others'
@@ -180,14 +186,17 @@ def validate(
     from quantkit.validation.tasks import prepare, run_tasks
 
     spec = prepare(tasks, task_dir, limit, num_fewshot)  # before anything long: lm-eval there, the task names known
+    from quantkit.validation.toolcalls import read_tool_task, run_tool_task
+
+    tools = read_tool_task(tool_task)  # a bad tool task fails here, not after the KL rows
     inp = _inputs(dir, reference, eval_data, num_samples, seq_len, gen_tokens, gates)
     for ck in inp.ckpts.values():
         ck.numerics = numerics
     joined = distributed.joined()  # convert's ranks validate in the group they converted in
     group, dev = distributed.init(resolve_device(device))
     group = replace(group, after_failure="see the failing rank's log, then rerun the same command")
-    if spec is not None and group.distributed:
-        raise ConfigError("--tasks runs in one process; drop --nproc for the task run")
+    if (spec is not None or tools is not None) and group.distributed:
+        raise ConfigError("--tasks and --tool-task run in one process; drop --nproc for the task run")
     notes = target_notes(inp.t, inp.tokens)
     long_n = long_len(inp.ckpts["reference"].arch, long_context, inp.t.reference_path)  # a bad length fails here, not after
 
@@ -199,6 +208,9 @@ def validate(
     m = _measure(inp, dev, dtype, progress and group.leader, kv, kv_info, plan, group, owners)
     if spec is not None:
         m["tasks"] = run_tasks(spec, inp.ckpts, inp.t.reference_path, kv, dev, dtype, plan)
+    if tools is not None:
+        with torch.no_grad():
+            m["tool_calls"] = run_tool_task(tools, inp.ckpts, inp.t.reference_path, kv, dev, dtype, plan["chunk"])
     m["long_context"] = _long_context(inp, dev, dtype, plan, group, owners, long_n, kv.get(""))
     ranks = _gather_and_close(inp, plan, group, joined)
 
@@ -305,6 +317,7 @@ def _record(inp: _Inputs, dev: torch.device, dtype, ranks: list[dict], group: Gr
         "continuations": m["continuations"],
         "kv_cache": kv_info,
         "tasks": m.get("tasks"),
+        "tool_calls": m.get("tool_calls"),
         "long_context": m.get("long_context"),
         "gates_from": inp.s.gates_from,
         "gates": gate_results,

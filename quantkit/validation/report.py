@@ -56,6 +56,7 @@ class ValidationResult:
         from rich.table import Table
 
         from quantkit.validation.tasks import tasks_caption
+        from quantkit.validation.toolcalls import tool_caption
 
         d = self.data
         failed = {(g["row"], g["metric"]) for g in self.failed_gates}
@@ -87,7 +88,7 @@ class ValidationResult:
                      f"reference ppl {d['reference_metrics']['ppl']:.3f}; eval {e['spec']} {e['num_samples']}x{e['seq_len']} "
                      f"sha256 {e['sha256'][:12]}; {d['gen_tokens']} greedy tokens; {d['device']} {d['dtype']} "
                      f"{(d.get('numerics') or {}).get('mode', 'weights')} numerics; "
-                     f"{d['seconds']:.1f}s" + tasks_caption(d) + _mtp_caption(d)
+                     f"{d['seconds']:.1f}s" + tasks_caption(d) + tool_caption(d) + _mtp_caption(d)
                      + "".join(f"\nnote: {n}" for n in d["notes"]))
         return t
 
@@ -157,8 +158,10 @@ def render_markdown(d: dict) -> str:
 
     lines += long_markdown(d)
     from quantkit.validation.tasks import tasks_markdown
+    from quantkit.validation.toolcalls import tool_markdown
 
     lines += tasks_markdown(d)
+    lines += tool_markdown(d)
     for n in d["notes"]:
         lines += ["", f"Note: {n}"]
     lines += ["", "Metrics: " + "; ".join(f"`{k}` {v}" for k, v in METRICS.items()) + ".", ""]

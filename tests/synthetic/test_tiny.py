@@ -131,6 +131,10 @@ def test_tokenizer_and_chat_template(which, tiny_kimi, tiny_glm):
     assert rendered == "<|user|> 3 plus 4 is <|assistant|> 7 . "
     prompt = tok.apply_chat_template(msgs[:1], tokenize=False, add_generation_prompt=True)
     assert prompt.endswith("<|assistant|> ") and "<unk>" not in tok.decode(tok(prompt).input_ids)
+    # tools render (as JSON after a <|system|> turn, mostly <unk> in this vocabulary); without them nothing changed
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    with_tools = tok.apply_chat_template(msgs[:1], tools=tools, tokenize=False, add_generation_prompt=True)
+    assert with_tools == '<|system|> tools : ' + json.dumps(tools) + " " + prompt
 
 
 @pytest.mark.parametrize("which", ["kimi", "glm"])

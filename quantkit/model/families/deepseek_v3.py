@@ -43,6 +43,7 @@ def mla_shapes(a: Any) -> dict[str, tuple[int, ...]]:
 DEEPSEEK_V3 = Family(
     model_type="deepseek_v3",
     name="deepseek_v3",
+    tool_calls="deepseek_fences",
     description="DeepSeek-V3/R1 (and BF16 Kimi K2 variants saved as deepseek_v3)",
     attention="mla",
     router="sigmoid_group_topk",
@@ -63,6 +64,7 @@ KIMI_K2 = replace(
     DEEPSEEK_V3,
     model_type="kimi_k2",
     name="kimi",
+    tool_calls="kimi_sections",
     description="Kimi K2 / K2-Thinking (text only, DeepSeek-V3 fields)",
     prefill_bf16_projections=("q_a_proj", "kv_a_proj_with_mqa"),  # as published Kimi FP8 conversions
     mtp_embed_copies=False,

@@ -29,6 +29,7 @@ def dsa_shapes(a: Any) -> dict[str, tuple[int, ...]]:
 GLM_MOE_DSA = Family(
     model_type="glm_moe_dsa",
     name="glm",
+    tool_calls="glm45",
     description="GLM-5 / 5.1 / 5.2 (MLA with DeepSeek Sparse Attention)",
     attention="mla",
     router="sigmoid_group_topk",
