@@ -135,8 +135,9 @@ class KVCache:
         if self.dtype not in KV_DTYPES:
             raise ValueError(f"KV cache dtype {self.dtype!r}; one of {', '.join(KV_DTYPES)}")
 
-    def scale(self, w: dict[str, torch.Tensor], which: int = 0) -> float:
-        """The layer's k_scale (`which` 0) or v_scale (1), as the engine would load it."""
+    def scale(self, w: dict[str, torch.Tensor], which: int = 0, *, layer: int | None = None) -> float:
+        """The layer's k_scale (`which` 0) or v_scale (1), as the engine would load it from the layer's
+        weights `w` (`layer`: which one, for a study that sets its own scales per layer)."""
         t = w.get(SCALE_NAMES[which]) if self.scales == "checkpoint" else None
         return float(t) if t is not None else 1.0
 

@@ -136,7 +136,7 @@ class MLA(Attention):
         kv.observe(layer, "latent", latent)
         kv.observe(layer, "k_rot", k_rot)
         if kv.dtype == "fp8_e4m3":
-            s = kv.scale(w)
+            s = kv.scale(w, layer=layer)
             return per_tensor(latent, s), per_tensor(k_rot, s)
         if kv.dtype == "fp8_ds_mla":
             return ds_mla(latent), k_rot  # k_pe stays bf16 in that layout

@@ -120,7 +120,7 @@ class GQA(Attention):
         kv.observe(layer, "key", key)
         kv.observe(layer, "value", value)
         if kv.dtype == "fp8_e4m3":
-            return per_tensor(key, kv.scale(w, 0)), per_tensor(value, kv.scale(w, 1))
+            return per_tensor(key, kv.scale(w, 0, layer=layer)), per_tensor(value, kv.scale(w, 1, layer=layer))
         if kv.dtype == "fp8_ds_mla":
             raise ValueError("fp8_ds_mla is vLLM's MLA (DSA) cache layout; a GQA model's FP8 cache is fp8_e4m3")
         return key, value
