@@ -19,6 +19,7 @@ from rich.console import Console
 
 from quantkit.model.arch import preset_names
 from quantkit.quant.methods import METHODS, unknown_method
+from quantkit.synthetic.tiny import TINY_NAMES
 
 app = typer.Typer(
     name="quantkit",
@@ -30,7 +31,8 @@ app = typer.Typer(
 )
 console = Console(stderr=True)
 
-Model = Annotated[str, typer.Argument(help="A model folder, an hf://org/repo@rev id, or tiny:kimi-k2.6 / tiny:glm-5.2.")]
+Model = Annotated[str, typer.Argument(help="A model folder, an hf://org/repo@rev id, or a tiny id "
+                                          f"({' / '.join('tiny:' + n for n in TINY_NAMES)}).")]
 Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (for scripts).")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress: no bar in a terminal, no line per layer in a log.")]
 Device = Annotated[str, typer.Option(help="auto (CUDA when present, else CPU), cuda or cpu.")]

@@ -39,7 +39,7 @@ from quantkit import convert
 from quantkit.checkpoint.reader import Checkpoint
 from quantkit.inputs.modelspec import open_checkpoint
 from quantkit.inputs.tokens import load_tokens
-from quantkit.model.kvcache import E4M3_MAX, KVCache, per_tensor
+from quantkit.model.kvcache import E4M3_MAX, KVCache, indexer_keys
 from quantkit.runtime.progress import LayerProgress
 from quantkit.validation.kvrows import SCALE_1
 from quantkit.validation.pipeline import measure, target
@@ -51,9 +51,8 @@ class CacheOnly(KVCache):
 
     per_layer: dict[int, float] = field(default_factory=dict)
 
-    def mla(self, layer, w, latent, k_rot):
-        s = self.per_layer[layer]
-        return per_tensor(latent, s), per_tensor(k_rot, s)
+    def scale(self, w, which=0, *, layer=None):
+        return self.per_layer[layer]
 
 
 @dataclass
@@ -62,7 +61,7 @@ class Fixed(KVCache):
 
     value: float = 1.0
 
-    def scale(self, w):
+    def scale(self, w, which=0, *, layer=None):
         return self.value
 
 
@@ -72,8 +71,10 @@ class LatentOnly(KVCache):
 
 
 class IndexOnly(KVCache):
-    def mla(self, layer, w, latent, k_rot):
-        return latent, k_rot
+    """A bf16 latent cache (build it with dtype "bf16") beside FP8 index keys."""
+
+    def index(self, k):
+        return indexer_keys(k)
 
 
 def _setup(folder: Path, samples: int):
@@ -107,7 +108,7 @@ def study(folder: Path, samples: int, gen_tokens: int, few: bool = False) -> lis
         variants = [variants[0]] + ([variants[2]] if ckpts["reference"].arch.has_dsa else [])
     elif ckpts["reference"].arch.has_dsa:
         variants += [("fp8_e4m3 calibrated, latent cache only", {"": LatentOnly("fp8_e4m3")}),
-                     ("fp8_e4m3 calibrated, index keys only", {"": IndexOnly("fp8_e4m3")})]
+                     ("fp8_e4m3 calibrated, index keys only", {"": IndexOnly("bf16")})]
     out = []
     for label, kv in variants:
         with LayerProgress(False, 1, "study") as bar, torch.no_grad():

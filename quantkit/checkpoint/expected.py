@@ -30,7 +30,7 @@ def expected_shape(info: TensorInfo, a: ModelArch) -> tuple[int, ...] | None:
     config does not say."""
     h, fam = a.hidden_size, a.definition
     if info.klass == TensorClass.NORM:
-        sizes = {norm: (getattr(a, size),) for norm, size in fam.attention_norms}
+        sizes = {norm: (a.size(size),) for norm, size in fam.attention_norms}
         return sizes.get(info.name.rsplit(".", 2)[-2], (h,))
     if info.klass == TensorClass.MTP and info.name.endswith(("enorm.weight", "hnorm.weight", "shared_head.norm.weight")):
         return (h,)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from quantkit.model.attention import Attention
 from quantkit.model.kvcache import SCALE_NAMES, KVAbsmax
 
 
@@ -25,30 +26,24 @@ def kv_cache_scheme() -> dict:
             "group_size": None, "block_structure": None, "observer": "minmax", "actorder": None}
 
 
-def write_kv_scales(pair, prefix: str, kv: KVAbsmax, layer: int) -> dict:
-    """Write one layer's k_scale and v_scale (equal for MLA, whose one latent cache is keyed by
-    k_scale; a scale each for GQA's keys and values) to both outputs, identical bytes, and return
-    what was measured for the report."""
-    for name, scale in zip(SCALE_NAMES, kv.layer_scales()[layer]):
+def write_kv_scales(pair, prefix: str, kv: KVAbsmax, layer: int, attention: Attention) -> dict:
+    """Write one layer's k_scale and v_scale, as its attention kind sets them from what calibration
+    measured (`Attention.kv_scales`: MLA's one latent cache is keyed by k_scale, so both are equal),
+    to both outputs, identical bytes, and return what was measured for the report."""
+    for name, scale in zip(SCALE_NAMES, attention.kv_scales(kv.maxima[layer])):
         for out in (pair.prefill, pair.decode):
             out.add(prefix + name, torch.tensor([scale], dtype=torch.float32))  # (1,): compressed-tensors' tensor-strategy shape
-    return kv.layer_report(layer)
+    return attention.kv_report(kv.maxima[layer])
 
 
-def kv_cache_report(layers: list[dict]) -> dict:
-    """convert-report.json's `kv_cache`: per-layer scales and where they are read (or not)."""
+def kv_cache_report(layers: list[dict], attention: Attention) -> dict:
+    """convert-report.json's `kv_cache`: per-layer scales and where the engines read them (or not),
+    as the attention kind says."""
     per_layer = {str(lay["layer"]): lay["kv_cache"] for lay in layers if "kv_cache" in lay}
     return {
         "scales": "calibrated" if per_layer else "none (no calibration pass): engines run the FP8 cache at scale 1.0",
         "tensors": list(SCALE_NAMES) if per_layer else [],
         "layers": per_layer,
-        "read_by": {
-            "vllm_dense_mla": "k_scale for kv_c and k_pe (concat_and_cache_mla) if loaded; 0.33.0 attaches the "
-                              "KV-cache method to Attention layers only, so MLA most likely runs at 1.0",
-            "vllm_dsa": "ignored: fp8_ds_mla computes per-token tile scales (and FP8 index keys always)",
-            "sglang_mla": "loaded by 0.5.23 (CompressedTensorsKVCacheMethod); an earlier MLA pool casts at 1.0",
-            "vllm_gqa": "k_scale for the keys, v_scale for the values (reshape_and_cache_flash); Attention layers load both",
-        },
-        "scale_covers": "MLA: max |kv_c|, |k_pe| and |absorbed decode query| / 448 (vLLM's q_scale defaults to k_scale); "
-                        "GQA: max |k| / 448 and max |v| / 448",
+        "read_by": dict(attention.kv_read_by),
+        "scale_covers": attention.kv_scale_covers,
     }

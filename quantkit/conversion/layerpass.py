@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from quantkit.conversion.activations import ActivationStore
 from quantkit.model.kvcache import KVAbsmax
 from quantkit.model.moe import mlp, route, shared_expert, swiglu, weighted
-from quantkit.model.reference import attention, rms_norm
+from quantkit.model.ops import rms_norm
+from quantkit.model.reference import attention
 from quantkit.quant.experts import HOLDOUT, is_heldout, is_heldout_window, run_gptq, starved
 from quantkit.quant.gptq import QuantizedWeight
 

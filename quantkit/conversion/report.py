@@ -114,7 +114,7 @@ def convert_report(model, job: Job, tokens, source_files: dict[str, str], out: P
                    used: list[dict], manifests: dict[str, str] | None = None) -> dict:
     """convert-report.json: the pair's own part, then the KV cache's scales, the plan and the ranks."""
     return (_pair_report(model, job, tokens, source_files, out, t_start, manifests)
-            | {"kv_cache": kv_cache_report(job.state.layers), "cost": job.cost.to_json(),
+            | {"kv_cache": kv_cache_report(job.state.layers, job.arch.definition.attention), "cost": job.cost.to_json(),
                "distributed": distributed_report(job.group, job.state, used),
                "reproducibility": reproducibility(job.dev, used)})
 

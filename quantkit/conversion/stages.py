@@ -109,7 +109,7 @@ def convert_layer(job: Job, pair: PairWriter, calib: Calibration, bar, layer: in
         mtp_inputs(job, calib, w, layer)
     if calibrate:  # h += attention (+ dense MLP, or shared expert), x and routing kept for the experts
         routing = attention_pass(calib.store, w, calib.ctx, layer, calib.topks, arch.is_moe(layer), calib.split)
-        kv_stats = write_kv_scales(pair, arch.layer_prefix(layer), calib.ctx.kv, layer)
+        kv_stats = write_kv_scales(pair, arch.layer_prefix(layer), calib.ctx.kv, layer, arch.definition.attention)
     t_attention = time.time() - t0
     shares: dict = {}  # multi-rank: each rank's part of this layer's experts
     records = _routed_experts(job, pair, calib, bar, layer, routing, calibrate, mtp, shares) if arch.is_moe(layer) else []

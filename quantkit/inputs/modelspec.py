@@ -1,7 +1,7 @@
 """Model specs: what users may pass wherever a model is expected.
 
 - a folder with config.json and safetensors shards;
-- `tiny:kimi-k2.6` / `tiny:glm-5.2`: the embedded tiny models (built on first use);
+- `tiny:<name>` (one of quantkit.synthetic.tiny.TINY_NAMES): the embedded tiny models (built on first use);
 - `realshape:kimi-k2.6` / `realshape:glm-5.2`: real-width, 2-layer synthetic checkpoints
   (quantkit.synthetic.realshape; built on first use, ~1.2-1.7 GB);
 - `hf://org/repo@rev`: a Hugging Face repo at a pinned commit, streamed: configs and tokenizer are

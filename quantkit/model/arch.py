@@ -73,10 +73,10 @@ class ModelArch:
     # mtp: extra decoder layers after the last one (index num_hidden_layers...), carried, never run
     num_mtp_layers: int = 0
 
-    # gqa (Qwen3-MoE): key/value heads and the head width; 0 for MLA. A GQA arch sets qk_rope_head_dim
-    # and v_head_dim to head_dim (rope turns the whole head) and the MLA ranks to 0.
-    num_key_value_heads: int = 0
-    head_dim: int = 0
+    # the sizes only this arch's attention kind reads, by their config.json names (e.g. key/value
+    # heads and a head width): what its `Attention.sizes` returns beyond the fields above, so that a
+    # new kind adds no field here
+    attention_sizes: dict[str, int] = field(default_factory=dict)
 
     quantization_config: dict[str, Any] | None = None  # the source's, as found
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -104,6 +104,10 @@ class ModelArch:
         """Elements cached per token per layer by MLA: the normalised latent plus the shared rope key."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
+    def size(self, name: str) -> int:
+        """A size field by name, its attention kind's own ones (`attention_sizes`) included."""
+        return self.attention_sizes[name] if name in self.attention_sizes else getattr(self, name)
+
     def layer_prefix(self, layer: int) -> str:
         return f"{self.prefix}layers.{layer}."
 
@@ -112,7 +116,12 @@ class ModelArch:
         return layer >= self.num_hidden_layers or self.moe_layers[layer]
 
     def to_json(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "raw"}
+        d = {}
+        for k in self.__dataclass_fields__:
+            if k == "attention_sizes":
+                d |= self.attention_sizes  # flat, as config.json names them
+            elif k != "raw":
+                d[k] = getattr(self, k)
         d["moe_layers"] = list(self.moe_layers)
         d["indexer_layers"] = None if self.indexer_layers is None else list(self.indexer_layers)
         return d
@@ -186,19 +195,6 @@ def _check_types(text: dict[str, Any], source: str) -> None:
             raise ConfigError(f"{source}: {key} is {v!r} ({type(v).__name__}); it must be a number, fix config.json")
 
 
-def _attention_fields(text: dict[str, Any], fam: Family, need, source: str) -> dict[str, int]:
-    """The attention's sizes: MLA's ranks and head dims, or GQA's key/value heads and head width."""
-    if fam.attention == "gqa":
-        hd = int(text.get("head_dim") or int(need("hidden_size")) // int(need("num_attention_heads")))
-        return dict(num_key_value_heads=int(need("num_key_value_heads")), head_dim=hd, q_lora_rank=0, kv_lora_rank=0,
-                    qk_nope_head_dim=0, qk_rope_head_dim=hd, v_head_dim=hd)
-    if text.get("q_lora_rank") is None:
-        raise ConfigError(f"{source}: q_lora_rank null (DeepSeek-V2-Lite style q_proj) is not supported")
-    return dict(q_lora_rank=int(need("q_lora_rank")), kv_lora_rank=int(need("kv_lora_rank")),
-                qk_nope_head_dim=int(need("qk_nope_head_dim")), qk_rope_head_dim=int(need("qk_rope_head_dim")),
-                v_head_dim=int(need("v_head_dim")))
-
-
 def arch_from_config(cfg: dict[str, Any], *, source: str = "config.json") -> ModelArch:
     """Parse a config.json dict of a supported family into a ModelArch."""
     model_type = cfg.get("model_type")
@@ -224,6 +220,8 @@ def arch_from_config(cfg: dict[str, Any], *, source: str = "config.json") -> Mod
         raise ConfigError(f"{source}: scoring_func {text['scoring_func']!r} is not supported (sigmoid)")
 
     dsa = fam.indexer
+    sizes = fam.attention.sizes(text, need, source)  # its kind reads its sizes (quantkit.model.attention)
+    shared = {k: v for k, v in sizes.items() if k in ModelArch.__dataclass_fields__}
     n_mtp = int(text.get("num_nextn_predict_layers", 0) or 0)
     arch = ModelArch(
         model_type=model_type,
@@ -246,7 +244,8 @@ def arch_from_config(cfg: dict[str, Any], *, source: str = "config.json") -> Mod
         norm_topk_prob=bool(text.get("norm_topk_prob", True)),
         moe_layers=moe_layers,
         num_attention_heads=int(need("num_attention_heads")),
-        **_attention_fields(text, fam, need, source),
+        **shared,
+        attention_sizes={k: v for k, v in sizes.items() if k not in shared},
         rope=_rope(text),
         # transformers' DeepSeek-V3 defaults to interleaved rope (the original weights' layout);
         # a family whose modelling code ignores the field (GLM) declares its layout.

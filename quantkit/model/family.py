@@ -16,8 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from quantkit.model.attention import Attention
+
 # ModelArch -> {leaf: [out, in]}; typed Any because quantkit.model.arch imports the definitions
 Shapes = Callable[[Any], dict[str, tuple[int, ...]]]
+# (x (N, D), layer weights, ModelArch) -> top-k expert ids (N, k) and their raw float32 weights (N, k);
+# quantkit.model.moe.route then applies norm_topk_prob and routed_scaling_factor
+Router = Callable[[Any, dict, Any], tuple[Any, Any]]
 
 
 @dataclass(frozen=True)
@@ -41,8 +46,8 @@ class Family:
     model_type: str  # config.json's outer model_type
     name: str  # the family ("deepseek_v3", "kimi", "glm"): ModelArch.family, reports and plans
     description: str
-    attention: str  # "mla" or "gqa": the reference forward's attention flavour (quantkit.model.reference)
-    router: str  # "sigmoid_group_topk" or "softmax_topk": the router's flavour (quantkit.model.moe)
+    attention: Attention  # the attention kind (quantkit.model.attention), defined by the family that introduced it
+    router: Router  # the router's scores and top-k choice, defined by the family that introduced it
     attention_projections: tuple[str, ...]  # the attention Linears (leaves under `self_attn.`), in layer order
     attention_shapes: Shapes  # leaf -> [out, in] of every attention (and `indexer.`) Linear, from the arch
     engine_attention: tuple[EngineModule, ...]  # how vLLM and SGLang build the attention modules

@@ -86,7 +86,7 @@ def tensor_inventory(
         for proj in fam.attention_projections:
             add(f"{L}self_attn.{proj}.weight", shapes[proj], linear=True, replicated=proj in fam.replicated)
         for norm, size in fam.attention_norms:
-            add(f"{L}self_attn.{norm}.weight", (getattr(a, size),), replicated=True)
+            add(f"{L}self_attn.{norm}.weight", (a.size(size),), replicated=True)
         # dsa: the lightning indexer, on the layers that own one (IndexShare)
         owns = layer < a.num_hidden_layers and a.indexer_layers[layer] if a.has_dsa else False
         if a.has_dsa and (owns or (layer >= a.num_hidden_layers and mtp_owns_indexer)):

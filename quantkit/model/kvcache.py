@@ -38,16 +38,8 @@ engines keep these in e4m3. What they do, as read in their sources:
         k_scale was not read here. Its NSA (DSA) backend quantizes per 128-tile like vLLM's
         fp8_ds_mla (layers/attention/nsa/quant_k_cache.py).
 
-A GQA layer (Qwen3-MoE) caches each key head (after k_norm and rope) and each value head. With
-`fp8_e4m3` vLLM's `reshape_and_cache_flash` (csrc/cache_kernels.cu) writes the key as
-`scaled_convert(k, *k_scale)` and the value as `scaled_convert(v, *v_scale)`: two per-layer static
-scales, one per tensor, loaded from `self_attn.k_scale` / `v_scale` (there, `Attention` layers do get
-the KV-cache method). Its V1 FlashAttention backend attends over the paged cache for prefill and
-decode alike, so every token's attention reads keys and values as stored; that is what `gqa` gives
-back. With FlashAttention 3 the query is quantized too (`q_scale`, 1.0 without one in the
-checkpoint); that rounding is not simulated here. convert writes k_scale = max|k| / 448 and
-v_scale = max|v| / 448 over the calibration tokens (llm-compressor's static minmax observer).
-`fp8_ds_mla` is MLA's layout only.
+Another attention kind stores its own parts (quantkit.model.attention `store`), as its family's
+definition says and documents (quantkit.model.families).
 
 The scale convert writes: vLLM's MLA decode also quantizes the absorbed query to FP8 with
 `q_scale` (`MLAAttention.forward_decode`), and q_scale defaults to k_scale when the checkpoint has
@@ -58,13 +50,16 @@ e4m3 keeps its relative precision (only the subnormal floor moves). The query's 
 not simulated here (it is not cache storage); the cache's is.
 
 KV dtypes here: `bf16` (the cache holds what attention computed; the baseline), `fp8_e4m3`
-(per-layer static scales, the dense-MLA and GQA path), `fp8_ds_mla` (dynamic per-tile, vLLM's DSA path).
+(per-layer static scales), `fp8_ds_mla` (dynamic per-tile, vLLM's DSA path). Which parts a layer
+caches and how each is rounded is its attention kind's `store`; this module holds the quantizers,
+the scales a layer's weights carry, and the calibration maxima.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -126,110 +121,42 @@ def scale_from_absmax(absmax: float) -> float:
 # ---- what the reference forward consults (`Context.kv`) --------------------------------------------
 @dataclass
 class KVCache:
-    """How the KV cache stores values: `mla` returns what the latent/rope cache gives back, `gqa` what
-    the key and value caches give back, `index` what the indexer key cache gives back. `scales`:
-    "checkpoint" reads each layer's `self_attn.k_scale` (and `v_scale`) from its weights (1.0 where the
-    checkpoint has none), "one" uses 1.0."""
+    """How the KV cache stores values: an attention kind's `store` (quantkit.model.attention) asks
+    `dtype` and the layer's `scale`, and rounds each cached part with the quantizers above; `index`
+    is what the DSA indexer key cache gives back. `scales`: "checkpoint" reads each layer's
+    `self_attn.k_scale` (and `v_scale`) from its weights (1.0 where the checkpoint has none), "one"
+    uses 1.0."""
 
     dtype: str = "bf16"
     scales: str = "checkpoint"
+    measuring: ClassVar[bool] = False  # a calibration pass (KVAbsmax): `observe` records
 
     def __post_init__(self):
         if self.dtype not in KV_DTYPES:
             raise ValueError(f"KV cache dtype {self.dtype!r}; one of {', '.join(KV_DTYPES)}")
 
-    def scale(self, w: dict[str, torch.Tensor], which: int = 0) -> float:
-        """The layer's k_scale (`which` 0) or v_scale (1), as the engine would load it."""
+    def scale(self, w: dict[str, torch.Tensor], which: int = 0, *, layer: int | None = None) -> float:
+        """The layer's k_scale (`which` 0) or v_scale (1), as the engine would load it from the layer's
+        weights `w` (`layer`: which one, for a study that sets its own scales per layer)."""
         t = w.get(SCALE_NAMES[which]) if self.scales == "checkpoint" else None
         return float(t) if t is not None else 1.0
-
-    def mla(self, layer: int, w, latent: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.dtype == "fp8_e4m3":
-            s = self.scale(w)
-            return per_tensor(latent, s), per_tensor(k_rot, s)
-        if self.dtype == "fp8_ds_mla":
-            return ds_mla(latent), k_rot  # k_pe stays bf16 in that layout
-        return latent, k_rot
-
-    def gqa(self, layer: int, w, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A GQA layer's keys and values as the cache gives them back: per-tensor k_scale and v_scale."""
-        if self.dtype == "fp8_e4m3":
-            return per_tensor(key, self.scale(w, 0)), per_tensor(value, self.scale(w, 1))
-        if self.dtype == "fp8_ds_mla":
-            raise ValueError("fp8_ds_mla is vLLM's MLA (DSA) cache layout; a GQA model's FP8 cache is fp8_e4m3")
-        return key, value
 
     def index(self, k: torch.Tensor) -> torch.Tensor:
         return indexer_keys(k) if self.dtype != "bf16" else k
 
-    def observe_query(self, layer: int, w, q_nope: torch.Tensor, q_rot: torch.Tensor, nh: int, dn: int) -> None:
-        """Calibration's hook (KVAbsmax); storing a cache looks at no query."""
+    def observe(self, layer: int, name: str, x: torch.Tensor) -> None:
+        """Calibration's hook (KVAbsmax): an attention kind reports each tensor its scales must cover."""
 
 
 @dataclass
 class KVAbsmax(KVCache):
-    """Calibration: stores nothing differently, records per layer the absolute maximum of what the
-    cache holds (MLA: latent and rope key, one scale covers both, and the absorbed decode query;
-    GQA: keys and values, a scale each)."""
+    """Calibration: stores nothing differently, records per layer the absolute maximum of each tensor
+    the attention kind reports (`observe`: what the cache holds, and for MLA the absorbed decode
+    query); the kind turns them into the layer's k_scale and v_scale (`Attention.kv_scales`)."""
 
-    latent: dict[int, float] = field(default_factory=dict)
-    k_rot: dict[int, float] = field(default_factory=dict)
-    query: dict[int, float] = field(default_factory=dict)
-    key: dict[int, float] = field(default_factory=dict)
-    value: dict[int, float] = field(default_factory=dict)
+    maxima: dict[int, dict[str, float]] = field(default_factory=dict)  # layer -> name -> max |x|
+    measuring: ClassVar[bool] = True
 
-    FIELDS = ("latent", "k_rot", "query", "key", "value")  # the per-layer maxima (combined across ranks by max)
-
-    def mla(self, layer, w, latent, k_rot):
-        _grow(self.latent, layer, latent)
-        _grow(self.k_rot, layer, k_rot)
-        return latent, k_rot
-
-    def gqa(self, layer, w, key, value):
-        _grow(self.key, layer, key)
-        _grow(self.value, layer, value)
-        return key, value
-
-    def observe_query(self, layer: int, w, q_nope: torch.Tensor, q_rot: torch.Tensor, nh: int, dn: int) -> None:
-        """The query vLLM's MLA decode quantizes with q_scale: q_nope absorbed into the latent space
-        (q_nope[h] @ W_UK[h], W_UK the key half of kv_b_proj) and the rope query."""
-        kv_lora = w["self_attn.kv_b_proj.weight"].shape[1]
-        w_uk = w["self_attn.kv_b_proj.weight"].view(nh, -1, kv_lora)[:, :dn]  # (nh, dn, kv_lora)
-        ql = torch.einsum("bhtd,hdl->bhtl", q_nope.float(), w_uk.float())  # (B, nh, T, kv_lora)
-        _grow(self.query, layer, ql)
-        _grow(self.query, layer, q_rot)
-
-    def layer_scales(self) -> dict[int, tuple[float, float]]:
-        """Per layer, the (k_scale, v_scale) to write. MLA: both the largest of what the cache holds
-        and of the absorbed decode query (which vLLM quantizes with q_scale = k_scale), over 448.
-        GQA: the keys' and the values' maxima over 448."""
-        out = {i: (s, s) for i in sorted(self.latent)
-               for s in [scale_from_absmax(max(self.latent[i], self.k_rot.get(i, 0.0), self.query.get(i, 0.0)))]}
-        return out | {i: (scale_from_absmax(self.key[i]), scale_from_absmax(self.value.get(i, 0.0))) for i in sorted(self.key)}
-
-    def layer_report(self, layer: int) -> dict:
-        """What was measured for one layer and the scales written (convert-report.json's kv_cache)."""
-        k, v = self.layer_scales()[layer]
-        if layer in self.key:
-            return {"key_absmax": self.key[layer], "value_absmax": self.value.get(layer), "k_scale": k, "v_scale": v}
-        return {"latent_absmax": self.latent[layer], "k_rot_absmax": self.k_rot[layer], "query_absmax": self.query.get(layer),
-                "k_scale": k}
-
-
-def _grow(d: dict[int, float], layer: int, x: torch.Tensor) -> None:
-    d[layer] = max(d.get(layer, 0.0), float(x.detach().abs().max()))
-
-
-# ---- what a checkpoint holds ----------------------------------------------------------------------
-def has_kv_scales(ckpt) -> bool:
-    from quantkit.model.tensors import TensorClass
-
-    return any(st.info.klass == TensorClass.KV_SCALE for st in ckpt.tensors.values())
-
-
-def checkpoint_scales(ckpt) -> dict[str, float]:
-    """layer -> k_scale as stored in a checkpoint (empty when it has none)."""
-    from quantkit.model.tensors import TensorClass
-
-    return {str(st.info.layer): float(ckpt.get(n, torch.float32).reshape(-1)[0]) for n, st in ckpt.tensors.items()
-            if st.info.klass == TensorClass.KV_SCALE and n.endswith("k_scale")}
+    def observe(self, layer: int, name: str, x: torch.Tensor) -> None:
+        seen = self.maxima.setdefault(layer, {})
+        seen[name] = max(seen.get(name, 0.0), float(x.detach().abs().max()))

@@ -4,7 +4,7 @@ Three places run a MoE layer, each its own way for memory's sake: the reference 
 whole layer (`moe`), validate's layer stream loads the routed experts a chunk at a time
 (quantkit.validation.layerstream) and calibration reads its tokens a micro-batch at a time from the
 activation store (quantkit.conversion.layerpass). The arithmetic they share is here: the router
-(the family's flavour, from its definition: scores -> top-k -> normalised and scaled weights), one
+(the family's, from its definition: scores -> top-k, then normalised and scaled weights here), one
 expert's weighted output rows, and the shared expert. Each caller keeps its own order of additions
 (experts ascending, `index_add_` per expert; the reference adds the shared expert last,
 calibration first), which the converted bytes depend on.
@@ -15,7 +15,6 @@ A layer's weights are a dict keyed by names relative to the layer prefix (`mlp.g
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,40 +36,10 @@ def mlp(x: torch.Tensor, w: W, prefix: str) -> torch.Tensor:
     return swiglu(x, w[prefix + "gate_proj.weight"], w[prefix + "up_proj.weight"], w[prefix + "down_proj.weight"])
 
 
-# ---- routers ------------------------------------------------------------------------------------
-def _sigmoid_group_topk(x: torch.Tensor, w: W, arch: ModelArch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sigmoid `noaux_tc` (DeepSeek-V3, Kimi, GLM): bias-corrected group and top-k choice, weights
-    from the raw scores."""
-    E, G = arch.n_routed_experts, arch.n_group
-    scores = F.linear(x.float(), w["mlp.gate.weight"].float()).sigmoid()  # (N, E)
-    choice = scores + w["mlp.gate.e_score_correction_bias"].float()
-    group_scores = choice.view(-1, G, E // G).topk(min(2, E // G), dim=-1)[0].sum(-1)  # (N, G)
-    group_idx = group_scores.topk(arch.topk_group, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-    score_mask = group_mask.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E)
-    choice = choice.masked_fill(score_mask == 0, float("-inf"))
-    topk_idx = choice.topk(arch.num_experts_per_tok, dim=-1, sorted=False)[1]  # (N, k)
-    return topk_idx, scores.gather(1, topk_idx)
-
-
-def _softmax_topk(x: torch.Tensor, w: W, arch: ModelArch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over all experts, then the top k (Qwen3-MoE, transformers' Qwen3MoeTopKRouter)."""
-    probs = F.linear(x.float(), w["mlp.gate.weight"].float()).softmax(dim=-1)  # (N, E)
-    topk_weight, topk_idx = probs.topk(arch.num_experts_per_tok, dim=-1)
-    return topk_idx, topk_weight
-
-
-# router flavour (a family definition's `router`) -> (N, D) inputs to top-k ids and raw weights
-ROUTERS: dict[str, Callable[[torch.Tensor, W, ModelArch], tuple[torch.Tensor, torch.Tensor]]] = {
-    "sigmoid_group_topk": _sigmoid_group_topk,
-    "softmax_topk": _softmax_topk,
-}
-
-
 def route(x: torch.Tensor, w: W, arch: ModelArch) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k expert ids (N, k) and float32 weights (N, k) of the tokens x (N, D): the family's router,
     then `norm_topk_prob` and `routed_scaling_factor`."""
-    topk_idx, topk_weight = ROUTERS[arch.definition.router](x, w, arch)
+    topk_idx, topk_weight = arch.definition.router(x, w, arch)  # the family's router (quantkit.model.family.Router)
     if arch.norm_topk_prob:
         topk_weight = topk_weight / (topk_weight.sum(-1, keepdim=True) + 1e-20)
     return topk_idx, topk_weight * arch.routed_scaling_factor

@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.model.arch import ModelArch
-from quantkit.model.reference import Context, decoder_layer, linear, rms_norm
+from quantkit.model.numerics import linear
+from quantkit.model.ops import rms_norm
+from quantkit.model.reference import Context, decoder_layer
 
 W = dict[str, torch.Tensor]
 

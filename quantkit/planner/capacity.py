@@ -388,7 +388,7 @@ def _assumptions(o: _Setup) -> dict[str, dict[str, Any]]:
         "group_size": {"value": o.group_size, "meaning": "INT4 group of decode / int4-bf16 experts (bf16 scale per group)"},
         "kv_dtypes": {"value": ",".join(o.dtypes), "meaning": "KV dtypes sized"},
         "weight_split": {"value": o.weight_split, "meaning": "even: bytes / tp on every rank; replicate-small: small tensors whole on each rank"},
-        "kv_replicated": {"value": o.kv_replicated, "meaning": "MLA latent on every TP rank (no DP attention); GQA heads split over the ranks"},
+        "kv_replicated": {"value": o.kv_replicated, "meaning": "MLA latent on every TP rank (no DP attention); key/value heads split over the ranks"},
         "indexer_cache": {"value": o.indexer_cache, "meaning": "DSA indexer key cache (FP8 + f32 scale) on all layers or only owners"},
         "include_mtp_kv": {"value": o.include_mtp_kv, "meaning": "KV for MTP layers (speculative decoding)"},
         "vision_bytes": {"value": o.vision_n * 2, "meaning": "vision tower + projector, BF16, on every checkpoint"},

@@ -3,7 +3,6 @@ beside the weights holds (the formulas are in quantkit.planner.capacity's docstr
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from quantkit.errors import ConfigError
@@ -31,18 +30,9 @@ def kv_dtype_names(names: tuple[str, ...]) -> list[str]:
 
 
 def kv_bytes_per_layer(arch: ModelArch, kv_dtype: str, *, indexer: bool) -> int:
-    """Bytes cached per token for one layer: the MLA latent (+ the DSA indexer key if `indexer`), or
-    GQA's key and value heads (2 * num_key_value_heads * head_dim values; FP8's two per-tensor scales
-    are per layer, not per token)."""
-    if arch.num_key_value_heads:  # GQA (quantkit.model.arch: 0 for MLA)
-        return 2 * arch.num_key_value_heads * arch.head_dim * (2 if kv_dtype == "bf16" else 1)
-    if kv_dtype == "bf16":
-        latent = 2 * arch.kv_cache_width
-    elif arch.has_dsa:  # FlashMLA sparse FP8: e4m3 nope latent + f32 scale per 128 + bf16 rope
-        latent = arch.kv_lora_rank + 4 * math.ceil(arch.kv_lora_rank / 128) + 2 * arch.qk_rope_head_dim
-    else:  # e4m3 latent, one static per-tensor scale
-        latent = arch.kv_cache_width
-    return latent + (arch.index_head_dim + 4 if indexer else 0)
+    """Bytes cached per token for one layer: what its attention kind caches (`Attention.cache_bytes`,
+    quantkit.model.attention), plus the DSA indexer key if `indexer` (an e4m3 key and its f32 scale)."""
+    return arch.definition.attention.cache_bytes(arch, kv_dtype) + (arch.index_head_dim + 4 if indexer else 0)
 
 
 def indexer_cache_layers(arch: ModelArch, kv_layers: int, indexer_cache: str) -> int:
@@ -63,16 +53,17 @@ def kv_per_token(arch: ModelArch, dtypes: list[str], kv_layers: int, idx_layers:
         idx = kv_bytes_per_layer(arch, d, indexer=True) - latent if arch.has_dsa else 0
         per_token = latent * kv_layers + idx * idx_layers
         kv_info[d] = {"latent": latent, "indexer": idx, "indexer_layers": idx_layers, "indexer_avg": round(idx * idx_layers / kv_layers), "per_token": per_token}
-        if arch.num_key_value_heads:  # GQA: the heads split over TP ranks (quantkit.planner.kv.kv_capacity)
-            kv_info[d]["kv_heads"] = arch.num_key_value_heads
+        heads = arch.definition.attention.kv_heads(arch)
+        if heads:  # key/value heads split over the TP ranks (tp_split)
+            kv_info[d]["kv_heads"] = heads
     return kv_info
 
 
 def tp_split(info: dict[str, int], tp: int, kv_replicated: bool) -> int:
     """How many ways one token's cache splits over a TP group. MLA's latent is one head every rank
     holds whole (1), unless DP attention (`kv_replicated` False) spreads requests over the ranks
-    (tp). GQA's key/value heads split over the ranks, at most one head a rank: vLLM replicates a
-    head when tp exceeds num_key_value_heads, so min(tp, heads)."""
+    (tp). An attention kind with several key/value heads (`Attention.kv_heads`) splits them over the
+    ranks, at most one head a rank: vLLM replicates a head when tp exceeds the heads, so min(tp, heads)."""
     if not kv_replicated:
         return tp
     return min(tp, info["kv_heads"]) if info.get("kv_heads") else 1
@@ -82,7 +73,7 @@ def kv_capacity(kv_info: dict[str, dict[str, int]], room: float, *, tp: int, rep
                 context: int) -> dict[str, KVCapacity]:
     """Tokens the KV pool holds per dtype with `room` GiB left on each GPU, over the whole GPU set,
     and the requests of `context` tokens they make; the latent sits on every TP rank when
-    `kv_replicated`, else it is split tp ways; GQA's heads split over the ranks (`tp_split`)."""
+    `kv_replicated`, else it is split tp ways; key/value heads split over the ranks (`tp_split`)."""
     kv = {}
     for d, info in kv_info.items():
         per_gpu = info["per_token"] / tp_split(info, tp, kv_replicated)

@@ -297,12 +297,13 @@ def max_kv(g: Group, kv, layer: int) -> None:
     order-free, so the scale equals a single process's. A rank that had no micro-batch has none."""
     if not g.distributed:
         return
-    fields = kv.FIELDS
-    seen = g.all_gather_object([getattr(kv, f).get(layer) for f in fields], f"layer {layer}: KV-cache maxima")
-    for j, f in enumerate(fields):
-        vals = [s[j] for s in seen if s[j] is not None]
-        if vals:
-            getattr(kv, f)[layer] = max(vals)
+    seen = g.all_gather_object(kv.maxima.get(layer), f"layer {layer}: KV-cache maxima")  # name -> max |x|, or None
+    merged: dict[str, float] = {}
+    for maxima in seen:
+        for name, v in (maxima or {}).items():
+            merged[name] = max(merged.get(name, v), v)
+    if merged:
+        kv.maxima[layer] = merged
 
 
 def share_expert_rows(g: Group, mine: dict[int, torch.Tensor], owner: dict[int, int], counts: list[int], width: int,

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from quantkit.checkpoint.reader import Checkpoint
-from quantkit.model.reference import Context, LayerCache, head_weight_name, rms_norm
+from quantkit.model.ops import rms_norm
+from quantkit.model.reference import Context, LayerCache, head_weight_name
 from quantkit.runtime.device import resolve_device
 
 if TYPE_CHECKING:

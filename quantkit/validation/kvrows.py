@@ -4,13 +4,22 @@ card's section."""
 
 from __future__ import annotations
 
+import torch
+
 from quantkit.checkpoint.reader import Checkpoint
 from quantkit.errors import ConfigError
 from quantkit.model.families import find_family
-from quantkit.model.kvcache import KV_DTYPES, KVCache, checkpoint_scales
+from quantkit.model.kvcache import KV_DTYPES, KVCache
+from quantkit.model.tensors import TensorClass
 from quantkit.validation.metrics import agreement, window_mean_se
 
 SCALE_1 = "_scale1"  # the variant key of the uncalibrated comparison (every layer at 1.0)
+
+
+def checkpoint_scales(ckpt: Checkpoint) -> dict[str, float]:
+    """layer -> k_scale as stored in a checkpoint (empty when it has none)."""
+    return {str(st.info.layer): float(ckpt.get(n, torch.float32).reshape(-1)[0]) for n, st in ckpt.tensors.items()
+            if st.info.klass == TensorClass.KV_SCALE and n.endswith("k_scale")}
 
 
 def kv_variants(kv_cache_dtype: str, ckpts: dict[str, Checkpoint], pair: bool, gen_tokens: int) -> tuple[dict, dict]:
@@ -22,7 +31,7 @@ def kv_variants(kv_cache_dtype: str, ckpts: dict[str, Checkpoint], pair: bool, g
     scales = checkpoint_scales(ckpts["decode"]) if pair else {}
     info = {"dtype": kv_cache_dtype, "calibrated": bool(scales), "scales": scales,
             "note": "KV rows: the decode steps of the INT4-only and cross-phase paths with the KV cache (MLA's "
-                    "latent and rope key, GLM's index keys, GQA's keys and values) stored as the engines store "
+                    "latent and rope key, GLM's index keys, or per-head keys and values) stored as the engines store "
                     "them; `kv_delta` is the KL they add over the same path with a BF16 cache. "
                     + ("scale 1.0 is what the engines run without scales (and what an SGLang MLA pool that casts without one runs)" if kv_cache_dtype == "fp8_e4m3" else
                        "fp8_ds_mla is vLLM's layout for DSA models; it ignores k_scale")

@@ -22,7 +22,8 @@ import torch
 from quantkit.checkpoint.reader import Checkpoint
 from quantkit.model.moe import expert, route, shared_expert, weighted
 from quantkit.model.numerics import as_computed
-from quantkit.model.reference import attention, decoder_layer, rms_norm
+from quantkit.model.ops import rms_norm
+from quantkit.model.reference import attention, decoder_layer
 from quantkit.model.tensors import TensorClass
 
 if TYPE_CHECKING:

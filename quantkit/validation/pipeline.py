@@ -332,7 +332,12 @@ def _check_compatible(ckpts: dict[str, Checkpoint]) -> None:
     ref = ckpts["reference"].arch
     for row, ck in ckpts.items():
         a = ck.arch
-        for attr in ("num_hidden_layers", "hidden_size", "vocab_size", "n_routed_experts", "kv_lora_rank"):
+        for attr in ("num_hidden_layers", "hidden_size", "vocab_size", "n_routed_experts"):
             if getattr(a, attr) != getattr(ref, attr):
                 raise ConfigError(f"{row} ({ck.folder}): {attr} {getattr(a, attr)} differs from the reference's "
                                   f"{getattr(ref, attr)}; is --reference the model this was converted from?")
+        mine, theirs = a.definition.attention_shapes(a), ref.definition.attention_shapes(ref)
+        if mine != theirs:  # the attention's sizes, whichever kind it is
+            diff = sorted(p for p in mine.keys() | theirs.keys() if mine.get(p) != theirs.get(p))
+            raise ConfigError(f"{row} ({ck.folder}): attention projection shapes differ from the reference's "
+                              f"({', '.join(diff)}); is --reference the model this was converted from?")

@@ -41,7 +41,7 @@ def test_qwen3_30b_a3b_preset():
     assert (a.model_type, a.family, a.prefix, a.head_name) == ("qwen3_moe", "qwen3_moe", "model.", "lm_head.weight")
     assert (a.hidden_size, a.num_hidden_layers, a.vocab_size) == (2048, 48, 151936)
     assert (a.n_routed_experts, a.num_experts_per_tok, a.moe_intermediate_size, a.n_shared_experts) == (128, 8, 768, 0)
-    assert (a.num_attention_heads, a.num_key_value_heads, a.head_dim) == (32, 4, 128)
+    assert (a.num_attention_heads, a.size("num_key_value_heads"), a.size("head_dim")) == (32, 4, 128)
     assert all(a.moe_layers) and a.num_mtp_layers == 0 and not a.has_dsa and a.norm_topk_prob
     assert a.rope == {"rope_theta": 1e6, "rope_type": "default"} and not a.rope_interleave
 

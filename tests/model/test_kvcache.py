@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from quantkit.model.families import REGISTRY
 from quantkit.model.kvcache import (
     E4M3_MAX,
     SCALE_NAMES,
@@ -22,7 +23,7 @@ from quantkit.model.kvcache import (
     to_e4m3,
     ue8m0,
 )
-from quantkit.model.reference import Context, LayerCache, mla_attention
+from quantkit.model.reference import Context, LayerCache, attention
 from quantkit.planner.render import capacity_beside_delta
 
 
@@ -92,18 +93,19 @@ def test_gqa_cache_scales_keys_and_values_apart():
     reshape_and_cache_flash); calibration measures the two maxima apart and writes a scale each."""
     k, v = cache_like((2, 5, 2, 64), seed=2) * 3, cache_like((2, 5, 2, 64), seed=3)
     w = {SCALE_NAMES[0]: torch.tensor([0.02]), SCALE_NAMES[1]: torch.tensor([0.005])}
-    gk, gv = KVCache("fp8_e4m3").gqa(0, w, k, v)
+    gqa = REGISTRY["qwen3_moe"].attention  # its attention kind's `store`, quantkit.model.families.qwen3_moe
+    gk, gv = gqa.store(KVCache("fp8_e4m3"), 0, w, k, v)
     for got, x, s in ((gk, k, 0.02), (gv, v, 0.005)):
         assert np.array_equal(got.numpy().view(np.uint32), ref_roundtrip(x.numpy(), np.float32(s)).view(np.uint32))
-    bk, bv = KVCache("bf16").gqa(0, w, k, v)
+    bk, bv = gqa.store(KVCache("bf16"), 0, w, k, v)
     assert bk is k and bv is v
     with pytest.raises(ValueError, match="fp8_ds_mla is vLLM's MLA"):
-        KVCache("fp8_ds_mla").gqa(0, w, k, v)
+        gqa.store(KVCache("fp8_ds_mla"), 0, w, k, v)
     cal = KVAbsmax()
-    cal.gqa(3, {}, k, v)
-    ks, vs = cal.layer_scales()[3]
+    gqa.store(cal, 3, {}, k, v)
+    ks, vs = gqa.kv_scales(cal.maxima[3])
     assert (ks, vs) == (float(k.abs().max()) / E4M3_MAX, float(v.abs().max()) / E4M3_MAX) and ks != vs
-    assert cal.layer_report(3) == {"key_absmax": float(k.abs().max()), "value_absmax": float(v.abs().max()),
+    assert gqa.kv_report(cal.maxima[3]) == {"key_absmax": float(k.abs().max()), "value_absmax": float(v.abs().max()),
                                    "k_scale": ks, "v_scale": vs}
 
 
@@ -142,8 +144,8 @@ def test_bf16_cache_leaves_the_forward_unchanged(tiny_kimi):
     outs = {}
     for name, kv in (("none", None), ("bf16", KVCache("bf16")), ("fp8", KVCache("fp8_e4m3"))):
         caches = [LayerCache() for _ in range(a.num_hidden_layers)]
-        prompt = mla_attention(x[:, :5], w, Context.build(a, 5, "cpu", torch.float32, caches=caches, kv=kv), 1)
-        step = mla_attention(x[:, 5:], w, Context.build(a, 1, "cpu", torch.float32, start=5, caches=caches, kv=kv), 1)
+        prompt = attention(x[:, :5], w, Context.build(a, 5, "cpu", torch.float32, caches=caches, kv=kv), 1)
+        step = attention(x[:, 5:], w, Context.build(a, 1, "cpu", torch.float32, start=5, caches=caches, kv=kv), 1)
         outs[name] = (prompt, step, caches[1])
     assert torch.equal(outs["none"][0], outs["bf16"][0]) and torch.equal(outs["none"][1], outs["bf16"][1])
     assert torch.equal(outs["none"][0], outs["fp8"][0])  # the prompt pass reads no cache

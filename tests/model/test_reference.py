@@ -9,7 +9,7 @@ from oracle import transformers_model
 
 from quantkit.checkpoint.reader import Checkpoint
 from quantkit.model.arch import arch_from_config
-from quantkit.model.reference import apply_rope, rope_inv_freq
+from quantkit.model.ops import apply_rope, rope_inv_freq
 from quantkit.validation.forward import logits, new_caches, run
 
 TOL = 1e-4

@@ -42,7 +42,7 @@ What is left, because it needs values on the host, which a fake run does not hav
   - gptq's HessianError branch: it runs only after torch has raised on a failed Cholesky
     factorization, which a fake run never does (tests/quant/test_gptq.py covers it on the CPU).
   - the embedding lookup (forward.embed, convert) runs on the CPU on purpose, as do the rope tables
-    (reference.rope_tables); both are moved to the device once.
+    (ops.rope_tables); both are moved to the device once.
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ def test_reference_layers_on_device(model, ties):
                     out = reference.decoder_layer(h, w, ctx, layer)
                     assert_on_device(out.hidden, out.moe_input)
                     continue
-                attn = reference.mla_attention(h, w, ctx, layer)
+                attn = reference.attention(h, w, ctx, layer)
                 x = attn.reshape(-1, arch.hidden_size)  # (B*n, D)
                 topk_idx, topk_weight = moe.route(x, w, arch)
                 routing = moe.Routing(x, topk_idx, topk_weight)

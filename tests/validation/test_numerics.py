@@ -15,7 +15,8 @@ from quantkit.checkpoint.reader import Checkpoint
 from quantkit.conversion.pipeline import convert
 from quantkit.formats import fp8
 from quantkit.model.numerics import W8A8
-from quantkit.model.reference import Context, decoder_layer, head_weight_name, rms_norm
+from quantkit.model.ops import rms_norm
+from quantkit.model.reference import Context, decoder_layer, head_weight_name
 from quantkit.validation.metrics import kl_top1
 from quantkit.validation.pipeline import validate
 

@@ -10,8 +10,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from quantkit.model.families.deepseek_v3 import MLA_ENGINE, MLA_NORMS, MLA_PROJECTIONS, mla_shapes
+import torch
+import torch.nn.functional as F
+
+from quantkit.model.attention import Context
+from quantkit.model.families.deepseek_v3 import MLA, MLA_ENGINE, MLA_NORMS, MLA_PROJECTIONS, mla_shapes, sigmoid_group_topk
 from quantkit.model.family import EngineModule, Family
+from quantkit.model.numerics import linear
+from quantkit.model.ops import append, apply_rope
+
+LayerCache = Any  # quantkit.model.reference.LayerCache (Any: see quantkit.model.attention)
+
+W = dict[str, torch.Tensor]
 
 INDEXER_PROJECTIONS = ("wq_b", "wk", "weights_proj")
 
@@ -26,13 +36,46 @@ def dsa_shapes(a: Any) -> dict[str, tuple[int, ...]]:
     }
 
 
+def dsa_indexer(x: torch.Tensor, q_resid: torch.Tensor, w: W, ctx: Context, cache: LayerCache | None, allowed: torch.Tensor) -> torch.Tensor:
+    """DSA lightning indexer: score every visible past token per query, keep the top `index_topk`.
+
+    Returns (B, T, k) indices into the S keys. The indexer's rope is always interleaved. Ties go
+    to the earlier token (transformers' `topk` leaves them unspecified).
+    """
+    a = ctx.arch
+    B, T, _ = x.shape
+    nh, hd, rd = a.index_n_heads, a.index_head_dim, a.qk_rope_head_dim
+    q = linear(q_resid, w["self_attn.indexer.wq_b.weight"]).view(B, T, nh, hd)  # (B, T, ih, hd)
+    k = F.layer_norm(
+        linear(x, w["self_attn.indexer.wk.weight"]), (hd,),
+        w["self_attn.indexer.k_norm.weight"], w["self_attn.indexer.k_norm.bias"], eps=1e-6,
+    )  # (B, T, hd)
+    cos, sin = ctx.cos[:, None, :], ctx.sin[:, None, :]  # broadcast over heads
+    q = torch.cat([apply_rope(q[..., :rd], cos, sin, True), q[..., rd:]], dim=-1)
+    k = torch.cat([apply_rope(k[..., :rd], ctx.cos, ctx.sin, True), k[..., rd:]], dim=-1)
+    if ctx.kv is not None:
+        k = ctx.kv.index(k)  # vLLM scores prefill and decode alike on the stored (FP8) index keys
+    if cache is not None:
+        k = cache.index_k = append(cache.index_k, k)  # (B, S, hd)
+    scores = F.relu(torch.einsum("bthd,bsd->bths", q.float(), k.float()) * hd**-0.5)  # (B, T, ih, S)
+    weights = linear(x, w["self_attn.indexer.weights_proj.weight"]).float() * nh**-0.5  # (B, T, ih)
+    index_scores = torch.einsum("bth,bths->bts", weights, scores)  # (B, T, S)
+    index_scores = index_scores.masked_fill(~allowed, float("-inf"))
+    k = min(a.index_topk, index_scores.shape[-1])
+    if ctx.dsa_ties == "topk":  # torch.topk's unspecified order, as transformers does it
+        return index_scores.topk(k, dim=-1).indices
+    # Exact ties are common (all heads' ReLU at zero); a stable sort breaks them towards earlier
+    # tokens, so a token's selection is the same in a full forward and in one decode step.
+    return torch.sort(index_scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
 GLM_MOE_DSA = Family(
     model_type="glm_moe_dsa",
     name="glm",
     tool_calls="glm45",
     description="GLM-5 / 5.1 / 5.2 (MLA with DeepSeek Sparse Attention)",
-    attention="mla",
-    router="sigmoid_group_topk",
+    attention=MLA(indexer=dsa_indexer),
+    router=sigmoid_group_topk,
     router_bias=True,
     indexer=True,
     forced_rope_interleave=True,
