@@ -124,7 +124,7 @@ class Generation:
 
 
 def _hermes(text: str) -> list[Call]:
-    """Qwen / Hermes: <tool_call>{"name": ..., "arguments": {...}}</tool_call> (vLLM's hermes parser)."""
+    """Hermes (the syntax of many open families): <tool_call>{"name": ..., "arguments": {...}}</tool_call> (vLLM's hermes parser)."""
     out = []
     for body in re.findall(r"<tool_call>(.*?)(?:</tool_call>|$)", text, re.S):
         try:
