@@ -105,6 +105,13 @@ def fetch_small_files(remote) -> Path:
     return folder
 
 
+def _finite(w: torch.Tensor) -> bool:
+    """No NaN and no Inf in `w`: min and max in one pass (NaN propagates into both, +-Inf shows in one),
+    without isfinite's bool tensor of w's size (at real width that was a quarter of validate's time)."""
+    lo, hi = torch.aminmax(w)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
 class Checkpoint:
     """A model folder opened for streaming: index validated, tensors classified, nothing loaded."""
 
@@ -431,7 +438,7 @@ class Checkpoint:
         file = str(self._file(next(iter(st.parts.values()))))
         if expected is not None and tuple(w.shape) != expected:
             raise CheckpointError(f"shape {tuple(w.shape)} contradicts config.json (expected {expected})", file=file, tensor=st.name)
-        if self.check_finite and w.is_floating_point() and not torch.isfinite(w).all():
+        if self.check_finite and w.is_floating_point() and w.numel() and not _finite(w):
             raise CheckpointError("contains NaN or Inf; the source checkpoint is damaged", file=file, tensor=st.name)
 
     def layer(self, layer: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:

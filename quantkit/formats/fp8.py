@@ -40,6 +40,10 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, block: int = BLOCK) -> torc
     rows, cols = -(-out // block), -(-inp // block)
     if tuple(scale.shape) != (rows, cols):
         raise ValueError(f"scale grid {tuple(scale.shape)} does not match weight {out}x{inp} in {block}-blocks")
+    if out % block == 0 and inp % block == 0:  # whole blocks: each scale broadcast over its block, in place
+        w = q.float()
+        w.view(rows, block, cols, block).mul_(scale.float()[:, None, :, None])  # [R, b, C, b]
+        return w
     s = scale.float().repeat_interleave(block, 0)[:out].repeat_interleave(block, 1)[:, :inp]
     return q.float() * s
 
