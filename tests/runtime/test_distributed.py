@@ -362,23 +362,24 @@ def test_ranks_that_do_not_share_the_output_folder_are_refused(tmp_path):
     looks. Rank 1 is given another folder under the same name (what a node-local disk is): the
     check fails at the start and names rank 1."""
     script = tmp_path / "check.py"
+    # one launch, two checks (each torchrun start is three torch imports): the shared folder passes on
+    # every rank, then rank 1 given another folder fails on every rank
     script.write_text(
         "import os, sys, torch\n"
         "from quantkit.runtime import distributed\n"
         "g, _ = distributed.init(torch.device('cpu'))\n"
-        "folder = sys.argv[1] if g.rank == 0 else sys.argv[2]\n"
         "try:\n"
-        "    distributed.check_shared_folder(g, folder)\n"
+        "    distributed.check_shared_folder(g, sys.argv[1])\n"
+        "    print('shared ok', g.rank, flush=True)\n"
+        "    distributed.check_shared_folder(g, sys.argv[1] if g.rank == 0 else sys.argv[2])\n"
         "finally:\n"
         "    distributed.close(g)\n")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
-    shared = subprocess.run(cmd + [str(tmp_path / "out"), str(tmp_path / "out")], capture_output=True, text=True,
-                            env=_env(), timeout=300)
-    assert shared.returncode == 0, shared.stderr[-2000:]
+    done = subprocess.run(cmd + [str(tmp_path / "out"), str(tmp_path / "b")], capture_output=True, text=True,
+                          env=_env(), timeout=300)
+    assert "shared ok 0" in done.stdout and "shared ok 1" in done.stdout, done.stderr[-2000:]
     assert list((tmp_path / "out").iterdir()) == []  # the marker is gone
-    local = subprocess.run(cmd + [str(tmp_path / "a"), str(tmp_path / "b")], capture_output=True, text=True,
-                           env=_env(), timeout=300)
-    assert local.returncode != 0 and "rank(s) [1] do not see what rank 0 writes" in local.stderr
+    assert done.returncode != 0 and "rank(s) [1] do not see what rank 0 writes" in done.stderr
 
 
 # ---- the planner ---------------------------------------------------------------------------------
