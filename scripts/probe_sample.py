@@ -39,7 +39,7 @@ def main() -> None:
     for name, folder in (("source (fp32 copy)", _fp32_copy(src, root / "source")),
                          ("decode/ (fp32 copy)", _fp32_copy(out / "decode", root / "decode")),
                          ("decode/ as stored", out / "decode"), ("the FP8 source as stored", src)):
-        with TransformersServe(folder, root) as srv:
+        with TransformersServe(root, folder) as srv:
             r = probe(srv.url, out, model=srv.folder, prompts=prompts, kv_cache_dtype="bf16", device="cpu", concurrency=2)
         print(f"== transformers serve {name}")
         print("\n".join(r.lines()))

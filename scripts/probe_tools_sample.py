@@ -37,7 +37,7 @@ def main() -> None:
     root.mkdir(parents=True)
     out = convert("tiny:glm-5.2", root / "glm", method="rtn", validate=False, progress=False).out
     (root / "prompts.json").write_text(json.dumps(PROMPTS))
-    runs = [("transformers serve decode/ as stored", lambda: TransformersServe(out / "decode", root))]
+    runs = [("transformers serve decode/ as stored", lambda: TransformersServe(root, out / "decode"))]
     runs += [(f"fake server, mode {m}", lambda m=m: ToolServer(m, out / "decode")) for m in ("calls", "refuse", "ignore")]
     for name, server in runs:
         print(f"== {name}")

@@ -49,16 +49,19 @@ def _port() -> int:
 
 
 class TransformersServe:
-    """`transformers serve FOLDER` on 127.0.0.1, CPU, fp32; stopped (its process group) on exit."""
+    """`transformers serve` on 127.0.0.1, CPU, fp32, serving the model each request names (one server
+    for every folder a test asks about: a start is a transformers import and a FastAPI app, the largest
+    part of the test); stopped (its process group) on exit."""
 
-    def __init__(self, folder: Path, tmp: Path):
-        self.folder, self.port = str(folder), _port()
+    def __init__(self, tmp: Path, *folders: Path):
+        self.folders, self.port = [str(f) for f in folders], _port()
+        self.folder = self.folders[0] if self.folders else None  # the first: a one-model caller's
         env = dict(os.environ, HF_HUB_CACHE=str(tmp / "hf"), HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
         (tmp / "hf").mkdir(exist_ok=True)
         exe = Path(sys.executable).with_name("transformers")
         self.log = open(tmp / f"serve-{self.port}.log", "w")
         self.proc = subprocess.Popen([str(exe), "serve", "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu",
-                                      "--dtype", "float32", self.folder], stdout=self.log, stderr=subprocess.STDOUT,
+                                      "--dtype", "float32"], stdout=self.log, stderr=subprocess.STDOUT,
                                      env=env, start_new_session=True)
         self.url = f"http://127.0.0.1:{self.port}/v1"
 
@@ -66,16 +69,20 @@ class TransformersServe:
         import httpx
 
         deadline = time.time() + 240
-        while time.time() < deadline:
+        waiting = list(self.folders)
+        while waiting and time.time() < deadline:
             assert self.proc.poll() is None, Path(self.log.name).read_text()[-2000:]
-            try:  # the model is pinned and loads with the first request
-                if httpx.post(self.url + "/completions", json={"model": self.folder, "prompt": "the", "max_tokens": 1},
+            try:  # each model loads with its first request
+                if httpx.post(self.url + "/completions", json={"model": waiting[0], "prompt": "the", "max_tokens": 1},
                               timeout=60, trust_env=False).status_code == 200:
-                    return self
+                    waiting.pop(0)
+                    continue
             except httpx.TransportError:
                 pass
             time.sleep(1)
-        raise AssertionError("transformers serve did not answer in 240 s: " + Path(self.log.name).read_text()[-2000:])
+        if waiting:
+            raise AssertionError("transformers serve did not answer in 240 s: " + Path(self.log.name).read_text()[-2000:])
+        return self
 
     def __exit__(self, *exc):
         os.killpg(self.proc.pid, 15)
@@ -142,10 +149,10 @@ def test_transformers_serve_source_and_decode_are_told_apart(pair, tmp_path):
     out, _, source = pair
     prompts = _parting_prompts(out, source, tmp_path)
     kw = dict(prompts=prompts, kv_cache_dtype="bf16", device="cpu", concurrency=2, numerics="weights")  # fp32 copies
-    with TransformersServe(_fp32_copy(source, tmp_path / "source"), tmp_path) as srv:
-        r_src = probe(srv.url, out, model=srv.folder, **kw).data
-    with TransformersServe(_fp32_copy(out / "decode", tmp_path / "decode"), tmp_path) as srv:
-        r_dec = probe(srv.url, out, model=srv.folder, **kw).data
+    src, dec = _fp32_copy(source, tmp_path / "source"), _fp32_copy(out / "decode", tmp_path / "decode")
+    with TransformersServe(tmp_path, src, dec) as srv:  # one server, the model by name in each request
+        r_src = probe(srv.url, out, model=str(src), **kw).data
+        r_dec = probe(srv.url, out, model=str(dec), **kw).data
     assert not r_src["logprobs"] and not r_dec["logprobs"]  # transformers serve ignores `logprobs`
     assert r_src["verdict"]["match"] == "source", r_src["verdict"]
     assert r_src["candidates"]["source"]["prompts_exact"] == 3
