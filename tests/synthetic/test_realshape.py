@@ -14,11 +14,11 @@ from quantkit.synthetic.realshape import EXPERTS, LAYERS, realshape_config, real
 
 # The conversions below run on a realshape model with fewer routed experts than `realshape:` (16):
 # every width, dtype and on-disk format as published, GPTQ's cost (nearly all of the run, and
-# proportional to the experts) cut by the count. 10 keeps the routing real (top-8 of 10: not every
-# expert on every token) and, at GLM's 6 GB budget, two full chunks of 5 experts (the chunk the
-# 16-expert run peaks in is 5 experts too: cost.plan_convert sizes it from the budget and one expert's
-# real-width bytes, not from the count).
-CONVERT_EXPERTS = 10
+# proportional to the experts) cut by the count. 9 is the fewest that keeps the routing real (top-8 of
+# 9: not every expert on every token), and at GLM's 6 GB budget it is a full chunk of 5 experts and then
+# 4 more (the chunk the 16-expert run peaks in is 5 experts too: cost.plan_convert sizes it from the
+# budget and one expert's real-width bytes, not from the count).
+CONVERT_EXPERTS = 9
 
 
 @pytest.mark.parametrize("name", ["glm-5.2", "kimi-k2.6"])
@@ -46,12 +46,12 @@ def _convert(model: str, out, *args: str) -> dict:
 def test_glm_realshape_converts_with_gptq_within_budget(tmp_path):
     """GLM-5.2-FP8 widths (hidden 6144, experts of 2048), GPTQ on 2 x 128 tokens under 6 GB.
 
-    10 routed experts, not realshape:'s 16: what this proves is per chunk of experts, and the chunk
-    is the same. The 6 GB budget leaves room for 5 real-width experts at a time with 16 experts or 10
+    9 routed experts, not realshape:'s 16: what this proves is per chunk of experts, and the chunk
+    is the same. The 6 GB budget leaves room for 5 real-width experts at a time with 16 experts or 9
     (asserted below), so the peak (one chunk's GPTQ at hidden 6144 beside the writer and the store)
-    and the prediction are the 16-expert run's; two full chunks, one after the other, still show the
-    first chunk's memory is given back before the second (else the peak would hold 10 experts' work
-    and break the budget). The 6 extra experts only repeated a chunk, at 6/16 of the time."""
+    and the prediction are the 16-expert run's; a second chunk after the first still shows the first
+    chunk's memory is given back before the next (else the peak would hold 9 experts' work and break
+    the budget). The 7 extra experts only repeated a chunk, at 7/16 of the time."""
     r = _convert(str(realshape_path("glm-5.2", CONVERT_EXPERTS)), tmp_path / "out", "--method", "gptq",
                  "--num-samples", "2", "--seq-len", "128", "--max-host-memory", "6GB", "--no-validate")
     assert r["experts_summary"]["gptq"] == CONVERT_EXPERTS
@@ -66,10 +66,10 @@ def test_glm_realshape_converts_with_gptq_within_budget(tmp_path):
 def test_kimi_realshape_converts_and_validates(tmp_path):
     """Kimi K2.6 layout (language_model. prefix, INT4 g32 experts reused bit for bit), then validate.
 
-    10 routed experts, not realshape:'s 16: every expert is the same 7168 x 2048 INT4 g32 tensor set,
-    reused or dequantized one by one in the same code, so 10 prove the layout, the reuse, the budget
+    9 routed experts, not realshape:'s 16: every expert is the same 7168 x 2048 INT4 g32 tensor set,
+    reused or dequantized one by one in the same code, so 9 prove the layout, the reuse, the budget
     and the FP8 rest's KL as well as 16 (the KL comes from the non-expert tensors, which are the same),
-    with top-8 of 10 still a real choice per token; each expert less is less to read, calibrate
+    with top-8 of 9 still a real choice per token; each expert less is less to read, calibrate
     through and run three times in validate."""
     out = tmp_path / "out"
     # experts reused, but the calibration pass still runs: it measures the FP8 KV-cache scales
