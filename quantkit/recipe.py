@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, create_model, field_validator, model_validator
 
 from quantkit.errors import ConfigError
-from quantkit.quant.methods import METHODS, unknown_method
+from quantkit.quant.methods import METHODS, Settings, unknown_method
 
 __all__ = ["Recipe", "load_recipe", "recipe_file", "default_recipe", "recipe_overrides", "resolve_recipe", "recipe_dirs", "available_recipes"]
 
@@ -45,9 +45,8 @@ _OVERRIDES = {
 }
 
 
-class _Section(BaseModel):
-    # strict: YAML already gives typed values, so "128" or 1.5 for an int is a mistake, not a coercion
-    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+# Every section is strict (quantkit.quant.methods.Settings: extra="forbid", no coercion), the methods' own too.
+_Section = Settings
 
 
 class MixSource(_Section):
@@ -123,40 +122,6 @@ class Calibration(_Section):
         return out
 
 
-class GPTQSettings(_Section):
-    dampening: float = Field(0.01, gt=0, lt=1)  # fraction of mean(diag H) added to the diagonal
-    block_size: int = Field(128, ge=1)  # columns per lazy batch update; a multiple of group_size
-    actorder: bool = False  # static activation order (group of a column unchanged: same format)
-    min_tokens: int = Field(32, ge=0)  # experts routed fewer tokens take `fallback`
-    fallback: Literal["all_tokens", "rtn"] = "all_tokens"
-    # GPTQ's static group scales: min-max; a clip search (mse); or the clip search weighted by the damped diag(H) (hessian)
-    observer: Literal["minmax", "mse", "hessian"] = "minmax"
-    prior_tokens: int = Field(0, ge=0)  # p: H_e = (n_e H_e + p H_all) / (n_e + p) (streamed GPTQ; 0: off)
-    # c: each expert's H + c * (in width / fit tokens) * mean(diag H) * I on top of dampening, an
-    # isotropic prior that grows as calibration thins (quantkit.quant.experts.expert_dampening; 0: off)
-    width_prior: float = Field(0.0, ge=0)
-    static_groups: bool = True  # group scales from the original W (llm-compressor); false: from the updated W
-    # each routed token's Hessian weight (streamed GPTQ): none; gate = its router weight (MoEQuant);
-    # gate2 = the weight squared (the expert's share of the layer output error), normalized per expert
-    hessian_weighting: Literal["none", "gate", "gate2"] = "none"
-    # which calibration tokens the guard judges on, never fitted (streamed GPTQ): every 8th of each
-    # expert's routed tokens ("position"), or every token of every 8th calibration window ("window")
-    holdout: Literal["position", "window"] = "position"
-
-
-class AWQSettings(_Section):  # method: awq (quantkit.quant.awq)
-    grid: int = Field(20, ge=1)
-    duo_scaling: bool = True
-
-
-class RTNClipSettings(_Section):  # method: rtn-clip (quantkit.quant.gptq.quantize_rtn_clip)
-    grid: int = Field(100, ge=1)  # candidate clip ratios 1, 1 - 1/grid, ...
-    max_shrink: float = Field(0.2, gt=0, lt=1)  # ... down to (not below) 1 - max_shrink
-    # the group error minimised: sum |w - q|^norm. 3 rather than 2: on the tiny GLM's experts (g128) it
-    # lowers the expert-output error vs RTN by 24% (59 of 64 experts), 2 by 0.5% (docs/recipes.md)
-    norm: float = Field(3.0, gt=0)
-
-
 class PrefillSettings(_Section):
     fp8_block: Literal[128] = 128  # the DeepSeek-native [128, 128] block format both engines load
     keep_bf16: list[str] = []
@@ -204,17 +169,12 @@ class ValidateSettings(_Section):
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message='Field name "validate"', category=UserWarning)
 
-    class Recipe(_Section):
+    class _RecipeBase(_Section):
         name: str = Field(min_length=1)
         method: str = "gptq"  # a registered method (quantkit.quant.methods.METHODS)
         group_size: Literal[32, 64, 128] = 128  # Marlin MoE kernels accept these
         calibration: Calibration = Field(default_factory=Calibration)
-        gptq: GPTQSettings = Field(default_factory=GPTQSettings)
-        awq: AWQSettings = Field(default_factory=AWQSettings)
-        rtn_clip: RTNClipSettings = Field(default_factory=RTNClipSettings)
-        prefill: PrefillSettings = Field(default_factory=PrefillSettings)
-        decode: DecodeSettings = Field(default_factory=DecodeSettings)
-        validate: ValidateSettings = Field(default_factory=ValidateSettings)
+
         @field_validator("method")
         @classmethod
         def _registered(cls, name: str) -> str:
@@ -230,12 +190,8 @@ with warnings.catch_warnings():
                 free = " or ".join(n for n, m in METHODS.items() if not m.calibrated)
                 problems.append(f"calibration.dataset: method {self.method} needs calibration data; "
                                 f"add a spec such as synthetic:train or hf:org/name@split, or use method: {free}")
-            if self.gptq.block_size % self.group_size:
-                problems.append(f"gptq.block_size: {self.gptq.block_size} must be a multiple of "
-                                f"group_size {self.group_size}")
-            if not self.gptq.static_groups and self.gptq.actorder:
-                problems.append("gptq.static_groups: false needs gptq.actorder: false (a group's scale is set "
-                                "when its first column is reached, in the original column order)")
+            for m in METHODS.values():  # each method checks its own section against the rest
+                problems += m.recipe_problems(self)
             val = _same_data(self.validate.dataset)
             if val is not None and val in {_same_data(spec) for spec, _ in sources}:
                 problems.append(f"validate.dataset: {self.validate.dataset} is the calibration data; evaluate on held-out "
@@ -247,6 +203,15 @@ with warnings.catch_warnings():
         def to_dict(self) -> dict[str, Any]:
             """Plain dict with YAML field names (for reports and round trips)."""
             return self.model_dump()
+
+    # The methods' sections come from the registry (each method declares its own, quantkit.quant.methods):
+    # a new method adds its section without touching this file. Field order is the YAML's.
+    _sections = {m.section: m.settings for m in METHODS.values() if m.settings is not None}
+    Recipe = create_model("Recipe", __base__=_RecipeBase, **{k: (v, Field(default_factory=v)) for k, v in _sections.items()},
+                          prefill=(PrefillSettings, Field(default_factory=PrefillSettings)),
+                          decode=(DecodeSettings, Field(default_factory=DecodeSettings)),
+                          validate=(ValidateSettings, Field(default_factory=ValidateSettings)))
+    Recipe.__doc__ = "A validated recipe: the sections above, each method's own (quantkit.quant.methods), and the phases'."
 
 
 def _same_data(spec: str | None) -> str | None:

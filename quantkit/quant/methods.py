@@ -8,17 +8,20 @@ and its cost terms for the planner (quantkit.conversion.cost). Every caller asks
 a name not in METHODS is refused with the registered ones, so a new name can never run another
 method's maths.
 
-Adding a method: its class here and its entry in METHODS, its pure tensor function beside the
-others (if it needs a new one), its recipe section in quantkit/recipe.py (if it has settings),
-tests and docs. `RTNClip` is the worked example.
+Adding a method: its class here, with its recipe section's `Settings` (quantkit.recipe adds the
+section to every recipe from the registry) and its entry in METHODS, and its pure tensor function
+beside the others (if it needs a new one), plus tests and docs. `RTNClip` is the worked example.
 
-Nothing here imports torch at load: quantkit.recipe validates method names with this module.
+Nothing here imports torch at load: quantkit.recipe validates recipes with this module, and the CLI
+lists the methods in its help.
 """
 
 from __future__ import annotations
 
 from enum import Enum
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from quantkit.errors import ConfigError
 
@@ -28,7 +31,15 @@ if TYPE_CHECKING:
     from quantkit.quant.experts import ExpertRecord
     from quantkit.quant.gptq import QuantizedWeight
 
-__all__ = ["Inputs", "Method", "METHODS", "method_for", "unknown_method", "quantize_experts"]
+__all__ = ["Inputs", "Method", "METHODS", "Settings", "method_for", "unknown_method", "quantize_experts"]
+
+
+class Settings(BaseModel):
+    """A recipe section (quantkit.recipe builds every section on this, a method's own included): strict,
+    since YAML already gives typed values ("128" or 1.5 for an int is a mistake, not a coercion), and
+    an unknown field is an error rather than a silently ignored setting."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
 
 
 class Inputs(Enum):
@@ -48,7 +59,8 @@ class Method:
     display: ClassVar[str]  # how tables and cards write it
     help: ClassVar[str]  # a few words for --method's help
     inputs: ClassVar[Inputs]
-    section: ClassVar[str | None] = None  # its recipe section (quantkit.recipe.Recipe field), if it has settings
+    section: ClassVar[str | None] = None  # its recipe section (a quantkit.recipe.Recipe field), if it has settings
+    settings: ClassVar[type[Settings] | None] = None  # that section's fields; quantkit.recipe adds it to Recipe
     # planner (quantkit.conversion.cost): a calibrated method's quantizing phase as a multiple of GPTQ's,
     # and what the plan's notes say about it; a data-free one's work per weight entry, in FLOPs
     time_factor: ClassVar[float] = 1.0
@@ -80,10 +92,36 @@ class Method:
         """The model card's line on this method's settings (recipe: as in convert-report.json)."""
         return None
 
+    def recipe_problems(self, recipe) -> list[str]:
+        """What is wrong between its section and the rest of a recipe (quantkit.recipe.Recipe), one line
+        each, whichever method the recipe runs: checked when every recipe loads."""
+        return []
+
+
+class GPTQSettings(Settings):
+    dampening: float = Field(0.01, gt=0, lt=1)  # fraction of mean(diag H) added to the diagonal
+    block_size: int = Field(128, ge=1)  # columns per lazy batch update; a multiple of group_size
+    actorder: bool = False  # static activation order (group of a column unchanged: same format)
+    min_tokens: int = Field(32, ge=0)  # experts routed fewer tokens take `fallback`
+    fallback: Literal["all_tokens", "rtn"] = "all_tokens"
+    # GPTQ's static group scales: min-max; a clip search (mse); or the clip search weighted by the damped diag(H) (hessian)
+    observer: Literal["minmax", "mse", "hessian"] = "minmax"
+    prior_tokens: int = Field(0, ge=0)  # p: H_e = (n_e H_e + p H_all) / (n_e + p) (streamed GPTQ; 0: off)
+    # c: each expert's H + c * (in width / fit tokens) * mean(diag H) * I on top of dampening, an
+    # isotropic prior that grows as calibration thins (quantkit.quant.experts.expert_dampening; 0: off)
+    width_prior: float = Field(0.0, ge=0)
+    static_groups: bool = True  # group scales from the original W (llm-compressor); false: from the updated W
+    # each routed token's Hessian weight (streamed GPTQ): none; gate = its router weight (MoEQuant);
+    # gate2 = the weight squared (the expert's share of the layer output error), normalized per expert
+    hessian_weighting: Literal["none", "gate", "gate2"] = "none"
+    # which calibration tokens the guard judges on, never fitted (streamed GPTQ): every 8th of each
+    # expert's routed tokens ("position"), or every token of every 8th calibration window ("window")
+    holdout: Literal["position", "window"] = "position"
+
 
 class GPTQ(Method):
     name, display, help = "gptq", "GPTQ", "calibrated: per-expert Hessians, streamed"
-    inputs, section = Inputs.HESSIANS, "gptq"
+    inputs, section, settings = Inputs.HESSIANS, "gptq", GPTQSettings
 
     def quantize(self, w, experts, recipe, group_size, layer, *, x=None, tokens=None, alternatives=None):
         from quantkit.quant.moe import quantize_experts_gptq
@@ -98,10 +136,24 @@ class GPTQ(Method):
                 + (f"; thin-calibration prior {g['width_prior']:g} x input width / fit tokens added to each expert's "
                    f"dampening" if g.get("width_prior") else ""))
 
+    def recipe_problems(self, recipe) -> list[str]:
+        g, out = recipe.gptq, []
+        if g.block_size % recipe.group_size:
+            out.append(f"gptq.block_size: {g.block_size} must be a multiple of group_size {recipe.group_size}")
+        if not g.static_groups and g.actorder:
+            out.append("gptq.static_groups: false needs gptq.actorder: false (a group's scale is set "
+                       "when its first column is reached, in the original column order)")
+        return out
+
+
+class AWQSettings(Settings):  # method: awq (quantkit.quant.awq)
+    grid: int = Field(20, ge=1)
+    duo_scaling: bool = True
+
 
 class AWQ(Method):
     name, display, help = "awq", "AWQ", "calibrated: activation-aware smoothing, then GPTQ"
-    inputs, section = Inputs.LAYER, "awq"
+    inputs, section, settings = Inputs.LAYER, "awq", AWQSettings  # and GPTQ's section for its second step
     time_factor = 1.3  # the scale search on top of GPTQ (measured ~1.3x GPTQ on the tiny models)
     cost_note = ("awq: the search gathers the layer's MoE inputs and each expert's routed rows (budgeted); "
                  "time as GPTQ x 1.3")
@@ -129,9 +181,17 @@ class RTN(Method):
                 [ExpertRecord(layer, e, len(tokens[e]) if tokens is not None else 0, self.name) for e in experts])
 
 
+class RTNClipSettings(Settings):  # method: rtn-clip (quantkit.quant.gptq.quantize_rtn_clip)
+    grid: int = Field(100, ge=1)  # candidate clip ratios 1, 1 - 1/grid, ...
+    max_shrink: float = Field(0.2, gt=0, lt=1)  # ... down to (not below) 1 - max_shrink
+    # the group error minimised: sum |w - q|^norm. 3 rather than 2: on the tiny GLM's experts (g128) it
+    # lowers the expert-output error vs RTN by 24% (59 of 64 experts), 2 by 0.5% (docs/recipes.md)
+    norm: float = Field(3.0, gt=0)
+
+
 class RTNClip(Method):
     name, display, help = "rtn-clip", "RTN-clip", "data-free: round to nearest, group scales by a clip search"
-    inputs, section = Inputs.NONE, "rtn_clip"
+    inputs, section, settings = Inputs.NONE, "rtn_clip", RTNClipSettings
     flops_per_weight = 20.0 * 20  # RTN's work for each of the search's candidate ranges (grid x max_shrink)
 
     def quantize(self, w, experts, recipe, group_size, layer, *, x=None, tokens=None, alternatives=None):

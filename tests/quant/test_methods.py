@@ -97,7 +97,25 @@ def test_architecture_doc_names_the_files_a_new_method_touches():
     """docs/architecture.md's recipe for a new method is the one this registry follows."""
     doc = (ROOT / "docs" / "architecture.md").read_text()
     part = doc.split("**A new quantization method**", 1)[1].split("\n- **", 1)[0]
-    for needed in ("quant/methods.py", "METHODS", "recipe.py", "tests/", "docs/"):
+    for needed in ("quant/methods.py", "METHODS", "Settings", "tests/", "docs/"):
         assert needed in part, needed
     for not_needed in ("quant/moe.py", "conversion/", "validation/", "cli.py"):  # they ask the registry
         assert not_needed not in part, not_needed
+
+
+def test_a_methods_recipe_section_is_declared_by_the_method():
+    """Recipe's method sections are the registry's (each method's `settings`), and recipe.py names none of
+    them: adding a method does not touch it."""
+    sections = {m.section: m.settings for m in METHODS.values() if m.settings is not None}
+    assert sections and all(m.section in sections for m in METHODS.values() if m.section)
+    for section, settings in sections.items():
+        assert Recipe.model_fields[section].annotation is settings
+    text = (ROOT / "quantkit" / "recipe.py").read_text()
+    for section, settings in sections.items():  # no field, class or attribute of a method's section
+        assert not re.search(rf"\.{section}\b|^\s*{section}\s*:|{settings.__name__}", text, re.M), section
+    # and a method's own checks reach every recipe (GPTQ's: block_size against group_size)
+    with pytest.raises(ConfigError, match="gptq.block_size: 96 must be a multiple of group_size 64"):
+        from quantkit.recipe import _validate
+
+        _validate({"name": "x", "group_size": 64, "calibration": {"dataset": "synthetic:train"},
+                   "gptq": {"block_size": 96}}, "x.yaml")
