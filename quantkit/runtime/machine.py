@@ -38,10 +38,11 @@ def return_freed_memory() -> bool:
     that threshold (up to 32 MiB) each time such a block is freed, so after a few micro-batches the
     tensors below 32 MiB come from the heap, whose freed pages stay in our RSS. On the random
     DeepSeek-V3-layout benchmark (docs/benchmarks.md, issue 30) that slack was 140 MB of an 844 MB
-    peak; fixing the threshold (which also stops glibc adjusting it) gave 706 MB at the same wall
-    time. Called once at process start by the `quantkit` command; arithmetic and output bytes do
-    not change (torch aligns every buffer to 64 bytes either way). A no-op off glibc, or when the
-    user set MALLOC_MMAP_THRESHOLD_ themselves."""
+    peak; fixing the threshold (which also stops glibc adjusting it) gave 706 MB, at the cost of
+    page faults on every fresh mapping (system time 7 -> 24 s of that ~90 s-CPU run). Called once at
+    process start by the `quantkit` command; arithmetic and output bytes do not change (torch aligns
+    every buffer to 64 bytes either way). A no-op off glibc, or when the user set
+    MALLOC_MMAP_THRESHOLD_ themselves (the way to opt out: e.g. 33554432, glibc's own ceiling)."""
     if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
     import ctypes
