@@ -338,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="dtype of the dequantized copy llm-compressor loads (float32: exactly the source's values)")
     ap.add_argument("--no-llmc-routed", action="store_true",
                     help="skip the llm-compressor run with moe_calibrate_all_experts=False (experts see only routed tokens)")
+    ap.add_argument("--methods", default="gptq,awq,rtn",
+                    help="quantkit methods to run (gptq always; e.g. --methods gptq for the GPTQ-vs-llm-compressor "
+                         "ratios alone, which is what the memory and wall targets are)")
     ap.add_argument("--no-scaled-calib", action="store_true",
                     help="skip the quantkit GPTQ run with num_samples x (experts / experts-per-token)")
     ap.add_argument("--depth", default="4,16", help="layer counts for the memory-vs-depth runs")
@@ -404,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # 1-2. quantkit, same calibration; 3. llm-compressor on a dequantized copy of the same weights
     scale = arch.n_routed_experts // arch.num_experts_per_tok
-    runs = [("qk-gptq", "gptq", args.num_samples), ("qk-awq", "awq", args.num_samples), ("qk-rtn", "rtn", args.num_samples)]
+    methods = ["gptq"] + [m for m in args.methods.split(",") if m in ("awq", "rtn")]
+    runs = [(f"qk-{m}", m, args.num_samples) for m in methods]
     if not args.no_scaled_calib:
         runs.append(("qk-gptq-scaled", "gptq", args.num_samples * scale))
     for key, method, n in runs:
@@ -450,8 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     G = args.group_size
     res["labels"] = {
         "qk-gptq": f"quantkit GPTQ g{G} (decode)",
-        "qk-rtn": f"quantkit RTN g{G} (decode)",
-        "qk-awq": f"quantkit AWQ+GPTQ g{G} (decode)",
+        **({"qk-rtn": f"quantkit RTN g{G} (decode)"} if "qk-rtn" in qk_keys else {}),
+        **({"qk-awq": f"quantkit AWQ+GPTQ g{G} (decode)"} if "qk-awq" in qk_keys else {}),
         **({"qk-gptq-scaled": f"quantkit GPTQ g{G}, {scale}x calib samples"} if "qk-gptq-scaled" in qk_keys else {}),
         "llmc": f"llm-compressor GPTQ g{G} (all-experts calib)",
         **({"llmc-routed": f"llm-compressor GPTQ g{G} (routed-only calib)"} if "llmc-routed" in variants else {}),
@@ -471,9 +475,10 @@ def main(argv: list[str] | None = None) -> int:
         "KL vs source": _ratio(qs["qk-gptq"]["kl"] / qs["llmc"]["kl"], TARGETS["kl"]),
         "KL experts-only": _ratio(qe["qk-gptq"]["kl"] / qe["llmc"]["kl"], TARGETS["kl"]) | paired(qe["qk-gptq"], qe["llmc"]),
     }
-    res["ratios"]["KL experts-only, quantkit AWQ"] = (
-        _ratio(qe["qk-awq"]["kl"] / qe["llmc"]["kl"], TARGETS["kl"]) | paired(qe["qk-awq"], qe["llmc"]))
-    res["ratios"]["wall time, quantkit AWQ"] = _ratio(res["runs"]["qk-awq"]["wall_s"] / lc["wall_s"], TARGETS["wall"])
+    if "qk-awq" in qk_keys:
+        res["ratios"]["KL experts-only, quantkit AWQ"] = (
+            _ratio(qe["qk-awq"]["kl"] / qe["llmc"]["kl"], TARGETS["kl"]) | paired(qe["qk-awq"], qe["llmc"]))
+        res["ratios"]["wall time, quantkit AWQ"] = _ratio(res["runs"]["qk-awq"]["wall_s"] / lc["wall_s"], TARGETS["wall"])
     if "llmc-routed" in variants:
         res["ratios"]["KL experts-only vs llm-compressor routed-only"] = (
             _ratio(qe["qk-gptq"]["kl"] / qe["llmc-routed"]["kl"]) | paired(qe["qk-gptq"], qe["llmc-routed"]))

@@ -39,7 +39,7 @@ pages host memory (plus the store when it lives in pinned host memory).
 
 Settings, within the room the budget leaves after routing, the ranks' `received` (below) and, on
 the CPU, base and writer: B halves from N while one micro-batch's attention or expert rows take
-over 15% of it; the store is the first of float32 in memory, bfloat16 in memory, bfloat16 on disk
+over 15% of it (on the CPU also while they take over MICRO_BATCH_CPU_BYTES); the store is the first of float32 in memory, bfloat16 in memory, bfloat16 on disk
 (on a GPU, one over half the room goes to pinned host memory if it takes under 70% of the host
 budget less base and writer) that leaves room for min(4, E) experts per chunk, else the first that
 leaves one; C is as many experts as that room holds, at most CHUNK_MAX (CHUNK_MAX_GPU on a GPU);
@@ -118,6 +118,13 @@ STATE_OVERHEAD = 0.05
 # On a GPU, GPTQ's column loop is launch-bound (LAUNCHES_PER_COLUMN small kernels per column,
 # whatever the batch), so a larger batch of experts per call costs launches once for all of them.
 CHUNK_MAX_GPU = 64
+# On the CPU a micro-batch's work (attention activations and scores, or the experts' gathered rows)
+# is capped at this many bytes whatever the budget: its FLOPs per token do not depend on the batch
+# beyond a few thousand rows, and every byte of it is peak RSS (the random DeepSeek-V3-layout
+# benchmark, 64 x 256 tokens at hidden 1024: one 64-sample micro-batch's attention took the peak
+# to 975 MB, eight samples at a time 8x less of it; docs/benchmarks.md, issue 30). The tiny
+# recipes' 64 x 64 windows (66 MB) stay one micro-batch.
+MICRO_BATCH_CPU_BYTES = 128 * 2**20
 
 
 @dataclass
@@ -335,9 +342,15 @@ def _store_options(activation_dtype: str | None) -> list[tuple[torch.dtype, str]
 
 def _micro_batch(m: _Memory, N: int) -> int:
     """Samples per micro-batch: N, halved while one micro-batch's attention or expert rows take more
-    than 15% of the room."""
+    than 15% of the room (on the CPU, more than MICRO_BATCH_CPU_BYTES)."""
+    def over(B: int) -> bool:
+        att, rows = _attention_bytes(m.x, B, m.T), _expert_mb_bytes(m.x, B, m.T)
+        if max(att, rows) > 0.15 * m.room:
+            return True  # the cap counts what grows with B (not the all-token H)
+        return not m.on_gpu and max(att, rows - _expert_mb_bytes(m.x, 0, m.T)) > MICRO_BATCH_CPU_BYTES
+
     B = max(N, 1)
-    while B > 1 and max(_attention_bytes(m.x, B, m.T), _expert_mb_bytes(m.x, B, m.T)) > 0.15 * m.room:
+    while B > 1 and over(B):
         B = (B + 1) // 2
     return B
 

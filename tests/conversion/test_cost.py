@@ -56,6 +56,28 @@ def test_more_tokens_under_a_binding_budget_keep_the_peak():
     assert big.peak_host <= 12 * GB
 
 
+def test_cpu_micro_batch_work_is_capped_whatever_the_budget():
+    """On the CPU a micro-batch's attention work stays under MICRO_BATCH_CPU_BYTES however roomy the
+    budget (issue 30: a 64-sample micro-batch took the random DeepSeek-V3-layout benchmark's peak to
+    975 MB); on a GPU the budget alone decides. The tiny recipes' 64 x 64 windows stay one
+    micro-batch, so their output bytes do not change."""
+    from quantkit.conversion.cost import MICRO_BATCH_CPU_BYTES, _attention_bytes
+    from quantkit.planner.budgets import layer_shapes
+    from quantkit.synthetic.tiny import tiny_config
+
+    x = layer_shapes(arch_from_config(load_preset("glm-5.2")))
+    cpu = _glm(num_samples=64, seq_len=64, max_host_memory="400GB")
+    B = cpu.store.micro_batch
+    assert _attention_bytes(x, B, 64) <= MICRO_BATCH_CPU_BYTES < _attention_bytes(x, 2 * B, 64)
+    gpu = _glm(num_samples=64, seq_len=64, device="cuda", max_gpu_memory="141GB", max_host_memory="400GB")
+    assert gpu.store.micro_batch > B
+    for name in ("glm-5.2", "kimi-k2.6"):
+        tiny = plan_convert(arch_from_config(tiny_config(name)), method="gptq", group_size=128, num_samples=64,
+                            seq_len=64, calibrate=True, max_host_memory="400GB", source_bytes=10**7,
+                            output_bytes=(10**7, 10**7))
+        assert tiny.store.micro_batch == 64, name
+
+
 def test_refuses_and_names_the_knob():
     c = _glm(max_host_memory="4GB")
     assert not c.fits and "--max-host-memory" in c.reason and "raise" in c.reason
