@@ -78,9 +78,6 @@ def _version(value: bool) -> None:
 def _main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
                                                help="Print quantkit's version and exit.")] = False) -> None:
     """Quantize trillion-parameter MoE checkpoints (Kimi K2.6, GLM 5.2) into a matched FP8-prefill / INT4-decode pair."""
-    from quantkit.runtime.machine import return_freed_memory
-
-    return_freed_memory()  # process setup: freed tensors leave our RSS (quantkit.runtime.machine)
 
 
 def user_errors(fn):
