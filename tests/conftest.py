@@ -50,6 +50,19 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: (item.path not in first, item.path not in slow_files))
 
 
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any attempt to open a connection fails the test (files that read only local data use it for every
+    test: `pytestmark = pytest.mark.usefixtures("no_network")`)."""
+    import socket
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("test tried to reach the network")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
 @pytest.fixture(scope="session")
 def tiny_kimi() -> Path:
     return tiny_path("kimi-k2.6")

@@ -4,7 +4,6 @@ one `--calib` spec, interleaved in a fixed order, with per-source counts; no net
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -16,14 +15,7 @@ from quantkit.inputs.mix import MixSourceError, interleave_order, load_mix
 from quantkit.inputs.tokens import load_tokens
 from quantkit.synthetic import tiny
 
-
-@pytest.fixture(autouse=True)
-def no_network(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("test tried to reach the network")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket, "create_connection", refuse)
+pytestmark = pytest.mark.usefixtures("no_network")  # tests/conftest.py
 
 
 def chat_and_text(tmp_path: Path) -> tuple[Path, Path]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -20,14 +19,7 @@ from quantkit.synthetic import tiny
 BOS, EOS = 1, 2
 
 
-@pytest.fixture(autouse=True)
-def no_network(monkeypatch):
-    """Any attempt to open a connection fails the test."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("test tried to reach the network")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket, "create_connection", refuse)
+pytestmark = pytest.mark.usefixtures("no_network")  # tests/conftest.py
 
 
 def docs(n: int, seed: int = 0) -> list[str]:

@@ -214,6 +214,21 @@ class Loopback:
         self.httpd.server_close()
 
 
+class JSONHandler(BaseHTTPRequestHandler):
+    """A quiet request handler that answers JSON (the loopback servers' base)."""
+
+    def log_message(self, *a):
+        pass
+
+    def _send(self, code: int, d: dict):
+        b = json.dumps(d).encode()
+        self.send_response(code)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(b)))
+        self.end_headers()
+        self.wfile.write(b)
+
+
 class LogprobServer(Loopback):
     """OpenAI-format /v1/completions and /v1/chat/completions with top_logprobs, greedy, from a transformers model."""
 
@@ -223,18 +238,7 @@ class LogprobServer(Loopback):
         self.lock = threading.Lock()
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def _send(self, code: int, d: dict):
-                b = json.dumps(d).encode()
-                self.send_response(code)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(b)))
-                self.end_headers()
-                self.wfile.write(b)
-
+        class Handler(JSONHandler):
             def do_GET(self):
                 self._send(200, {"object": "list", "data": [{"id": outer.name, "object": "model"}]})
 

@@ -6,9 +6,10 @@ in the text) as one line and a non-zero exit."""
 from __future__ import annotations
 
 import json
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
+from test_probe import JSONHandler, Loopback
 
 from quantkit.conversion.pipeline import convert
 from quantkit.probe.client import ProbeError
@@ -32,7 +33,7 @@ def pair(tmp_path_factory, tiny_glm):
     return res.out, root / "prompts.json", root / "tools.json"
 
 
-class ToolServer:
+class ToolServer(Loopback):
     """/v1/models and /v1/chat/completions; a request with `tools=` is answered as `mode` says: "calls" (a
     valid call to `add` on the add prompt, a schema-breaking call to `count` on the count prompt, text
     elsewhere), "refuse" (400), "ignore" (text, prompt_tokens of the template without the tools) or
@@ -44,18 +45,7 @@ class ToolServer:
         tok, outer = AutoTokenizer.from_pretrained(str(tokenizer_dir)), self
         self.requests: list[dict] = []
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def _send(self, code: int, d: dict):
-                b = json.dumps(d).encode()
-                self.send_response(code)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(b)))
-                self.end_headers()
-                self.wfile.write(b)
-
+        class Handler(JSONHandler):
             def do_GET(self):
                 self._send(200, {"object": "list", "data": [{"id": "tiny", "object": "model"}]})
 
@@ -84,16 +74,6 @@ class ToolServer:
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-
-    def __enter__(self):
-        import threading
-
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 def test_endpoint_tool_calls_scored_against_the_source(pair):
