@@ -52,6 +52,7 @@ import bench_convert as bc  # noqa: E402  (scripts/ is not a package)
 EVAL_SEED = 2000  # corpus seeds >= 1000 are never seen by the tiny models' training or calibration
 REVERSED_SEED = 3000
 RANDOM_IDS_SEED = 4000
+OTHER_TEXT_SEED = 5000
 MIX_REVERSED_SEED = 500  # --mix-reversed's second source: train-side corpus seeds, above what synthetic:train reaches here
 
 
@@ -180,15 +181,38 @@ def class_source(name: str) -> Path:
 
 
 def eval_sets(n: int, seq: int, vocab: int, corpus: str = "synthetic") -> dict:
-    """Held-out windows: the calibration's language from other documents, and two other kinds."""
+    """Held-out windows: the calibration's language from other documents, and three other kinds:
+    other text (the other corpus: the Markov language for a class calibrated on the synthetic
+    corpus, the synthetic corpus for the Markov class; a language with its own grammar and its own
+    token frequencies, the way code or a second language differs from chat), the calibration's
+    language reversed, and uniform random ids."""
     import torch
 
     from quantkit.synthetic.tiny import batches
 
-    make = batches if corpus == "synthetic" else markov_windows
+    make, other = (batches, markov_windows) if corpus == "synthetic" else (markov_windows, batches)
     rev = make(n // 2, seq, REVERSED_SEED).flip(-1)
     rand = torch.randint(0, vocab, (n // 2, seq), generator=torch.Generator().manual_seed(RANDOM_IDS_SEED))
-    return {"in-dist": make(n, seq, EVAL_SEED), "reversed": rev, "random-ids": rand}
+    txt = other(n // 2, seq, OTHER_TEXT_SEED)
+    if int(txt.max()) >= vocab:
+        raise RuntimeError(f"other-text ids reach {int(txt.max())}, beyond the class's vocabulary of {vocab}")
+    return {"in-dist": make(n, seq, EVAL_SEED), "other-text": txt, "reversed": rev, "random-ids": rand}
+
+
+SHIPPED_GPTQ = ("dampening", "actorder", "observer", "static_groups", "hessian_weighting", "holdout", "min_tokens",
+                "fallback", "width_prior", "prior_tokens")
+
+
+def shipped_fields(recipe: str) -> dict:
+    """--shipped: the named real recipe's gptq section as variant_recipe fields (dotted name -> YAML
+    text), so the GPTQ and AWQ rows run the settings a user of that recipe gets, on the class's own
+    group size and calibration."""
+    import json
+
+    from quantkit.recipe import load_recipe
+
+    g = load_recipe(recipe).gptq
+    return {f"gptq.{k}": json.dumps(getattr(g, k)) for k in SHIPPED_GPTQ}
 
 
 # ---- runs --------------------------------------------------------------------------------------------
@@ -298,6 +322,10 @@ def run_class(name: str, args, work: Path, env: dict, say) -> dict:
     runs: dict = {}
     plan = [(k, m, base) for k, m in (("RTN", "rtn"), ("GPTQ", "gptq"), ("AWQ", "awq"), ("RTN-clip", "rtn-clip"))
             if k == "RTN" or k in args.base.split(",")]
+    if args.shipped:  # the calibrated rows with a shipped real recipe's settings
+        fields = shipped_fields(args.shipped)
+        plan = [(k, m, variant_recipe(base, fields, wd / f"{k}-{args.shipped}.yaml") if m in ("gptq", "awq") else r)
+                for k, m, r in plan]
     for spec in args.variant:
         vname, _, fields = spec.partition(":")
         kv = dict(f.split("=", 1) for f in fields.split(",") if f)
@@ -325,14 +353,15 @@ def run_class(name: str, args, work: Path, env: dict, say) -> dict:
         if old is None or old.get("llmc_actorder") != ("static" if rec.gptq.actorder or args.llmc_actorder == "static"
                                                         else "none"):
             raise RuntimeError(f"{name}: no llm-compressor run with this act-order in {args.llmc_from}")
-        for key in ("llmc", "llmc-routed"):
+        for key in [k for k in ("llmc", "llmc-routed") if k in old["rows"] and k in args.llmc_rows.split(",")]:
             reused[key] = args.llmc_from / name / key
             runs[key] = {k: old["rows"][key][k] for k in ("wall_s", "cpu_s", "peak_rss_bytes")}
         if not torch.equal(torch.load(args.llmc_from / name / "calib-ids.pt"), tokens.ids):
             raise RuntimeError(f"{name}: {args.llmc_from}'s llm-compressor runs used other calibration ids")
     elif not args.no_llmc:
         torch.save(tokens.ids, wd / "calib-ids.pt")
-        for key, all_experts in (("llmc", True), ("llmc-routed", False)):
+        for key, all_experts in [(k, a) for k, a in (("llmc", True), ("llmc-routed", False))
+                                 if k in args.llmc_rows.split(",")]:
             say(f"{name}: llm-compressor {key} ...")
             spec = {"model": str(ref), "out": str(wd / key), "ids": str(wd / "calib-ids.pt"), "group_size": G,
                     "block_size": rec.gptq.block_size, "dampening": rec.gptq.dampening,
@@ -364,6 +393,7 @@ def run_class(name: str, args, work: Path, env: dict, say) -> dict:
     return {"class": name, "source": str(src), "model_type": arch.model_type, "group_size": G,
             "llmc_actorder": "static" if rec.gptq.actorder or args.llmc_actorder == "static" else "none",
             "calibration": f"{'synthetic:train' if corpus == 'synthetic' else 'markov'} {calib[0]}x{calib[1]}",
+            "settings": f"GPTQ/AWQ with {args.shipped}'s gptq settings" if args.shipped else f"{base}'s settings",
             "eval": {s: list(ids.shape) for s, ids in sets.items()}, "rows": table}
 
 
@@ -486,11 +516,35 @@ def run_realshape(name: str, args, work: Path, env: dict, say) -> dict:
 
 
 # ---- table -------------------------------------------------------------------------------------------
+def _z(p: dict) -> float:
+    return p["mean"] / p["se"] if p["se"] and p["se"] != float("inf") else 0.0
+
+
 def _d(p: dict | None) -> str:
     if not p:
         return ""
-    z = p["mean"] / p["se"] if p["se"] and p["se"] != float("inf") else 0.0
+    z = _z(p)
     return f"{p['mean']:+.2e}±{p['se']:.1e} ({z:+.1f})"
+
+
+def acceptance(rows: dict, sets: list[str]) -> list[str]:
+    """Issue 30's bar for each calibrated row (GPTQ, AWQ): no worse than RTN beyond 1 SE on every
+    input set (z <= +1), better than RTN by 2 SE in distribution (z <= -2), and within 1 SE of
+    llm-compressor's default in distribution (z <= +1; lower is better)."""
+    out = []
+    for k in ("GPTQ", "AWQ"):
+        if k not in rows:
+            continue
+        r = rows[k]
+        z = {s: _z(r[s]["vs_rtn"]) for s in sets}
+        worst = max(sets, key=lambda s: z[s])
+        parts = [f"in-dist vs RTN {z[sets[0]]:+.1f} ({'met' if z[sets[0]] <= -2 else 'NOT met'})",
+                 f"worst set vs RTN {worst} {z[worst]:+.1f} ({'met' if z[worst] <= 1 else 'NOT met'})"]
+        if "vs_llmc" in r[sets[0]]:
+            zl = _z(r[sets[0]]["vs_llmc"])
+            parts.append(f"vs llmc {zl:+.1f} ({'met' if zl <= 1 else 'NOT met'})")
+        out.append(f"acceptance {k}: " + ", ".join(parts))
+    return out
 
 
 def render(res: dict) -> str:
@@ -498,7 +552,8 @@ def render(res: dict) -> str:
     sets = list(res["eval"])
     lines = [f"class {res['class']} ({res['model_type']}); calibration {res['calibration']}; INT4 g{res['group_size']}; "
              f"held-out " + ", ".join(f"{s} {'x'.join(map(str, v))}" for s, v in res["eval"].items())
-             + (f"; llmc actorder {res['llmc_actorder']}" if "llmc" in rows else "")]
+             + (f"; llmc actorder {res['llmc_actorder']}" if "llmc" in rows else "")
+             + (f"; {res['settings']}" if "settings" in res else "")]
     hdr = f"{'run':<{max(12, *(len(k) for k in rows))}} {'wall s':>6} {'RSS MB':>6}  {'KL in-dist':>10} {'vs RTN (z)':>24} {'vs llmc (z)':>24}"
     hdr += "".join(f"  {'KL ' + s:>14} {'vs RTN (z)':>24}" for s in sets[1:]) + "  guard: better/judged, stored"
     lines += [hdr, "-" * len(hdr)]
@@ -518,7 +573,8 @@ def render(res: dict) -> str:
         if "vs_unmixed" in r[sets[0]]:
             lines.append(f"{k} - {k[: -len(' mix')]} (paired, z): " + ", ".join(
                 f"{s} {_d(r[s]['vs_unmixed'])}" for s in sets))
-    if "llmc" in rows:
+    lines += acceptance(rows, sets)
+    if "llmc" in rows and "GPTQ" in rows:
         lines.append(f"wall GPTQ / llmc {rows['GPTQ']['wall_s'] / rows['llmc']['wall_s']:.2f} (target <= 0.5)")
     return "\n".join(lines)
 
@@ -547,6 +603,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="llm-compressor's activation order: static (default), GPTQModifier's own default when "
                          "actorder is not passed, so the llmc rows are llm-compressor's default GPTQ; or the "
                          "recipe's gptq.actorder (false in every recipe: the like-for-like quantizer)")
+    ap.add_argument("--shipped", default=None, metavar="RECIPE",
+                    help="the GPTQ and AWQ rows take this real recipe's gptq settings (e.g. glm-5.2: act-order, "
+                         "dampening 0.1, Hessian observer) instead of the tiny recipe's")
+    ap.add_argument("--llmc-rows", default="llmc,llmc-routed",
+                    help="llm-compressor runs: llmc (its default, every expert calibrated on every token), "
+                         "llmc-routed (routed tokens only), comma-separated")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=None, help="work folder, kept (results.json, logs)")
     ap.add_argument("--resume", action="store_true",

@@ -40,6 +40,7 @@ from quantkit.model.ops import rms_norm
 from quantkit.model.reference import attention
 from quantkit.quant.experts import HOLDOUT, is_heldout, is_heldout_window, run_gptq, starved
 from quantkit.quant.gptq import QuantizedWeight
+from quantkit.runtime.machine import return_freed_memory
 
 if TYPE_CHECKING:  # annotations only, as in conversion/stages.py
     from quantkit.recipe import Recipe
@@ -399,6 +400,7 @@ def convert_experts(ckpt, pair, decisions, layer: int, store: ActivationStore | 
             del weights
         else:
             del ew, quantized
+        return_freed_memory()  # this chunk's Hessians, weights and outputs, before the next chunk's
     return sorted(records, key=lambda r: r.expert)
 
 

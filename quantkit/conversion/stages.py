@@ -28,6 +28,7 @@ from quantkit.model.tensors import TensorClass
 from quantkit.quant.experts import ExpertRecord
 from quantkit.quant.methods import method_for
 from quantkit.runtime import distributed, faults
+from quantkit.runtime.machine import return_freed_memory
 
 if TYPE_CHECKING:
     from quantkit.inputs.tokens import TokenData
@@ -110,6 +111,7 @@ def convert_layer(job: Job, pair: PairWriter, calib: Calibration, bar, layer: in
     if calibrate:  # h += attention (+ dense MLP, or shared expert), x and routing kept for the experts
         routing = attention_pass(calib.store, w, calib.ctx, layer, calib.topks, arch.is_moe(layer), calib.split)
         kv_stats = write_kv_scales(pair, arch.layer_prefix(layer), calib.ctx.kv, layer, arch.definition.attention)
+        return_freed_memory()  # the attention's micro-batch buffers, before the experts' Hessians
     t_attention = time.time() - t0
     shares: dict = {}  # multi-rank: each rank's part of this layer's experts
     records = _routed_experts(job, pair, calib, bar, layer, routing, calibrate, mtp, shares) if arch.is_moe(layer) else []

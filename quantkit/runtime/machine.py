@@ -24,3 +24,35 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+
+
+def return_freed_memory() -> None:
+    """Give the heap's free pages back to the OS (glibc's malloc_trim(0)); a no-op elsewhere.
+
+    Why: glibc serves allocations under its mmap threshold from the heap and keeps their pages
+    when they are freed, and every large free raises that threshold (up to 32 MiB), so after a
+    phase's micro-batches and a chunk's Hessians are freed, their pages stay in the RSS and the
+    next phase's peak lands on top of them (docs/benchmarks.md, "Memory on the random
+    DeepSeek-V3-layout benchmark"). Called at phase boundaries (after a layer's attention, after
+    each expert chunk), not per allocation, so the pages it returns fault back in once per phase
+    rather than once per tensor. Returns nothing: what it freed is measured by the RSS, not here.
+    """
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    global _libc
+    if _libc is None:
+        name = ctypes.util.find_library("c")
+        try:
+            lib = ctypes.CDLL(name) if name else None
+        except OSError:
+            lib = None
+        _libc = lib if lib is not None and hasattr(lib, "malloc_trim") else False  # musl has no malloc_trim
+    if _libc:
+        _libc.malloc_trim(0)
+
+
+_libc = None  # ctypes handle of glibc, False where there is no malloc_trim; looked up on first use
