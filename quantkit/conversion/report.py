@@ -77,8 +77,37 @@ def made_by(summary: dict) -> str:
 
 
 def expert_entry(r: ExpertRecord) -> dict:
-    """An expert's report entry; `rank` (who quantized it) only in a multi-rank convert."""
-    return {k: v for k, v in vars(r).items() if k != "rank" or v is not None}
+    """An expert's report entry; `rank` (who quantized it) only in a multi-rank convert. `decision`
+    and `why` say in words what the record's fields say: whether the stored weights are the
+    calibrated ones, a fallback, data-free or reused, and what decided it."""
+    entry = {k: v for k, v in vars(r).items() if k != "rank" or v is not None}
+    return entry | dict(zip(("decision", "why"), decision(entry)))
+
+
+def decision(e: dict) -> tuple[str, str]:
+    """(calibrated | fallback | data-free | reused, why) for an expert's report entry.
+
+    fallback: the expert was starved (too few routed calibration tokens for its own Hessian, so
+    gptq.fallback applied: RTN, or a fit on every token of the layer), or the held-out guard found
+    RTN's output error no higher than the calibrated weights' and stored RTN."""
+    held = f"on {e.get('heldout', 0)} held-out tokens"
+    if e["method"] == "reused":
+        return "reused", "the source's INT4 weights, bit for bit"
+    if e.get("fallback") == "rtn":
+        return "fallback", f"starved: {e['tokens']} routed calibration tokens, below gptq.min_tokens; rounded to nearest"
+    if e.get("fallback") == "all_tokens":
+        return "fallback", (f"starved: {e['tokens']} routed calibration tokens, below gptq.min_tokens; fitted on every "
+                            "calibration token of the layer")
+    if e.get("fallback"):
+        return "fallback", e["fallback"]
+    if e.get("guard") == "rtn":
+        return "fallback", f"guard: RTN's output error {e['err_rtn']:.4g} <= the calibrated {e['err']:.4g} {held}"
+    if not METHODS.get(e["method"]) or not METHODS[e["method"]].calibrated:
+        return "data-free", f"method {e['method']}"
+    if e.get("err") is not None and e.get("err_rtn") is not None:
+        kept = f" (AWQ's s = 1 result, {e['guard']})" if e.get("guard") else ""
+        return "calibrated", f"output error {e['err']:.4g} < RTN's {e['err_rtn']:.4g} {held}{kept}"
+    return "calibrated", "not judged (no held-out tokens)"
 
 
 def source_identity(ckpt: Checkpoint) -> dict[str, str]:
@@ -178,7 +207,9 @@ def _experts_summary(experts: list[dict]) -> dict:
             "guarded": sum(1 for e in experts if e.get("heldout")),
             "guard_kept_rtn": sum(1 for e in experts if e.get("guard") == "rtn"),
             "awq_kept_s1": sum(1 for e in experts if e.get("guard") == "awq-s1"),
-            "width_prior": sum(1 for e in experts if e.get("prior"))}
+            "width_prior": sum(1 for e in experts if e.get("prior")),
+            "decisions": {d: n for d in ("calibrated", "fallback", "data-free", "reused")
+                          if (n := sum(1 for e in experts if decision(e)[0] == d))}}
 
 
 def _pair_report(model, job: Job, tokens, source_files: dict[str, str], out: Path, t_start: float,

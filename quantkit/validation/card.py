@@ -200,12 +200,20 @@ def _recipe(report: dict) -> list[str]:
                f"the source); {e['fallbacks']} fallbacks" + (": " + ", ".join(f"{n} x {why}" for why, n in sorted(reasons.items()))
                                                             if reasons else ""))
     out.append(_guard_line(report))
+    if e.get("decisions"):
+        out.append(_decisions_line(e["decisions"]))
     m = report.get("mtp") or {}
     if m.get("experts_summary"):
         out.append(f"- MTP layer's routed experts: {m['experts']}"
                    + ("; calibrated on what the MTP sees in serving (the decode model's last hidden state and the next "
                       "token's embedding)" if m.get("calibrated_layers") else "; not calibrated"))
     return out
+
+
+def _decisions_line(decisions: dict) -> str:
+    """The counts of the report's per-expert `decision` (calibrated, fallback, data-free, reused)."""
+    return ("- per expert (convert-report.json's `decision` and `why`): "
+            + ", ".join(f"{n} {d}" for d, n in decisions.items()))
 
 
 def _guard_line(report: dict) -> str:

@@ -115,6 +115,11 @@ def test_guard_keeps_rtn_where_it_is_better_on_heldout_tokens(pairs):
     assert judged and pairs["glm"].report["experts_summary"]["guarded"] == len(judged)
     for e in judged:
         assert (e["method"] == "rtn") == (e["err_rtn"] < e["err"]) == (e["guard"] == "rtn")
+        # the report says it in words too: calibrated or fallback, and the errors that decided it
+        assert e["decision"] == ("fallback" if e["guard"] == "rtn" else "calibrated")
+        assert f"{e['err']:.4g}" in e["why"] and f"{e['err_rtn']:.4g}" in e["why"]
+    s = pairs["glm"].report["experts_summary"]
+    assert sum(s["decisions"].values()) == s["total"]
 
 
 @pytest.mark.parametrize("name", ["glm", "kimi"])
@@ -195,6 +200,7 @@ def test_starved_expert_takes_fallback_and_is_reported(tiny_glm, tmp_path):
     res = convert(tmp_path / "src", tmp_path / "out", recipe="tiny-glm-5.2", validate=False, progress=False)
     rec = next(e for e in res.report["experts"] if e["layer"] == 2 and e["expert"] == 3)
     assert rec["tokens"] == 0 and rec["fallback"] == "all_tokens"
+    assert rec["decision"] == "fallback" and rec["why"].startswith("starved: 0 routed calibration tokens")
     assert rec["method"] == "gptq" or rec["guard"] == "rtn"  # the held-out guard may prefer RTN, and says so
     assert res.report["experts_summary"]["starved"] >= 1
     # never silently zeroed: its INT4 weights are a quantization of this expert, as far from the
