@@ -9,8 +9,10 @@ dequantized copy of the source that llm-compressor starts from (scripts/bench_co
 
 Quality is the per-token KL(reference || run) (quantkit.validation.metrics.token_kl) on held-out
 windows from other documents than the calibration's (corpus seeds >= 2000; calibration uses
-seeds < 1000), and on two off-distribution sets: uniform random token ids, and the same language
-with every window's word order reversed ("reversed"). Differences are paired: per window, the mean
+seeds < 1000), and on three off-distribution sets: other text (the other corpus: the Markov
+language for the classes calibrated on the synthetic corpus, the synthetic corpus for the Markov
+class), the same language with every window's word order reversed ("reversed"), and uniform random
+token ids. Differences are paired: per window, the mean
 per-token KL of a minus that of b, then mean and standard error over windows (the windows are the
 independent units; positions inside one are correlated). `z` = difference / SE.
 
@@ -18,6 +20,8 @@ independent units; positions inside one are correlated). `z` = difference / SE.
     python scripts/bench_calibration.py --classes tiny-glm,random-glm-fp8
     python scripts/bench_calibration.py --classes tiny-glm --no-llmc --variant damp0.1:gptq.dampening=0.1
     python scripts/bench_calibration.py --classes tiny-glm --no-llmc --base "" --variant ship:... --mix-reversed 0.25
+    python scripts/bench_calibration.py --shipped glm-5.2 --base GPTQ,AWQ --llmc-rows llmc --num-samples 128 --seq-len 128
+                                                                 # issue 30's acceptance grid at one calibration size
 
 --variant NAME:FIELD=VALUE[,FIELD=VALUE] adds a quantkit GPTQ run with recipe fields changed (an
 experiment, docs/benchmarks.md "Calibration experiments"); METHOD=awq in the list makes it an AWQ run.

@@ -47,6 +47,31 @@ def test_eval_sets_are_other_documents_and_other_kinds(bench):
     assert not any(bool((w == c).all()) for w in sets["in-dist"] for c in calib)
     assert sets["random-ids"].shape == (2, 16) and int(sets["random-ids"].max()) < 512
     assert torch.equal(sets["reversed"], batches(2, 16, bench.REVERSED_SEED).flip(-1))
+    # other text: the other corpus (another grammar and other token frequencies), in the vocabulary
+    other = sets["other-text"]
+    assert other.shape == (2, 16) and int(other.max()) < 512 and torch.equal(other, bench.markov_windows(2, 16, bench.OTHER_TEXT_SEED))
+    assert torch.equal(bench.eval_sets(4, 16, 512, "markov")["other-text"], batches(2, 16, bench.OTHER_TEXT_SEED))
+
+
+def test_shipped_rows_take_the_real_recipes_gptq_settings(bench, tmp_path):
+    from quantkit.recipe import load_recipe
+
+    r = load_recipe(bench.variant_recipe("tiny-kimi-k2.6", bench.shipped_fields("kimi-k2.6"), tmp_path / "s.yaml"))
+    ship, tiny = load_recipe("kimi-k2.6"), load_recipe("tiny-kimi-k2.6")
+    assert r.gptq == ship.gptq and r.group_size == tiny.group_size and r.calibration == tiny.calibration
+
+
+def test_acceptance_line_names_each_bar_and_the_worst_set(bench):
+    def row(*z, llmc=None):
+        d = {s: {"vs_rtn": {"mean": v, "se": 1.0}} for s, v in zip(("in-dist", "other-text", "random-ids"), z)}
+        if llmc is not None:
+            d["in-dist"]["vs_llmc"] = {"mean": llmc, "se": 1.0}
+        return d
+
+    lines = bench.acceptance({"GPTQ": row(-3, 0.5, 1.5, llmc=0.2), "AWQ": row(-1, -2, -4)}, ["in-dist", "other-text", "random-ids"])
+    assert lines[0] == ("acceptance GPTQ: in-dist vs RTN -3.0 (met), worst set vs RTN random-ids +1.5 (NOT met), "
+                        "vs llmc +0.2 (met)")
+    assert lines[1] == "acceptance AWQ: in-dist vs RTN -1.0 (NOT met), worst set vs RTN in-dist -1.0 (met)"
 
 
 def test_variant_recipe_changes_only_the_named_field(bench, tmp_path):
