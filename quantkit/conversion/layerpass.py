@@ -85,13 +85,17 @@ def attention_pass(store: ActivationStore, w: dict, ctx, layer: int, topks: list
         n, k = store.shape[0] * store.shape[1], a.num_experts_per_tok
         idx_all = torch.empty(n, k, dtype=small, device=store.compute)
         wt_all = torch.empty(n, k, dtype=torch.float32, device=store.compute)
+    fresh = None
     for i, sl in enumerate(store.slices()):
         if group is not None and not group.owns_batch(i):
             continue
         hb = store.h.read(sl)  # (B, T, D) float32
         ctx.topk = topks[i]
         hb += attention(rms_norm(hb, w["input_layernorm.weight"], eps), w, ctx, layer)
-        topks[i] = ctx.topk
+        if ctx.topk is not None and ctx.topk is not topks[i]:  # this layer's DSA indexer selected anew
+            if fresh is None:  # one (N, T, k) buffer for the layer's selections, for the same reason as the routing's
+                fresh = torch.empty((store.shape[0], *ctx.topk.shape[1:]), dtype=ctx.topk.dtype, device=ctx.topk.device)
+            topks[i] = fresh[sl].copy_(ctx.topk)
         xb = rms_norm(hb, w["post_attention_layernorm.weight"], eps)
         if moe:
             x_arr.write(sl, xb)
