@@ -551,6 +551,32 @@ def acceptance(rows: dict, sets: list[str]) -> list[str]:
     return out
 
 
+def summarize(folders: list[Path]) -> str:
+    """One markdown row per class and calibration size from earlier runs' results.json (--out
+    folders): the acceptance z values of the GPTQ and AWQ rows (in-dist vs RTN, the worst of the
+    other sets vs RTN, in-dist vs llmc), llm-compressor's worst set vs RTN, the wall ratio and the
+    peak RSS of each run (MiB)."""
+    lines = ["| class | calibration | GPTQ: in-dist / worst other set / vs llmc | AWQ: in-dist / worst other set / vs llmc "
+             "| llmc: worst other set vs RTN | GPTQ wall / llmc | peak RSS MiB GPTQ / AWQ / llmc |", "|---|---|---|---|---|---|---|"]
+    for folder in folders:
+        for r in json.loads((folder / "results.json").read_text()):
+            rows, sets = r["rows"], list(r["eval"])
+            cells = []
+            for k in ("GPTQ", "AWQ"):
+                z = {s: _z(rows[k][s]["vs_rtn"]) for s in sets}
+                worst = max(sets[1:], key=z.get)
+                llmc = f" / {_z(rows[k][sets[0]]['vs_llmc']):+.1f}" if "vs_llmc" in rows[k][sets[0]] else ""
+                cells.append(f"{z[sets[0]]:+.1f} / {worst} {z[worst]:+.1f}{llmc}")
+            lm = rows.get("llmc")
+            zl = {s: _z(lm[s]["vs_rtn"]) for s in sets[1:]} if lm else {}
+            wl = max(zl, key=zl.get) if zl else None
+            rss = " / ".join(f"{rows[k]['peak_rss_bytes'] / 2**20:.0f}" for k in ("GPTQ", "AWQ", "llmc") if k in rows)
+            lines.append(f"| {r['class']} | {r['calibration'].split()[-1]} | {cells[0]} | {cells[1]} | "
+                         + (f"{wl} {zl[wl]:+.1f} | {rows['GPTQ']['wall_s'] / lm['wall_s']:.2f}" if lm else " | ")
+                         + f" | {rss} |")
+    return "\n".join(lines)
+
+
 def render(res: dict) -> str:
     rows = res["rows"]
     sets = list(res["eval"])
@@ -617,7 +643,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="work folder, kept (results.json, logs)")
     ap.add_argument("--resume", action="store_true",
                     help="realshape-glm: reuse the finished conversions in --out's work folder (same names, same recipes)")
+    ap.add_argument("--summarize", type=Path, nargs="+", default=None, metavar="OUT",
+                    help="print one markdown table from earlier runs' --out folders (their results.json) and exit")
     args = ap.parse_args(argv)
+    if args.summarize:
+        print(summarize(args.summarize))
+        return 0
     names = [c for c in args.classes.split(",") if c]
     bad = [c for c in names if c not in CLASSES and c not in REALSHAPE]
     if bad:

@@ -110,3 +110,20 @@ def test_last_layer_log_probs_equal_the_full_forward(bench):
     want = logits(src, ids, device="cpu").log_softmax(-1)
     torch.testing.assert_close(lp["source"], want, rtol=1e-5, atol=1e-5)
     assert torch.equal(lp["source"], lp["again"])
+
+
+def test_summarize_prints_one_row_per_class_and_size(bench, tmp_path):
+    import json
+
+    def row(z_rtn, z_llmc=None, wall=10.0):
+        d = {s: {"vs_rtn": {"mean": z, "se": 1.0}} for s, z in zip(("in-dist", "random-ids"), z_rtn)}
+        if z_llmc is not None:
+            d["in-dist"]["vs_llmc"] = {"mean": z_llmc, "se": 1.0}
+        return d | {"wall_s": wall, "peak_rss_bytes": 2**20 * 100}
+
+    res = {"class": "tiny-glm", "calibration": "synthetic:train 32x64", "eval": {"in-dist": [4, 16], "random-ids": [2, 16]},
+           "rows": {"RTN": row((0, 0)), "GPTQ": row((-3, 0.5), 0.2, wall=2.0), "AWQ": row((-4, -1), -0.1), "llmc": row((-3, 2))}}
+    (tmp_path / "results.json").write_text(json.dumps([res]))
+    table = bench.summarize([tmp_path]).splitlines()
+    assert len(table) == 3 and table[2] == ("| tiny-glm | 32x64 | -3.0 / random-ids +0.5 / +0.2 | -4.0 / random-ids -1.0 / -0.1 | "
+                                            "random-ids +2.0 | 0.20 | 100 / 100 / 100 |")
