@@ -1,8 +1,10 @@
-"""Probes of the machine this process runs on: memory available, this process's peak RSS."""
+"""Probes of the machine this process runs on (memory available, this process's peak RSS), and handing its freed heap pages back."""
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 
 
 def available_host_memory() -> int:
@@ -24,8 +26,6 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-
-
 def return_freed_memory() -> None:
     """Give the heap's free pages back to the OS (glibc's malloc_trim(0)); a no-op elsewhere.
 
@@ -37,22 +37,22 @@ def return_freed_memory() -> None:
     each expert chunk), not per allocation, so the pages it returns fault back in once per phase
     rather than once per tensor. Returns nothing: what it freed is measured by the RSS, not here.
     """
+    lib = _glibc()
+    if lib is not None:
+        lib.malloc_trim(0)
+
+
+@functools.cache
+def _glibc():
+    """glibc through ctypes, looked up once; None where there is no malloc_trim (musl, macOS, Windows)."""
     import ctypes
     import ctypes.util
-    import sys
 
     if not sys.platform.startswith("linux"):
-        return
-    global _libc
-    if _libc is None:
-        name = ctypes.util.find_library("c")
-        try:
-            lib = ctypes.CDLL(name) if name else None
-        except OSError:
-            lib = None
-        _libc = lib if lib is not None and hasattr(lib, "malloc_trim") else False  # musl has no malloc_trim
-    if _libc:
-        _libc.malloc_trim(0)
-
-
-_libc = None  # ctypes handle of glibc, False where there is no malloc_trim; looked up on first use
+        return None
+    name = ctypes.util.find_library("c")
+    try:
+        lib = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return lib if lib is not None and hasattr(lib, "malloc_trim") else None
