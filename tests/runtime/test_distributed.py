@@ -370,14 +370,16 @@ def test_ranks_that_do_not_share_the_output_folder_are_refused(tmp_path):
         "g, _ = distributed.init(torch.device('cpu'))\n"
         "try:\n"
         "    distributed.check_shared_folder(g, sys.argv[1])\n"
-        "    print('shared ok', g.rank, flush=True)\n"
+        "    open(sys.argv[3] + f'.{g.rank}', 'w').close()\n"
         "    distributed.check_shared_folder(g, sys.argv[1] if g.rank == 0 else sys.argv[2])\n"
         "finally:\n"
         "    distributed.close(g)\n")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
-    done = subprocess.run(cmd + [str(tmp_path / "out"), str(tmp_path / "b")], capture_output=True, text=True,
-                          env=_env(), timeout=300)
-    assert "shared ok 0" in done.stdout and "shared ok 1" in done.stdout, done.stderr[-2000:]
+    done = subprocess.run(cmd + [str(tmp_path / "out"), str(tmp_path / "b"), str(tmp_path / "shared-ok")],
+                          capture_output=True, text=True, env=_env(), timeout=300)
+    # each rank marks the first check passed in its own file: the ranks' prints share one pipe, and two
+    # prints can interleave mid-line ("shared okshared ok 0\n 1\n" in one CI run)
+    assert (tmp_path / "shared-ok.0").exists() and (tmp_path / "shared-ok.1").exists(), done.stderr[-2000:]
     assert list((tmp_path / "out").iterdir()) == []  # the marker is gone
     assert done.returncode != 0 and "rank(s) [1] do not see what rank 0 writes" in done.stderr
 
