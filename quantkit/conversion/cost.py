@@ -125,6 +125,12 @@ CHUNK_MAX_GPU = 64
 # to 975 MB, eight samples at a time 8x less of it; docs/benchmarks.md, issue 30). The tiny
 # recipes' 64 x 64 windows (66 MB) stay one micro-batch.
 MICRO_BATCH_CPU_BYTES = 128 * 2**20
+# On the CPU, AWQ's search rows gathered for one expert chunk (each expert's fit inputs, its float
+# outputs and down's inputs, `_awq_rows`) are capped at this many bytes whatever the budget, for the
+# same reason: an expert's search and GPTQ do not depend on which experts share its chunk (the bytes
+# are the same), and with the budget at the machine's free memory a 16-expert chunk at 512 x 512
+# calibration tokens gathered 6 GB at hidden 512 (docs/benchmarks.md, "Memory, round 2").
+AWQ_ROWS_CPU_BYTES = 2**30
 
 
 @dataclass
@@ -209,12 +215,16 @@ def _per_expert(x: LayerShapes, tokens: int = 0) -> int:
 
 def _awq_per_expert(x: LayerShapes, tokens: int) -> int:
     """One expert of an AWQ chunk: GPTQ's work on the smoothed weights (`_per_expert`), plus the
-    search's per-expert rows, gathered whole (quantkit.quant.awq.quantize_experts_awq): its fit inputs
-    and the float expert's outputs (n x D each), down's input before and after quantization
-    (n x I each), and the s = 1 alternative's dequantized weights kept for the guard."""
-    D, I = x.hidden, x.expert_width
+    search's per-expert rows (`_awq_rows`) and the s = 1 alternative's dequantized weights kept for the guard."""
+    return _per_expert(x, tokens) + _awq_rows(x, tokens) + 3 * x.expert_width * x.hidden * F32
+
+
+def _awq_rows(x: LayerShapes, tokens: int) -> int:
+    """The search's rows of one expert, gathered whole (quantkit.quant.awq.quantize_experts_awq): its
+    fit inputs and the float expert's outputs (n x D each), down's input before and after
+    quantization (n x I each), n its routed tokens on average."""
     n = tokens * x.topk // max(x.experts, 1)
-    return _per_expert(x, tokens) + n * F32 * (2 * D + 2 * I) + 3 * I * D * F32
+    return n * F32 * (2 * x.hidden + 2 * x.expert_width)
 
 
 def _expert_mb_bytes(x: LayerShapes, B: int, T: int) -> int:
@@ -389,7 +399,11 @@ def _choose_settings(m: _Memory, N: int, activation_dtype: str | None) -> tuple[
         C = int((m.room - m.experts_phase(1, 0)) // (3 * m.x.expert_width * m.x.hidden * F32 * 2))
         return max(N, 1), (torch.float32, "memory", "device", max(min(C, m.chunk_max, m.x.experts), 0), 0)
     B = _micro_batch(m, N)
-    return B, _store_choice(m, B, _store_options(activation_dtype))
+    choice = _store_choice(m, B, _store_options(activation_dtype))
+    if choice is not None and m.awq and not m.on_gpu:  # AWQ_ROWS_CPU_BYTES
+        dt, backing, location, C, store_b = choice
+        choice = (dt, backing, location, min(C, max(1, AWQ_ROWS_CPU_BYTES // _awq_rows(m.x, m.tokens))), store_b)
+    return B, choice
 
 
 def _knob(m: _Memory) -> str:

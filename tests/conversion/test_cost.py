@@ -78,6 +78,28 @@ def test_cpu_micro_batch_work_is_capped_whatever_the_budget():
         assert tiny.store.micro_batch == 64, name
 
 
+def test_cpu_awq_chunk_rows_are_capped_whatever_the_budget():
+    """On the CPU an AWQ chunk's gathered search rows stay under AWQ_ROWS_CPU_BYTES however roomy the
+    budget (issue 30: 16 experts at 512 x 512 calibration tokens took a hidden-512 model's AWQ to
+    8.4 GB; 2 at a time, 3.5 GB and the same bytes); GPTQ's chunk and a GPU's are the budget's alone,
+    and the tiny recipes' calibration keeps its 16-expert chunk (their bytes do not change)."""
+    from quantkit.conversion.cost import AWQ_ROWS_CPU_BYTES, _awq_rows
+    from quantkit.planner.budgets import layer_shapes
+    from quantkit.synthetic.tiny import tiny_config
+
+    x = layer_shapes(arch_from_config(load_preset("glm-5.2")))
+    awq = _glm(method="awq", num_samples=128, seq_len=512, max_host_memory="400GB")
+    assert awq.expert_chunk * _awq_rows(x, awq.tokens) <= AWQ_ROWS_CPU_BYTES < (awq.expert_chunk + 1) * _awq_rows(x, awq.tokens)
+    assert _glm(method="gptq", num_samples=128, seq_len=512, max_host_memory="400GB").expert_chunk > awq.expert_chunk
+    gpu = _glm(method="awq", num_samples=128, seq_len=512, device="cuda", max_gpu_memory="141GB", max_host_memory="400GB")
+    assert gpu.expert_chunk > awq.expert_chunk
+    for name in ("glm-5.2", "kimi-k2.6"):
+        tiny = plan_convert(arch_from_config(tiny_config(name)), method="awq", group_size=128, num_samples=64,
+                            seq_len=64, calibrate=True, max_host_memory="400GB", source_bytes=10**7,
+                            output_bytes=(10**7, 10**7))
+        assert tiny.expert_chunk == 16, name
+
+
 def test_refuses_and_names_the_knob():
     c = _glm(max_host_memory="4GB")
     assert not c.fits and "--max-host-memory" in c.reason and "raise" in c.reason
