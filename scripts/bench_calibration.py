@@ -211,8 +211,6 @@ def shipped_fields(recipe: str) -> dict:
     """--shipped: the named real recipe's gptq section as variant_recipe fields (dotted name -> YAML
     text), so the GPTQ and AWQ rows run the settings a user of that recipe gets, on the class's own
     group size and calibration."""
-    import json
-
     from quantkit.recipe import load_recipe
 
     g = load_recipe(recipe).gptq

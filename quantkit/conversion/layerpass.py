@@ -51,8 +51,8 @@ class LayerRouting:
     """Top-k expert ids (int16) and weights (float32) of every calibration token, (N*T, k)."""
 
     def __init__(self, idx: list[torch.Tensor], weight: list[torch.Tensor], tokens_per_batch: list[int], n_experts: int):
-        self.idx = torch.cat(idx)
-        self.weight = torch.cat(weight)
+        self.idx = idx[0] if len(idx) == 1 else torch.cat(idx)  # one list entry: the layer's whole buffer, no copy
+        self.weight = weight[0] if len(weight) == 1 else torch.cat(weight)
         self.starts = [0]
         for n in tokens_per_batch:
             self.starts.append(self.starts[-1] + n)
@@ -109,9 +109,13 @@ def attention_pass(store: ActivationStore, w: dict, ctx, layer: int, topks: list
             hb += mlp(xb, w, "mlp.")
         store.h.write(sl, hb)
         del hb, xb
-    if group is not None and group.distributed:
+    split = group is not None and group.distributed
+    if split:  # the other ranks' micro-batches arrive as their own tensors
         _share_attention(group, store, ctx, layer, topks, idx, wt, moe)
-    return LayerRouting(idx, wt, [len(t) for t in idx], a.n_routed_experts) if moe else None
+    if not moe:
+        return None
+    # single process: every entry is a view of idx_all / wt_all, in order, so the buffers are the routing
+    return LayerRouting(idx if split else [idx_all], wt if split else [wt_all], [len(t) for t in idx], a.n_routed_experts)
 
 
 def _share_attention(group: Group, store: ActivationStore, ctx, layer: int, topks: list, idx: list, wt: list,

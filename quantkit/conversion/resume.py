@@ -79,8 +79,9 @@ def save_state(folder: Path, state: State, store, topks: list) -> None:
     if store is not None:
         store.h.save(folder / f"hidden.{tag}.bin")
         state_h = {"shape": list(store.shape), "dtype": str(store.plan.dtype), "file": f"hidden.{tag}.bin"}
-        # clone: the selections are views of one buffer per layer (attention_pass), and safetensors refuses shared storage
-        topk = {f"topk.{i}": t.cpu().clone() for i, t in enumerate(topks) if t is not None}
+        # a copy of each (one, from any device): the selections are views of one buffer per layer
+        # (attention_pass), and safetensors refuses shared storage
+        topk = {f"topk.{i}": t.to("cpu", copy=True) for i, t in enumerate(topks) if t is not None}
         if topk:
             save_file(topk, str(folder / "topk.tmp"))
             os.replace(folder / "topk.tmp", folder / f"topk.{tag}.safetensors")

@@ -36,10 +36,16 @@ PROMPTS = {"name": "test", "max_tokens": 6, "top_logprobs": 5, "prompts": [
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory, tiny_glm):
-    root = tmp_path_factory.mktemp("probe")
+    out, prompts = rtn_pair(tmp_path_factory.mktemp("probe"), PROMPTS)
+    return out, prompts, tiny_glm
+
+
+def rtn_pair(root, prompts: dict):
+    """The tiny GLM converted with RTN under `root` and `prompts` written beside it: (output folder,
+    prompt file). Shared with test_tools."""
     res = convert("tiny:glm-5.2", root / "glm", method="rtn", validate=False, progress=False)
-    (root / "prompts.json").write_text(json.dumps(PROMPTS))
-    return res.out, root / "prompts.json", tiny_glm
+    (root / "prompts.json").write_text(json.dumps(prompts))
+    return res.out, root / "prompts.json"
 
 
 def _port() -> int:

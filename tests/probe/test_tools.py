@@ -9,9 +9,8 @@ import json
 from http.server import ThreadingHTTPServer
 
 import pytest
-from test_probe import JSONHandler, Loopback
+from test_probe import JSONHandler, Loopback, rtn_pair
 
-from quantkit.conversion.pipeline import convert
 from quantkit.probe.client import ProbeError
 from quantkit.probe.pipeline import probe
 
@@ -23,14 +22,13 @@ PROMPTS = {"name": "test-tools", "max_tokens": 2, "top_logprobs": 5, "prompts": 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory, tiny_glm):
     root = tmp_path_factory.mktemp("probe-tools")
-    res = convert("tiny:glm-5.2", root / "glm", method="rtn", validate=False, progress=False)
-    (root / "prompts.json").write_text(json.dumps(PROMPTS))
+    out, prompts = rtn_pair(root, PROMPTS)
     from importlib import resources
 
     task = json.loads(resources.files("quantkit.validation").joinpath("tooltask.json").read_text())
     task.update(name="tools-3", max_tokens=4, prompts=[p for p in task["prompts"] if p["id"] in ("add", "count", "no-call")])
     (root / "tools.json").write_text(json.dumps(task))
-    return res.out, root / "prompts.json", root / "tools.json"
+    return out, prompts, root / "tools.json"
 
 
 class ToolServer(Loopback):
