@@ -554,10 +554,14 @@ def summarize(folders: list[Path]) -> str:
     folders): the acceptance z values of the GPTQ and AWQ rows (in-dist vs RTN, the worst of the
     other sets vs RTN, in-dist vs llmc), llm-compressor's worst set vs RTN, the wall ratio and the
     peak RSS of each run (MiB)."""
+    runs = [(folder, r) for folder in folders for r in json.loads((folder / "results.json").read_text())]
+    probed = any(_probe_counts(f, r["class"], k) for f, r in runs for k in ("GPTQ", "AWQ"))
     lines = ["| class | calibration | GPTQ: in-dist / worst other set / vs llmc | AWQ: in-dist / worst other set / vs llmc "
-             "| llmc: worst other set vs RTN | GPTQ wall / llmc | peak RSS MiB GPTQ / AWQ / llmc |", "|---|---|---|---|---|---|---|"]
-    for folder in folders:
-        for r in json.loads((folder / "results.json").read_text()):
+             "| llmc: worst other set vs RTN | GPTQ wall / llmc | peak RSS MiB GPTQ / AWQ / llmc |"
+             + (" probe, GPTQ / AWQ: low admitted / judged, stored low |" if probed else ""),
+             "|---|---|---|---|---|---|---|" + ("---|" if probed else "")]
+    for folder, r in runs:
+        if True:
             rows, sets = r["rows"], list(r["eval"])
             cells = []
             for k in ("GPTQ", "AWQ"):
@@ -569,10 +573,21 @@ def summarize(folders: list[Path]) -> str:
             zl = {s: _z(lm[s]["vs_rtn"]) for s in sets[1:]} if lm else {}
             wl = max(zl, key=zl.get) if zl else None
             rss = " / ".join(f"{rows[k]['peak_rss_bytes'] / 2**20:.0f}" for k in ("GPTQ", "AWQ", "llmc") if k in rows)
+            probe = " / ".join(_probe_counts(folder, r["class"], k) or "-" for k in ("GPTQ", "AWQ"))
             lines.append(f"| {r['class']} | {r['calibration'].split()[-1]} | {cells[0]} | {cells[1]} | "
                          + (f"{wl} {zl[wl]:+.1f} | {rows['GPTQ']['wall_s'] / lm['wall_s']:.2f}" if lm else " | ")
-                         + f" | {rss} |")
+                         + f" | {rss} |" + (f" {probe} |" if probed else ""))
     return "\n".join(lines)
+
+
+def _probe_counts(folder: Path, cls: str, run: str) -> str | None:
+    """gptq.low_dampening's verdicts in a run's convert report (its log): the experts whose low
+    dampening the probe admitted / judged, and those stored at it; None without a probe."""
+    log = folder / cls / "logs" / f"{run}.log"
+    if not log.is_file():
+        return None
+    s = json.loads(log.read_text()).get("experts_summary", {})
+    return f"{s['probe_admitted_low']}/{s['probe_judged']}, {s['low_dampening']}" if s.get("probe_judged") else None
 
 
 def render(res: dict) -> str:

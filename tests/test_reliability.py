@@ -209,6 +209,31 @@ def test_crash_while_calibrating_then_resume_is_byte_identical(src, tmp_path, mo
     assert same
 
 
+@pytest.mark.parametrize("point", ["state:hidden#3", "layer:written#3"])
+def test_crash_with_a_probe_then_resume_is_byte_identical(src, tmp_path, monkeypatch, point):
+    """gptq.low_dampening: the probe windows' hidden states are saved and restored with the
+    calibration's (probe-hidden.N.bin), so a resumed run makes the same choices, byte for byte."""
+    import yaml
+
+    from quantkit.recipe import load_recipe
+
+    rec = load_recipe("tiny-glm-5.2").to_dict()
+    rec["gptq"].update({"dampening": 0.1, "low_dampening": 0.01})
+    (tmp_path / "low.yaml").write_text(yaml.safe_dump(rec))
+    kw = dict(recipe=tmp_path / "low.yaml", method="gptq", calib="synthetic:train", num_samples=4, seq_len=16)
+    ref = _convert(src, tmp_path / "ref", **kw)
+    assert ref.report["experts_summary"]["probe_judged"] > 0
+    monkeypatch.setenv("QUANTKIT_FAULT", f"{point}:raise")
+    with pytest.raises(faults.InjectedFault):
+        _convert(src, tmp_path / "o", **kw)
+    assert any((tmp_path / "o" / ".quantkit-convert").glob("probe-hidden.*.bin"))
+    monkeypatch.delenv("QUANTKIT_FAULT")
+    _convert(src, tmp_path / "o", resume=True, **kw)
+    same = _same_pair(tmp_path / "o", ref.out)
+    record("crash + --resume (GPTQ, gptq.low_dampening's probe)", point, 1, same)
+    assert same
+
+
 @pytest.mark.slow
 def test_resume_from_an_older_state_is_byte_identical(src, tmp_path, monkeypatch):
     """With saves rarer than layers (QUANTKIT_STATE_EVERY=100: only after the embeddings and the

@@ -100,6 +100,7 @@ from quantkit.planner.budgets import (
     validate_exchange,
     validate_room,
 )
+from quantkit.quant.experts import probe_windows
 from quantkit.quant.methods import Inputs, method_for
 from quantkit.runtime.machine import available_host_memory, peak_rss  # noqa: F401
 from quantkit.runtime.units import GB, GiB
@@ -158,6 +159,7 @@ class ConvertCost:
     fits: bool = True
     reason: str = ""
     nproc: int = 1  # ranks (quantkit.runtime.distributed); memory and time are per rank, all ranks in parallel
+    probe: int = 0  # gptq.low_dampening's probe windows (quantkit.quant.experts.probe_windows), counted in tokens
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -469,8 +471,10 @@ def _device_rates(on_gpu: bool, gpu: str | None, rates: dict[str, float]) -> _Ra
 
 
 def _phase_seconds(m: _Memory, r: _Rates, *, method: str, C: int, source_bytes: int, output_bytes: tuple[int, int],
-                   quantized: float, nproc: int) -> dict[str, float]:
-    """Seconds per phase of one rank's run, before the split by micro-batches and the disk overlap."""
+                   quantized: float, nproc: int, probe: bool = False) -> dict[str, float]:
+    """Seconds per phase of one rank's run, before the split by micro-batches and the disk overlap.
+    probe (gptq.low_dampening): every expert quantized at two dampenings in one batched call, so
+    GPTQ's arithmetic twice and its launches once."""
     x, tokens, T = m.x, m.tokens, m.T
     D, I = x.hidden, x.expert_width
     L, Lm = x.calibrated_layers, x.calibrated_moe_layers  # the calibration pass: every main layer and the first MTP
@@ -483,7 +487,7 @@ def _phase_seconds(m: _Memory, r: _Rates, *, method: str, C: int, source_bytes: 
     per_token_hess, per_expert_gptq = expert_flops(D, I)
     hess_flops = share * routed * per_token_hess * Lm if gptq_on else 0
     out_flops = routed * 2 * 3 * I * D * Lm if m.calibrate else 0
-    gptq_flops = share * x.experts * Lm * per_expert_gptq if gptq_on else 0
+    gptq_flops = share * x.experts * Lm * per_expert_gptq * (2 if probe else 1) if gptq_on else 0
     chunks = Lm * math.ceil(share * x.experts / C)
     gptq_launch = chunks * (D + I) * LAUNCHES_PER_COLUMN * r.launch if gptq_on else 0.0
     data_free = method_for(method).data_free().flops_per_weight  # its data-free form's experts (MTP, or all)
@@ -625,8 +629,12 @@ def plan_convert(
     nproc: int = 1,
     expert_bytes: int | None = None,
     rates: dict[str, float] | None = None,
+    probe: int = 0,
 ) -> ConvertCost:
     """Settings and predicted cost of converting `arch` (see the module docstring for the terms).
+
+    probe: gptq.low_dampening's probe windows (quantkit.conversion.stages.probe_windows): stored and
+    run through every layer like calibration windows, and every expert quantized a second time.
 
     quantized: the fraction of the calibrated layers' routed experts that decode stores as new INT4
     (Hessians and GPTQ run only for those; 0 when every expert is the source's reused INT4).
@@ -646,10 +654,14 @@ def plan_convert(
     if device == "cuda" and gpu_mem is None:
         gpu_mem = device_memory(device, gpu)
     on_gpu = device == "cuda"
-    N, T = (num_samples, seq_len) if calibrate else (0, 0)
+    N, T = (num_samples + probe, seq_len) if calibrate else (0, 0)
     m = _memory_terms(x, method=method, group_size=group_size, calibrate=calibrate, N=N, T=T, on_gpu=on_gpu, host=host,
                       gpu_mem=gpu_mem, output_bytes=output_bytes, max_shard_bytes=max_shard_bytes, quantized=quantized,
                       nproc=nproc)
+    if calibrate and probe:  # GPTQ at both dampenings in one call: W and H stacked twice (gate/up's and down's)
+        m.per_expert += (x.hidden * x.hidden + x.expert_width * x.expert_width + 3 * x.expert_width * x.hidden) * F32
+        if not on_gpu:  # on the CPU batching buys no launches: half the chunk, one chunk's usual GPTQ work space
+            m.chunk_max = max(1, m.chunk_max // 2)
 
     B, choice = _choose_settings(m, N, activation_dtype)
     fits, reason = True, ""
@@ -672,12 +684,17 @@ def plan_convert(
 
     r = _device_rates(on_gpu, gpu, rates)
     seconds = _phase_seconds(m, r, method=method, C=C, source_bytes=source_bytes, output_bytes=output_bytes,
-                             quantized=quantized, nproc=nproc)
+                             quantized=quantized, nproc=nproc, probe=bool(probe))
     quantizer = method_for(method)
+    if probe and calibrate:  # the probe's tokens run attention and the expert outputs, but enter no Hessian
+        seconds["hessians"] *= num_samples / (num_samples + probe)
     if quantizer.calibrated and calibrate:
         seconds["gptq"] *= quantizer.time_factor  # e.g. AWQ's scale search on top of GPTQ
         if quantizer.cost_note:
             notes.append(quantizer.cost_note)
+        if probe:
+            notes.append(f"gptq.low_dampening: {probe} probe windows run beside the calibration's (no Hessian), and "
+                         "every expert quantized at both dampenings in one batched call (GPTQ's arithmetic x 2)")
     if calibrate and arch.num_mtp_layers:
         notes.append(f"mtp: the first MTP layer is calibrated on the last main layer's h and the next tokens' embeddings; "
                      f"for that layer the embedding table ({arch.vocab_size * arch.hidden_size * 2 / GB:.2f} GB BF16) "
@@ -696,7 +713,7 @@ def plan_convert(
                        peak_device=int(peak_device) if peak_device is not None else None, disk=disk,
                        seconds={k: round(v, 1) for k, v in seconds.items()}, validate_seconds=validate_s,
                        validate_share=validate_share, validate_kept=validate_kept, state_every=every,
-                       notes=notes, fits=fits, reason=reason, nproc=nproc)
+                       notes=notes, fits=fits, reason=reason, nproc=nproc, probe=probe if calibrate else 0)
 
 
 def _model_for(model: str):
@@ -778,6 +795,7 @@ def plan_convert_for(
                         gpu=None if gpu == "cpu" else gpu, max_host_memory=max_host_memory,
                         max_gpu_memory=max_gpu_memory, source_bytes=source_bytes, output_bytes=out,
                         validate=rec.validate if validate else None, quantized=quantized, nproc=nproc,
+                        probe=probe_windows(rec) if calibrate and quantized else 0,
                         expert_bytes=expert_bytes, rates=rates)
 
 

@@ -19,6 +19,10 @@ reads one micro-batch of samples as float32, works on it, and writes it back.
       guard          each expert's held-out output error vs RTN's; the lower is stored
       output pass    per micro-batch: h += sum_e w_e * expert_e(x_e) under the decode weights
 
+    gptq.low_dampening: the probe windows have their own small store and take the attention and
+    output passes too (never the Hessians); GPTQ runs at both dampenings in one batched call, and
+    the guard admits the low one where its error on the expert's probe tokens is <= RTN's
+
 So the work space is one micro-batch of tokens plus one chunk of experts (weights, Hessians and
 the GPTQ work), whatever the number of calibration tokens. DSA: for seq_len <= index_topk the
 indexer selects every causal key, so attention is dense and no selection is kept; otherwise each
@@ -267,13 +271,24 @@ def _layer_heldout(store: ActivationStore, window: int = 0) -> torch.Tensor:
     return torch.cat(rows)
 
 
+def _probe_rows(probe: tuple, experts: list[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """The probe's MoE inputs for this layer, whole ((P T, D) float32: a few windows), and the rows
+    the probe's routing sends each of `experts`."""
+    store, routing = probe
+    D = store.shape[-1]
+    x = torch.cat([store.x.read(sl).reshape(-1, D) for sl in store.slices()])
+    return x, {e: (routing.idx == e).any(-1).nonzero(as_tuple=True)[0] for e in experts}
+
+
 def gptq_experts(store: ActivationStore, routing: LayerRouting, ew: dict[str, torch.Tensor], experts: list[int],
-                 recipe: Recipe, group_size: int, layer: int):
+                 recipe: Recipe, group_size: int, layer: int, probe: tuple | None = None):
     """GPTQ for a chunk of routed experts from streamed Hessians, with quantkit.quant.experts' policy:
     fit on the non-held-out tokens, starved experts take gptq.fallback, and each expert is kept
     only if its held-out output error beats RTN's (guard_against_rtn). Same contract as
-    conversion.quantize_experts followed by the guard."""
-    from quantkit.quant.experts import ExpertRecord, guard_against_rtn, prior_of, rtn_expert
+    conversion.quantize_experts followed by the guard. With `probe` ((probe store, its routing):
+    gptq.low_dampening) each expert is also quantized at the low dampening, on the same Hessians
+    (down's from the gate/up at gptq.dampening), and the guard admits it by its probe error."""
+    from quantkit.quant.experts import ExpertRecord, guard_against_rtn, low_dampening, prior_of, probe_inputs, rtn_expert
 
     g = recipe.gptq
     counts = routing.counts
@@ -303,9 +318,13 @@ def gptq_experts(store: ActivationStore, routing: LayerRouting, ew: dict[str, to
                             weighting=weighting, fit_rows=n_fit)
         Wgu = torch.stack([torch.cat([ew[f"mlp.experts.{e}.gate_proj.weight"],
                                       ew[f"mlp.experts.{e}.up_proj.weight"]]) for e in run]).float()
+        low = low_dampening(g) if probe is not None else None
         box = [H]
         del H
-        qgu = run_gptq(Wgu, box.pop(), group_size, g, layer, run, consume=True, fit_tokens=n_fit)
+        if low is not None:  # both dampenings in one call (run_gptq stacks them)
+            qgu, qgu_low = run_gptq(Wgu, box.pop(), group_size, g, layer, run, fit_tokens=n_fit, low=low)
+        else:
+            qgu = run_gptq(Wgu, box.pop(), group_size, g, layer, run, consume=True, fit_tokens=n_fit)
         del Wgu
         gu_hat = QuantizedWeight(qgu.q, qgu.scale).dequantize(torch.float32)  # [C, 2I, D]
 
@@ -318,7 +337,11 @@ def gptq_experts(store: ActivationStore, routing: LayerRouting, ew: dict[str, to
         Wd = torch.stack([ew[f"mlp.experts.{e}.down_proj.weight"] for e in run]).float()  # [C, D, I]
         box = [Hd]
         del Hd
-        qd = run_gptq(Wd, box.pop(), group_size, g, layer, run, consume=True, fit_tokens=n_fit)
+        if low is not None:
+            qd, qd_low = run_gptq(Wd, box.pop(), group_size, g, layer, run, fit_tokens=n_fit, low=low)
+            x_probe, probe_tokens = _probe_rows(probe, run)
+        else:
+            qd = run_gptq(Wd, box.pop(), group_size, g, layer, run, consume=True, fit_tokens=n_fit)
         del Wd
         layer_held = None
         for j, e in enumerate(run):
@@ -333,7 +356,14 @@ def gptq_experts(store: ActivationStore, routing: LayerRouting, ew: dict[str, to
             if x_held is None:  # no held-out routed token: every held-out token of the layer
                 layer_held = _layer_heldout(store, window) if layer_held is None else layer_held
                 x_held = layer_held
-            quantized[e] = guard_against_rtn(x_held, ew, e, q, group_size, r)
+            if low is not None:
+                q_low = {"gate_proj": QuantizedWeight(qgu_low.q[j, :I], qgu_low.scale[j, :I]),
+                         "up_proj": QuantizedWeight(qgu_low.q[j, I:], qgu_low.scale[j, I:]),
+                         "down_proj": QuantizedWeight(qd_low.q[j], qd_low.scale[j])}
+                quantized[e] = guard_against_rtn(x_held, ew, e, q, group_size, r, low=q_low,
+                                                 x_probe=probe_inputs(x_probe, probe_tokens[e]))
+            else:
+                quantized[e] = guard_against_rtn(x_held, ew, e, q, group_size, r)
             records[e] = r
         del held, layer_held
     return quantized, [records[e] for e in sorted(records)]
@@ -357,7 +387,7 @@ def add_expert_outputs(store: ActivationStore, routing: LayerRouting, weights: d
 
 def convert_experts(ckpt, pair, decisions, layer: int, store: ActivationStore | None, routing: LayerRouting | None,
                     recipe: Recipe, group_size: int, method: str, dtype, dev, bar, chunk: int, group: Group | None = None,
-                    shares: dict | None = None) -> list:
+                    shares: dict | None = None, probe: tuple | None = None) -> list:
     """The routed experts of one MoE layer, `chunk` at a time: loaded (dequantized), quantized when
     decode stores them as new INT4, written to both outputs, and, when calibrating (store given),
     their outputs under the decode weights added to h. Never the whole layer's experts in memory:
@@ -371,7 +401,9 @@ def convert_experts(ckpt, pair, decisions, layer: int, store: ActivationStore | 
     the experts the partition gives it, the results are exchanged, and then every rank runs the
     same loop as a single process with those experts already quantized: the h update is the
     single-process one, expert by expert in ascending order. `shares`, when a dict, receives each
-    rank's experts, their routed tokens and the seconds it spent quantizing them (the balance)."""
+    rank's experts, their routed tokens and the seconds it spent quantizing them (the balance).
+    `probe`, with gptq.low_dampening: (the probe windows' store, their routing), quantkit.quant.experts'
+    "Probe"; their h is updated like the calibration's, every rank all of it."""
     from quantkit.conversion.precision import layer_experts
     from quantkit.quant.experts import PROJS, ExpertRecord, expert_weights
     from quantkit.quant.methods import method_for
@@ -389,7 +421,7 @@ def convert_experts(ckpt, pair, decisions, layer: int, store: ActivationStore | 
     records: list = []
     if group is not None and group.distributed and store is not None and int4:
         done = _quantize_share(group, store, routing, load, sorted(int4), counts, recipe, group_size, method, layer,
-                               dev, bar, chunk, records, shares, len(experts), ckpt.arch)
+                               dev, bar, chunk, records, shares, len(experts), ckpt.arch, probe)
 
     for start in range(0, len(experts), chunk):
         part = experts[start:start + chunk]
@@ -401,7 +433,7 @@ def convert_experts(ckpt, pair, decisions, layer: int, store: ActivationStore | 
             ew = load([e for e in part if e not in quantized])
         if need:
             bar.update(note=f"layer {layer}: quantizing experts {need[0]}-{need[-1]} of {len(experts)}")
-            q, recs = _quantize_chunk(store, routing, ew, need, recipe, group_size, method, layer, dev)
+            q, recs = _quantize_chunk(store, routing, ew, need, recipe, group_size, method, layer, dev, probe)
             quantized.update(q)
             records += recs
         records += [ExpertRecord(layer, e, counts[e], "reused") for e in part if e not in int4]
@@ -413,6 +445,8 @@ def convert_experts(ckpt, pair, decisions, layer: int, store: ActivationStore | 
                        else expert_weights(ew, e) for e in part}
             del ew, quantized
             add_expert_outputs(store, routing, weights, group if group is not None and group.distributed else None)
+            if probe is not None:
+                add_expert_outputs(*probe, weights)
             del weights
         else:
             del ew, quantized
@@ -422,7 +456,7 @@ def convert_experts(ckpt, pair, decisions, layer: int, store: ActivationStore | 
 
 def _quantize_share(group: Group, store: ActivationStore, routing: LayerRouting, load, int4: list[int], counts: list[int],
                     recipe: Recipe, group_size: int, method: str, layer: int, dev, bar, chunk: int, records: list,
-                    shares: dict | None, n_experts: int, arch) -> dict:
+                    shares: dict | None, n_experts: int, arch, probe: tuple | None = None) -> dict:
     """Multi-rank: quantize this rank's part of the layer's INT4 experts (quantkit.runtime.distributed.partition
     by routed tokens), `chunk` at a time, then exchange, so that every rank returns every INT4
     expert's quantized weights; `records` receives every rank's ExpertRecords."""
@@ -440,7 +474,7 @@ def _quantize_share(group: Group, store: ActivationStore, routing: LayerRouting,
         part = mine[start:start + chunk]
         bar.update(note=f"layer {layer}: quantizing {len(mine)} of {n_experts} experts on rank {group.rank}")
         ew = load(part)
-        q, recs = _quantize_chunk(store, routing, ew, part, recipe, group_size, method, layer, dev)
+        q, recs = _quantize_chunk(store, routing, ew, part, recipe, group_size, method, layer, dev, probe)
         for r in recs:
             r.rank = group.rank
         quantized.update(q)
@@ -457,16 +491,17 @@ def _quantize_share(group: Group, store: ActivationStore, routing: LayerRouting,
 
 
 def _quantize_chunk(store: ActivationStore | None, routing: LayerRouting | None, ew: dict, need: list[int], recipe: Recipe,
-                    group_size: int, method: str, layer: int, dev) -> tuple[dict, list]:
+                    group_size: int, method: str, layer: int, dev, probe: tuple | None = None) -> tuple[dict, list]:
     """Quantize the experts `need` (their source weights in `ew`) by `method`, with the inputs the
     registered method asks for (quantkit.quant.methods.Inputs); calibrated ones pass the held-out
-    guard (never worse than RTN, quantkit.quant.experts)."""
+    guard (never worse than RTN, quantkit.quant.experts), which with `probe` may admit their
+    gptq.low_dampening results."""
     from quantkit.quant.experts import guard_experts
     from quantkit.quant.methods import Inputs, method_for
 
     m = method_for(method)
     if m.inputs is Inputs.HESSIANS:
-        return gptq_experts(store, routing, ew, need, recipe, group_size, layer)
+        return gptq_experts(store, routing, ew, need, recipe, group_size, layer, probe)
     if m.inputs is Inputs.NONE:
         return m.quantize(ew, need, recipe, group_size, layer)
     # Inputs.LAYER (AWQ's search): the per-expert inputs, gathered (budgeted by quantkit.conversion.cost)
@@ -475,6 +510,8 @@ def _quantize_chunk(store: ActivationStore | None, routing: LayerRouting | None,
     idx = routing.idx.to(dev)
     tokens = {e: (idx == e).any(-1).nonzero(as_tuple=True)[0] for e in need}
     alternatives: dict = {}
-    quantized, recs = m.quantize(ew, need, recipe, group_size, layer, x=x, tokens=tokens, alternatives=alternatives)
-    guard_experts(recs, quantized, x, tokens, ew, group_size, alternatives)
+    quantized, recs = m.quantize(ew, need, recipe, group_size, layer, x=x, tokens=tokens, alternatives=alternatives,
+                                 low=probe is not None)
+    guard_experts(recs, quantized, x, tokens, ew, group_size, alternatives,
+                  _probe_rows(probe, need) if probe is not None else None)
     return quantized, recs

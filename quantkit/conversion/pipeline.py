@@ -54,6 +54,7 @@ from quantkit.conversion.resume import STATE_DIR, fingerprint, load_hidden, open
 from quantkit.conversion.stages import Calibration, Prefetcher, convert_layer, outside_layers, start_calibration
 from quantkit.errors import ConfigError, OutputError
 from quantkit.inputs.modelspec import open_checkpoint
+from quantkit.quant.experts import probe_windows
 from quantkit.runtime import distributed
 from quantkit.runtime.machine import peak_rss
 from quantkit.runtime.progress import LayerProgress
@@ -168,10 +169,10 @@ def convert(
             outside_layers(job, pair, calibration)
             group.barrier("after the embeddings")
             if group.leader:
-                save_state(state_dir, state, calibration.store, calibration.topks)
+                save_state(state_dir, state, calibration.store, calibration.topks, calibration.probe)
         elif calibration.store is not None and state.next_layer <= ckpt.arch.num_hidden_layers:
             # (past the first MTP layer no layer calibrates, and the saved h is the MTP's, T - 1 long)
-            calibration.topks = load_hidden(state_dir, len(calibration.topks), calibration.store, dev)
+            calibration.topks = load_hidden(state_dir, len(calibration.topks), calibration.store, dev, calibration.probe)
         bar.update(state.next_layer)
 
         # 2. the decoder layers, one at a time (a streamed source fetches the next layer's shards meanwhile)
@@ -334,7 +335,8 @@ def _plan(job: Job, calibrate: bool, progress: bool, *, validate: bool, max_host
                         source_bytes=sum(ckpt.storage_bytes(n) for n in ckpt.tensors),
                         output_bytes=predicted_bytes(ckpt, decisions, job.G), max_shard_bytes=max_shard_bytes,
                         validate=rec.validate if validate else None, activation_dtype=activation_dtype,
-                        quantized=quantized_fraction(ckpt, decisions), nproc=job.group.world)
+                        quantized=quantized_fraction(ckpt, decisions), nproc=job.group.world,
+                        probe=probe_windows(rec) if calibrate and quantized_fraction(ckpt, decisions) else 0)
     if mb := os.environ.get("QUANTKIT_MICRO_BATCH"):
         # debug knob: fewer samples per micro-batch than the budget allows, so that a small test run has
         # several micro-batches (the ranks' token split, docs/distributed.md); changes the float sums' order
@@ -358,7 +360,7 @@ def _save_progress(job: Job, pair: PairWriter, calibration: Calibration, layer: 
         pair.drain()
         group.barrier(f"end of layer {layer}")  # a dead rank stops the others here at the latest
         if group.leader:
-            save_state(job.state_dir, job.state, calibration.store, calibration.topks)
+            save_state(job.state_dir, job.state, calibration.store, calibration.topks, calibration.probe)
     else:
         group.barrier(f"end of layer {layer}")
 

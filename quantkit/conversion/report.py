@@ -19,7 +19,7 @@ from quantkit.conversion.job import Job
 from quantkit.conversion.kvscales import kv_cache_report
 from quantkit.conversion.precision import PASS, precision_summary
 from quantkit.conversion.resume import State
-from quantkit.quant.experts import HOLDOUT, ExpertRecord
+from quantkit.quant.experts import HOLDOUT, LOW, ExpertRecord, probe_windows
 from quantkit.quant.methods import METHODS, Inputs, method_for
 from quantkit.runtime.files import file_sha256
 from quantkit.runtime.machine import peak_rss
@@ -91,23 +91,35 @@ def decision(e: dict) -> tuple[str, str]:
     gptq.fallback applied: RTN, or a fit on every token of the layer), or the held-out guard found
     RTN's output error no higher than the calibrated weights' and stored RTN."""
     held = f"on {e.get('heldout', 0)} held-out tokens"
+    probe = _probe_words(e)
     if e["method"] == "reused":
         return "reused", "the source's INT4 weights, bit for bit"
     if e.get("fallback") == "rtn":
         return "fallback", f"starved: {e['tokens']} routed calibration tokens, below gptq.min_tokens; rounded to nearest"
     if e.get("fallback") == "all_tokens":
         return "fallback", (f"starved: {e['tokens']} routed calibration tokens, below gptq.min_tokens; fitted on every "
-                            "calibration token of the layer")
+                            f"calibration token of the layer{probe}")
     if e.get("fallback"):
         return "fallback", e["fallback"]
     if e.get("guard") == "rtn":
-        return "fallback", f"guard: RTN's output error {e['err_rtn']:.4g} <= the calibrated {e['err']:.4g} {held}"
+        return "fallback", f"guard: RTN's output error {e['err_rtn']:.4g} <= the calibrated {e['err']:.4g} {held}{probe}"
     if not METHODS.get(e["method"]) or not METHODS[e["method"]].calibrated:
         return "data-free", f"method {e['method']}"
     if e.get("err") is not None and e.get("err_rtn") is not None:
-        kept = f" (AWQ's s = 1 result, {e['guard']})" if e.get("guard") else ""
-        return "calibrated", f"output error {e['err']:.4g} < RTN's {e['err_rtn']:.4g} {held}{kept}"
+        kept = {None: "", LOW: " (stored: gptq.low_dampening's result, lower on them)"}.get(
+            e.get("guard"), f" (stored: AWQ's s = 1 result, {e.get('guard')})")
+        return "calibrated", f"output error {e['err']:.4g} < RTN's {e['err_rtn']:.4g} {held}{kept}{probe}"
     return "calibrated", "not judged (no held-out tokens)"
+
+
+def _probe_words(e: dict) -> str:
+    """What the probe decided for gptq.low_dampening (quantkit.quant.experts, "Probe"), or nothing."""
+    if not e.get("probe"):
+        return ""
+    ok = e["err_probe_low"] <= e["err_probe_rtn"]
+    return (f"; on {e['probe']} probe tokens the low dampening's error {e['err_probe_low']:.4g} "
+            f"{'<=' if ok else '>'} RTN's {e['err_probe_rtn']:.4g}, so it was {'' if ok else 'not '}a candidate "
+            f"(held-out error there {e['err_low']:.4g})")
 
 
 def source_identity(ckpt: Checkpoint) -> dict[str, str]:
@@ -208,6 +220,11 @@ def _experts_summary(experts: list[dict]) -> dict:
             "guard_kept_rtn": sum(1 for e in experts if e.get("guard") == "rtn"),
             "awq_kept_s1": sum(1 for e in experts if e.get("guard") == "awq-s1"),
             "width_prior": sum(1 for e in experts if e.get("prior")),
+            # gptq.low_dampening: experts judged on the probe, those it admitted, those stored at it
+            **({"probe_judged": sum(1 for e in experts if e.get("probe")),
+                "probe_admitted_low": sum(1 for e in experts if e.get("probe") and e["err_probe_low"] <= e["err_probe_rtn"]),
+                "low_dampening": sum(1 for e in experts if e.get("guard") == LOW)}
+               if any(e.get("probe") for e in experts) else {}),
             "decisions": {d: n for d in ("calibrated", "fallback", "data-free", "reused")
                           if (n := sum(1 for e in experts if decision(e)[0] == d))}}
 
@@ -236,6 +253,10 @@ def _pair_report(model, job: Job, tokens, source_files: dict[str, str], out: Pat
             "tokens": int(tokens.ids.numel()), "sha256": tokens.sha256, "source": tokens.source,
             **({"sources": [{k: x[k] for k in ("spec", "windows", "tokens")} for x in tokens.source["sources"]]}
                if tokens.source.get("kind") == "mix" else {}),  # a mix's per-source counts (quantkit.inputs.mix)
+            **({"probe": {"windows": n, "seq_len": int(tokens.ids.shape[1]), "low_dampening": rec.gptq.low_dampening,
+                          "ids": "drawn uniformly from the vocabulary ids the calibration never contains "
+                                 "(quantkit.inputs.tokens.probe_ids); never fitted on, judged only"}}
+               if (n := probe_windows(rec)) else {}),
         },
         "calibration_choice": "each layer calibrated on the hidden states of the quantized decode model (sequential)",
         "layers": state.layers,

@@ -69,39 +69,58 @@ def open_state(state_dir: Path, digest: str, resume: bool, leader: bool) -> Stat
     return state
 
 
-def save_state(folder: Path, state: State, store, topks: list) -> None:
+def _save_hidden(folder: Path, prefix: str, tag: int, store, topks: list) -> dict:
+    """One store's hidden states as raw bytes and its DSA selections as safetensors; returns what
+    state.json records of them."""
+    store.h.save(folder / f"{prefix}hidden.{tag}.bin")
+    meta = {"shape": list(store.shape), "dtype": str(store.plan.dtype), "file": f"{prefix}hidden.{tag}.bin"}
+    # a copy of each (one, from any device): the selections are views of one buffer per layer
+    # (attention_pass), and safetensors refuses shared storage
+    topk = {f"topk.{i}": t.to("cpu", copy=True) for i, t in enumerate(topks) if t is not None}
+    if topk:
+        save_file(topk, str(folder / "topk.tmp"))
+        os.replace(folder / "topk.tmp", folder / f"{prefix}topk.{tag}.safetensors")
+        meta["topk"] = f"{prefix}topk.{tag}.safetensors"
+    return meta
+
+
+def save_state(folder: Path, state: State, store, topks: list, probe=None) -> None:
     """Progress after a layer, written atomically. The hidden states (the largest thing here: tokens
     x hidden, in the store's dtype) go to disk as raw bytes a sample at a time, one copy (the next
-    layer's replaces it); the DSA selections (only kept when seq_len > index_topk) as safetensors."""
+    layer's replaces it); the DSA selections (only kept when seq_len > index_topk) as safetensors.
+    `probe` (quantkit.conversion.stages.Calibration.probe, gptq.low_dampening): its store and
+    selections the same way, files prefixed `probe-`."""
     # The files are named by the layer they precede and only state.json names them, so a crash
     # between any two of these writes leaves state.json and its hidden states agreeing.
     tag = state.next_layer
-    if store is not None:
-        store.h.save(folder / f"hidden.{tag}.bin")
-        state_h = {"shape": list(store.shape), "dtype": str(store.plan.dtype), "file": f"hidden.{tag}.bin"}
-        # a copy of each (one, from any device): the selections are views of one buffer per layer
-        # (attention_pass), and safetensors refuses shared storage
-        topk = {f"topk.{i}": t.to("cpu", copy=True) for i, t in enumerate(topks) if t is not None}
-        if topk:
-            save_file(topk, str(folder / "topk.tmp"))
-            os.replace(folder / "topk.tmp", folder / f"topk.{tag}.safetensors")
-            state_h["topk"] = f"topk.{tag}.safetensors"
+    state_h = _save_hidden(folder, "", tag, store, topks) if store is not None else None
+    if state_h is not None and probe is not None:
+        state_h["probe"] = _save_hidden(folder, "probe-", tag, probe.store, probe.topks)
+    if state_h is not None:
         faults.point("state:hidden")
-    else:
-        state_h = None
     (folder / "state.tmp").write_text(json.dumps(vars(state) | {"hidden": state_h}))
     os.replace(folder / "state.tmp", folder / "state.json")
-    keep = set((state_h or {}).get(k) for k in ("file", "topk"))
-    for old in [*folder.glob("hidden.*.bin"), *folder.glob("topk.*.safetensors")]:
+    keep = {(m or {}).get(k) for m in (state_h, (state_h or {}).get("probe")) for k in ("file", "topk")}
+    for old in [*folder.glob("*hidden.*.bin"), *folder.glob("*topk.*.safetensors")]:
         if old.name not in keep:
             old.unlink()
     faults.point("state:saved")
 
 
-def load_hidden(folder: Path, n_topks: int, store, dev) -> list:
+def load_hidden(folder: Path, n_topks: int, store, dev, probe=None) -> list:
     """Put the saved hidden states back into `store`; returns the saved DSA selections (None where
-    none was kept). A store of another dtype or shape (other budgets) cannot continue them."""
+    none was kept). A store of another dtype or shape (other budgets) cannot continue them. With
+    `probe`, its saved states too (its selections set on it)."""
     meta = json.loads((folder / "state.json").read_text())["hidden"]
+    topks = _load_hidden(folder, meta, n_topks, store, dev)
+    if probe is not None:
+        if not meta.get("probe"):  # the fingerprint covers the recipe, so this is a damaged state folder
+            raise OutputError(f"{folder}: the interrupted run kept no probe hidden states; rerun without --resume")
+        probe.topks = _load_hidden(folder, meta["probe"], len(probe.topks), probe.store, dev)
+    return topks
+
+
+def _load_hidden(folder: Path, meta: dict, n_topks: int, store, dev) -> list:
     if meta["dtype"] != str(store.plan.dtype) or meta["shape"] != list(store.shape):
         raise OutputError(f"{folder}: the interrupted run kept its hidden states as {meta['dtype']}, this run would "
                           f"use {store.plan.dtype}; resume with the same --max-host-memory / --max-gpu-memory")

@@ -7,6 +7,7 @@ Each stage leaves the progress in the job's state, which pipeline saves (quantki
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -25,7 +26,7 @@ from quantkit.model.kvcache import KVAbsmax
 from quantkit.model.mtp import embed_name, mtp_input, shifted
 from quantkit.model.reference import Context
 from quantkit.model.tensors import TensorClass
-from quantkit.quant.experts import ExpertRecord
+from quantkit.quant.experts import ExpertRecord, probe_windows
 from quantkit.quant.methods import method_for
 from quantkit.runtime import distributed, faults
 from quantkit.runtime.machine import return_freed_memory
@@ -47,10 +48,16 @@ class Calibration:
     ctx: Context | None = None
     topks: list = field(default_factory=list)
     split: Group | None = None
+    # gptq.low_dampening: the probe windows, run through the same quantized layers beside the
+    # calibration tokens but never fitted on (a Calibration of their own: store, context, DSA
+    # selections; every rank runs all of them, and their context measures no KV cache)
+    probe: Calibration | None = None
 
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
+        if self.probe is not None:
+            self.probe.close()
 
 
 def start_calibration(job: Job, tokens) -> Calibration:
@@ -72,7 +79,26 @@ def start_calibration(job: Job, tokens) -> Calibration:
     mtp_table = embed_name(arch, arch.num_hidden_layers, job.ckpt.tensors)
     if arch.num_mtp_layers and mtp_table == f"{arch.prefix}embed_tokens.weight":  # the MTP reads it again: kept
         job.ckpt.hold(mtp_table)
-    return Calibration(tokens, store, ctx, [None] * len(list(store.slices())), split)
+    return Calibration(tokens, store, ctx, [None] * len(list(store.slices())), split, _probe(job, tokens, work))
+
+
+def _probe(job: Job, tokens, work) -> Calibration | None:
+    """The probe's side (Calibration.probe): its windows (quantkit.inputs.tokens.probe_ids, seeded by the
+    calibration's seed), a store like the calibration's and a context without KV-cache measurement,
+    so the prefill's KV scales are the calibration tokens' alone."""
+    from quantkit.inputs.tokens import TokenData, probe_ids
+
+    n = probe_windows(job.rec)
+    if not n or job.cost.probe == 0:  # no expert to quantize (Kimi's reused INT4): nothing to judge
+        return None
+    arch = job.arch
+    ids = probe_ids(tokens.ids, arch.vocab_size, n, job.rec.calibration.seed)
+    data = TokenData(ids=ids, spec="probe", sha256=hashlib.sha256(ids.numpy().tobytes()).hexdigest(),
+                     source={"kind": "probe", "from": "vocabulary ids the calibration never contains"})
+    ctx = Context.build(arch, ids.shape[1], job.dev, job.dtype)
+    ctx.dsa_dense = arch.has_dsa and ids.shape[1] <= arch.index_topk
+    store = ActivationStore(*ids.shape, arch.hidden_size, job.cost.store, job.dev, work, tag="probe-")
+    return Calibration(data, store, ctx, [None] * len(list(store.slices())))
 
 
 def outside_layers(job: Job, pair: PairWriter, calib: Calibration) -> None:
@@ -81,9 +107,10 @@ def outside_layers(job: Job, pair: PairWriter, calib: Calibration) -> None:
     ckpt, arch, state = job.ckpt, job.arch, job.state
     if calib.store is not None:
         table = ckpt.get(f"{arch.prefix}embed_tokens.weight", torch.bfloat16)  # (V, D), exact for a BF16 source
-        ids = calib.tokens.ids
-        for sl in calib.store.slices():
-            calib.store.h.write(sl, F.embedding(ids[sl], table).to(job.dev, job.dtype))
+        for side in (calib, calib.probe):
+            if side is not None:
+                for sl in side.store.slices():
+                    side.store.h.write(sl, F.embedding(side.tokens.ids[sl], table).to(job.dev, job.dtype))
         del table
     for name in ckpt.names(layer=None):
         pair.write_shared(name, job.decisions[name])
@@ -105,17 +132,21 @@ def convert_layer(job: Job, pair: PairWriter, calib: Calibration, bar, layer: in
     # layer's h); a further one would need the previous MTP layer's output: rounded to nearest
     calibrate = calib.store is not None and layer <= arch.num_hidden_layers
     w = _shared_tensors(job, pair, layer, calibrate)
-    routing = kv_stats = None
+    routing = kv_stats = probe_routing = None
     if calibrate and mtp:
         mtp_inputs(job, calib, w, layer)
     if calibrate:  # h += attention (+ dense MLP, or shared expert), x and routing kept for the experts
         routing = attention_pass(calib.store, w, calib.ctx, layer, calib.topks, arch.is_moe(layer), calib.split)
+        if calib.probe is not None:  # the probe windows through the same layer, on every rank
+            probe = calib.probe
+            probe_routing = attention_pass(probe.store, w, probe.ctx, layer, probe.topks, arch.is_moe(layer))
         kv_stats = write_kv_scales(pair, arch.layer_prefix(layer), calib.ctx.kv, layer, arch.definition.attention)
         return_freed_memory()  # the attention's micro-batch buffers, before the experts' Hessians
     t_attention = time.time() - t0
     shares: dict = {}  # multi-rank: each rank's part of this layer's experts
-    records = _routed_experts(job, pair, calib, bar, layer, routing, calibrate, mtp, shares) if arch.is_moe(layer) else []
-    del routing, w
+    records = (_routed_experts(job, pair, calib, bar, layer, routing, calibrate, mtp, shares, probe_routing)
+               if arch.is_moe(layer) else [])
+    del routing, probe_routing, w
     if calibrate and calib.split is not None:  # each rank updated its own micro-batches' h: all of it to all
         distributed.share_rows(job.group, calib.store, [calib.store.h], f"layer {layer}: hidden states")
     pair.flush()
@@ -156,6 +187,9 @@ def mtp_inputs(job: Job, calib: Calibration, w: dict[str, torch.Tensor], layer: 
         del h, e
     del table
     old.close()
+    if calib.probe is not None:  # the MTP layer has no probe: it keeps gptq.dampening (docs/recipes.md)
+        calib.probe.close()
+        calib.probe = None
     calib.store = new
     calib.ctx = Context.build(arch, T - 1, job.dev, job.dtype, kv=calib.ctx.kv)
     calib.ctx.dsa_dense = arch.has_dsa and T - 1 <= arch.index_topk
@@ -177,14 +211,15 @@ def _shared_tensors(job: Job, pair: PairWriter, layer: int, calibrate: bool) -> 
 
 
 def _routed_experts(job: Job, pair: PairWriter, calib: Calibration, bar, layer: int, routing: LayerRouting | None,
-                    calibrate: bool, mtp: bool, shares: dict) -> list[ExpertRecord]:
+                    calibrate: bool, mtp: bool, shares: dict, probe_routing: LayerRouting | None = None) -> list[ExpertRecord]:
     """A MoE layer's routed experts: calibrated on the routed tokens when the layer was, else the
     method's data-free form (a data-free method itself; RTN for a calibrated method in an MTP layer
     after the first, which has no calibration path)."""
     rec = job.rec
     if calibrate:  # h += routed experts under the decode weights
+        probe = (calib.probe.store, probe_routing) if probe_routing is not None else None
         return convert_experts(job.ckpt, pair, job.decisions, layer, calib.store, routing, rec, job.G, rec.method,
-                               job.dtype, job.dev, bar, job.cost.expert_chunk, job.group, shares)
+                               job.dtype, job.dev, bar, job.cost.expert_chunk, job.group, shares, probe)
     records = convert_experts(job.ckpt, pair, job.decisions, layer, None, None, rec, job.G, rec.method, job.dtype,
                               job.dev, bar, job.cost.expert_chunk)
     if mtp:

@@ -41,8 +41,9 @@ import torch
 from quantkit.errors import ConfigError
 from quantkit.runtime.files import file_sha256
 
-__all__ = ["TokenData", "load_tokens", "parse_spec", "HELDOUT_SEED"]
+__all__ = ["TokenData", "load_tokens", "parse_spec", "probe_ids", "HELDOUT_SEED"]
 
+PROBE_SEED = 7919  # probe_ids' generator: the calibration seed plus this
 HELDOUT_SEED = 1000  # quantkit.synthetic.tiny: corpus seeds >= 1000 never reach training or calibration
 TEXT_SUFFIXES = (".jsonl", ".txt", ".parquet")
 TOKEN_SUFFIXES = (".npy", ".safetensors")
@@ -169,6 +170,22 @@ def load_tokens(
     if tokenizer is not None:
         _check_vocab(ids, Path(tokenizer), s.normalized)
     return TokenData(ids=ids, spec=s.normalized, sha256=hashlib.sha256(ids.numpy().tobytes()).hexdigest(), source=source)
+
+
+def probe_ids(calibration: torch.Tensor, vocab_size: int, num_samples: int, seed: int = 0) -> torch.Tensor:
+    """Probe windows, int64 [num_samples, L] with L the calibration's window length: token ids drawn
+    uniformly (seeded) from the vocabulary ids the calibration (N, L) never contains, so that the
+    layers see inputs outside its span (quantkit.quant.experts, "Probe"). Every id when the
+    calibration contains them all. Not text: a stress input, like a user's code, tool calls or
+    another script arriving as ids chat never produced."""
+    seen = torch.zeros(vocab_size, dtype=torch.bool)
+    seen[calibration.flatten().clamp(0, vocab_size - 1)] = True
+    pool = (~seen).nonzero().flatten()
+    if len(pool) == 0:
+        pool = torch.arange(vocab_size)
+    gen = torch.Generator().manual_seed(PROBE_SEED + seed)
+    pick = torch.randint(0, len(pool), (num_samples, calibration.shape[1]), generator=gen)
+    return pool[pick].to(torch.int64)  # (num_samples, L)
 
 
 # ---- synthetic corpus ----------------------------------------------------------------------------

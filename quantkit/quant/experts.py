@@ -24,6 +24,15 @@ One policy, in one place, for GPTQ (quantkit.conversion.pipeline) and AWQ (quant
   compared with RTN's; the lower one is stored, and the record says which and both errors. So no
   expert is stored worse than RTN on data it was not fitted to (up to the noise of its held-out
   tokens), by construction rather than by tuning.
+* Probe. Held-out tokens come from the calibration's own text, so they share its span: they
+  cannot tell a low dampening that fits that span closely (what llm-compressor's 0.01 buys on
+  trained models) from one that has moved error into directions other inputs excite (what it
+  costs on random-weight ones: docs/benchmarks.md, "The acceptance grid"). With
+  gptq.low_dampening set, convert also runs probe windows of token ids the calibration never
+  contained through the same quantized layers (never fitted on, never judged in-distribution:
+  quantkit.inputs.tokens.probe_ids), and each expert is quantized at both dampenings. The low one
+  is a candidate for the guard only if its output error on the expert's probe tokens is no higher
+  than the recipe dampening's; the guard then picks among the admitted ones and RTN as above.
 """
 
 from __future__ import annotations
@@ -38,10 +47,12 @@ from quantkit.quant.gptq import HessianError, QuantizedWeight, gptq, quantize_rt
 
 __all__ = ["PROJS", "HOLDOUT", "ExpertRecord", "expert_weights", "is_heldout", "is_heldout_window", "split_heldout", "starved",
            "calibration_inputs",
-           "expert_dampening", "prior_of", "heldout_inputs", "rtn_expert", "run_gptq", "guard_against_rtn", "guard_experts"]
+           "expert_dampening", "prior_of", "heldout_inputs", "probe_inputs", "probe_windows", "rtn_expert", "run_gptq", "low_dampening",
+           "guard_against_rtn", "guard_experts", "LOW"]
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 HOLDOUT = 8  # every 8th calibration token of a layer is held out of fitting, to judge the result
+LOW = "low-dampening"  # the record's guard value when the stored weights are gptq.low_dampening's
 
 
 @dataclass
@@ -58,6 +69,11 @@ class ExpertRecord:
     err_rtn: float | None = None  # the same for RTN
     prior: float | None = None  # gptq.width_prior's added dampening for gate/up (c * width / fit tokens)
     rank: int | None = None  # multi-rank convert: the rank that quantized it (quantkit.runtime.distributed)
+    probe: int = 0  # gptq.low_dampening: probe tokens the low dampening was judged on
+    err_probe: float | None = None  # the same error as `err` on them, at gptq.dampening
+    err_probe_low: float | None = None  # ... at gptq.low_dampening (admitted to the guard when <= err_probe_rtn)
+    err_probe_rtn: float | None = None  # ... RTN's
+    err_low: float | None = None  # the held-out error (as `err`) at gptq.low_dampening, admitted or not
 
 
 def expert_weights(w: dict[str, torch.Tensor], e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -78,6 +94,23 @@ def is_heldout_window(pos: torch.Tensor, seq_len: int) -> torch.Tensor:
     i*seq_len ... (i+1)*seq_len - 1): True for every token of every HOLDOUT-th calibration window, so
     the guard judges on whole windows no Hessian saw, not on the fitted tokens' neighbours."""
     return (pos // seq_len) % HOLDOUT == HOLDOUT - 1
+
+
+PROBE_TOKENS = 32768  # at most this many probe tokens: ~1000 per expert at full scale (top-8 of 256)
+
+
+def probe_windows(rec) -> int:
+    """The probe windows a run makes (quantkit.conversion.stages.Calibration.probe): with
+    gptq.low_dampening set and a calibrated method, as many as the held-out share of the
+    calibration windows (one in HOLDOUT), at least one, and no more than PROBE_TOKENS tokens' worth
+    (judging needs tokens per expert, not a share of the calibration: at 512 x 2048 that is 16
+    windows, 3% more attention work rather than 12%); else 0."""
+    from quantkit.quant.methods import method_for
+
+    if getattr(rec.gptq, "low_dampening", None) is None or not method_for(rec.method).calibrated:
+        return 0
+    c = rec.calibration
+    return max(1, min(-(-c.num_samples // HOLDOUT), PROBE_TOKENS // c.seq_len))
 
 
 def starved(n_routed: int, g) -> bool:
@@ -119,6 +152,15 @@ def heldout_inputs(x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
     return x[held]
 
 
+def probe_inputs(x_probe: torch.Tensor | None, routed: torch.Tensor | None) -> torch.Tensor | None:
+    """The probe tokens an expert's low dampening is judged on: those of x_probe (P, D), the layer's
+    probe inputs, that the router sends it, or all of them when it is sent none (its error on
+    inputs outside the calibration's span is what is asked, routed or not). None without a probe."""
+    if x_probe is None or len(x_probe) == 0:
+        return None
+    return x_probe[routed] if routed is not None and len(routed) else x_probe
+
+
 def rtn_expert(w: dict[str, torch.Tensor], e: int, group_size: int) -> dict[str, QuantizedWeight]:
     return {p: quantize_rtn(t, group_size) for p, t in zip(PROJS, expert_weights(w, e))}
 
@@ -140,22 +182,48 @@ def prior_of(g, fit_tokens: int, width: int) -> float | None:
     return round(c * width / max(fit_tokens, 1), 6) if c else None
 
 
+def low_dampening(g):
+    """The recipe's gptq section with gptq.low_dampening as its dampening (the probe's candidate),
+    or None when the recipe sets none."""
+    low = getattr(g, "low_dampening", None)
+    return None if low is None else g.model_copy(update={"dampening": low})
+
+
 def run_gptq(W: torch.Tensor, H: torch.Tensor, group_size: int, g, layer: int, experts,
-             consume: bool = False, fit_tokens: list[int] | None = None) -> QuantizedWeight:
+             consume: bool = False, fit_tokens: list[int] | None = None, low=None):
     """`quantkit.quant.gptq.gptq` with the recipe's settings; a broken Hessian becomes a one-line error.
     consume=True lets GPTQ factor H in place and free it (the caller must hold no other reference).
-    fit_tokens: each expert's (W's first batch dim) fit-token count, for gptq.width_prior."""
+    fit_tokens: each expert's (W's first batch dim) fit-token count, for gptq.width_prior.
+
+    low: a gptq section at another dampening (`low_dampening`): then both are quantized in one
+    batched call (W and H stacked twice along the experts, one dampening per copy; on a GPU the
+    column loop's launches are the same as for one) and (at g's dampening, at low's) is returned.
+    An expert's bytes do not depend on its batch (tests/runtime/test_distributed.py), so the first
+    is what the call without `low` gives."""
     damp = g.dampening if fit_tokens is None else expert_dampening(g, fit_tokens, W.shape[-1])
+    C = W.shape[0]
+    if low is not None:
+        damp_low = low.dampening if fit_tokens is None else expert_dampening(low, fit_tokens, W.shape[-1])
+        damp = torch.cat([torch.as_tensor(d, dtype=torch.float64).expand(C) for d in (damp, damp_low)])  # (2C,)
+        W = torch.cat([W, W]).float()  # [2C, ...]
+        box = [torch.cat([H, H]).float()]  # [2C, ..., in, in]
+        del H  # the caller's copy stays theirs; this stacked one is consumed
+        consume = True
+    else:
+        box = [H]
+        del H  # no reference left here, so that a consumed H is freed inside gptq
     if isinstance(damp, torch.Tensor):  # (C,) -> (C, 1, ...) against W's batch dims
         damp = damp.reshape(-1, *[1] * (W.dim() - 3))
-    box = [H]
-    del H  # no reference left here, so that a consumed H is freed inside gptq
     try:
-        return gptq(W, box.pop(), group_size, block_size=g.block_size, dampening=damp, actorder=g.actorder,
-                    consume=consume, observer=getattr(g, "observer", "minmax"),
-                    static_groups=getattr(g, "static_groups", True))
+        q = gptq(W, box.pop(), group_size, block_size=g.block_size, dampening=damp, actorder=g.actorder,
+                 consume=consume, observer=getattr(g, "observer", "minmax"),
+                 static_groups=getattr(g, "static_groups", True))
     except HessianError as e:
         raise OutputError(f"layer {layer}, experts {experts}: {e}; raise gptq.dampening in the recipe") from None
+    if low is None:
+        return q
+    return tuple(QuantizedWeight(q.q[k * C:(k + 1) * C], q.scale[k * C:(k + 1) * C],
+                                 None if q.loss is None else q.loss[k * C:(k + 1) * C]) for k in (0, 1))
 
 
 def _output_error(x: torch.Tensor, ref: torch.Tensor, q: dict[str, QuantizedWeight]) -> float:
@@ -165,17 +233,31 @@ def _output_error(x: torch.Tensor, ref: torch.Tensor, q: dict[str, QuantizedWeig
 
 def guard_against_rtn(x_held: torch.Tensor, w: dict[str, torch.Tensor], e: int, q: dict[str, QuantizedWeight],
                       group_size: int, record: ExpertRecord,
-                      alternatives: dict[str, dict[str, QuantizedWeight]] | None = None) -> dict[str, QuantizedWeight]:
-    """Keep q, one of its `alternatives` (e.g. AWQ with s = 1) or RTN for expert e, whichever has the
-    lowest output error on x_held (float32); fills the record's guard fields, returns what is stored.
-    record.err is q's error, record.err_rtn RTN's; record.guard names the winner when it is not q."""
+                      alternatives: dict[str, dict[str, QuantizedWeight]] | None = None,
+                      low: dict[str, QuantizedWeight] | None = None,
+                      x_probe: torch.Tensor | None = None) -> dict[str, QuantizedWeight]:
+    """Keep q, one of its `alternatives` (e.g. AWQ with s = 1), `low` (q at gptq.low_dampening) or RTN
+    for expert e, whichever has the lowest output error on x_held (float32); fills the record's guard
+    fields, returns what is stored. record.err is q's error, record.err_rtn RTN's; record.guard names
+    the winner when it is not q. `low` competes only if its error on x_probe (the expert's probe
+    tokens, `probe_inputs`) is no higher than RTN's there; without probe tokens it does not compete."""
     x = x_held.float()
     ref = swiglu(x, *(t.float() for t in expert_weights(w, e)))
     rtn = {p: quantize_rtn(t, group_size) for p, t in zip(PROJS, expert_weights(w, e))}
     record.heldout = len(x)
     record.err, record.err_rtn = _output_error(x, ref, q), _output_error(x, ref, rtn)
+    candidates = dict(alternatives or {})
+    if low is not None and x_probe is not None and len(x_probe):
+        xp = x_probe.float()
+        ref_p = swiglu(xp, *(t.float() for t in expert_weights(w, e)))
+        record.probe = len(xp)
+        record.err_probe, record.err_probe_low = _output_error(xp, ref_p, q), _output_error(xp, ref_p, low)
+        record.err_probe_rtn = _output_error(xp, ref_p, rtn)
+        record.err_low = _output_error(x, ref, low)
+        if record.err_probe_low <= record.err_probe_rtn:
+            candidates[LOW] = low
     best, best_err, name = q, record.err, None
-    for alt, qa in (alternatives or {}).items():
+    for alt, qa in candidates.items():
         err = _output_error(x, ref, qa)
         if err < best_err:
             best, best_err, name = qa, err, alt
@@ -188,10 +270,16 @@ def guard_against_rtn(x_held: torch.Tensor, w: dict[str, torch.Tensor], e: int, 
 
 def guard_experts(records: list[ExpertRecord], quantized: dict[int, dict[str, QuantizedWeight]], x: torch.Tensor,
                   tokens: dict[int, torch.Tensor], w: dict[str, torch.Tensor], group_size: int,
-                  alternatives: dict | None = None) -> None:
+                  alternatives: dict | None = None,
+                  probe: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None) -> None:
     """`guard_against_rtn` for every calibrated expert of one `quantize_experts` result, in place:
-    x (N, D) the layer's MoE inputs, tokens[e] the expert's routed token indices."""
+    x (N, D) the layer's MoE inputs, tokens[e] the expert's routed token indices, alternatives[e]
+    its alternatives by name; the one named LOW (gptq.low_dampening's result) is judged on probe =
+    (the layer's probe inputs (P, D), each expert's routed probe-token indices) first."""
     for r in records:
         if r.fallback != "rtn":  # a starved expert that took gptq.fallback: rtn is RTN already
+            alts = dict((alternatives or {}).get(r.expert) or {})
+            low = alts.pop(LOW, None)
+            x_probe = probe_inputs(probe[0], probe[1].get(r.expert)) if probe is not None else None
             quantized[r.expert] = guard_against_rtn(heldout_inputs(x, tokens[r.expert]), w, r.expert,
-                                                    quantized[r.expert], group_size, r, (alternatives or {}).get(r.expert))
+                                                    quantized[r.expert], group_size, r, alts, low, x_probe)

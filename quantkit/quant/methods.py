@@ -79,13 +79,15 @@ class Method:
 
     def quantize(self, w: dict[str, torch.Tensor], experts: list[int], recipe, group_size: int, layer: int, *,
                  x: torch.Tensor | None = None, tokens: dict[int, torch.Tensor] | None = None,
-                 alternatives: dict | None = None) -> tuple[dict[int, dict[str, QuantizedWeight]], list[ExpertRecord]]:
+                 alternatives: dict | None = None, low: bool = False) -> tuple[dict[int, dict[str, QuantizedWeight]], list[ExpertRecord]]:
         """({expert: {proj: QuantizedWeight}}, [ExpertRecord]) for `experts` of one layer.
 
         w: the layer's expert weights (mlp.experts.{e}.{proj}.weight), read only. A calibrated
         method also takes x (N, D), the layer's MoE inputs held whole, and tokens[e], the indices of
         the tokens routed to e (the whole-layer form; GPTQ's convert streams its Hessians instead).
-        `alternatives`, when a dict, receives other candidates per expert for the held-out guard."""
+        `alternatives`, when a dict, receives other candidates per expert for the held-out guard;
+        with low=True (a probe is there and the recipe sets gptq.low_dampening) also the expert at
+        the low dampening, named quantkit.quant.experts.LOW (the guard judges it on the probe first)."""
         raise NotImplementedError
 
     def settings_line(self, recipe: dict) -> str | None:
@@ -117,13 +119,17 @@ class GPTQSettings(Settings):
     # which calibration tokens the guard judges on, never fitted (streamed GPTQ): every 8th of each
     # expert's routed tokens ("position"), or every token of every 8th calibration window ("window")
     holdout: Literal["position", "window"] = "position"
+    # a second, lower dampening tried for every expert (null: off): a candidate only where, on probe windows
+    # of token ids the calibration never contains, its output error is no higher than RTN's; then the
+    # held-out guard chooses among both dampenings and RTN (quantkit.quant.experts, "Probe")
+    low_dampening: float | None = Field(None, gt=0, lt=1)
 
 
 class GPTQ(Method):
     name, display, help = "gptq", "GPTQ", "calibrated: per-expert Hessians, streamed"
     inputs, section, settings = Inputs.HESSIANS, "gptq", GPTQSettings
 
-    def quantize(self, w, experts, recipe, group_size, layer, *, x=None, tokens=None, alternatives=None):
+    def quantize(self, w, experts, recipe, group_size, layer, *, x=None, tokens=None, alternatives=None, low=False):
         from quantkit.quant.moe import quantize_experts_gptq
 
         return quantize_experts_gptq(x, w, tokens, experts, recipe, group_size, layer)
@@ -134,7 +140,7 @@ class GPTQ(Method):
                 f"group scales {g.get('observer', 'minmax')}, experts with fewer than {g.get('min_tokens')} routed "
                 f"tokens take `{g.get('fallback')}`"
                 + (f"; thin-calibration prior {g['width_prior']:g} x input width / fit tokens added to each expert's "
-                   f"dampening" if g.get("width_prior") else ""))
+                   f"dampening" if g.get("width_prior") else "") + _low_line(g))
 
     def recipe_problems(self, recipe) -> list[str]:
         g, out = recipe.gptq, []
@@ -143,7 +149,18 @@ class GPTQ(Method):
         if not g.static_groups and g.actorder:
             out.append("gptq.static_groups: false needs gptq.actorder: false (a group's scale is set "
                        "when its first column is reached, in the original column order)")
+        if g.low_dampening is not None and g.low_dampening >= g.dampening:
+            out.append(f"gptq.low_dampening: {g.low_dampening} must be below gptq.dampening {g.dampening} "
+                       "(it is the candidate the probe may admit; remove it or lower it)")
         return out
+
+
+def _low_line(g: dict) -> str:
+    """The card's words for gptq.low_dampening (quantkit.quant.experts, "Probe"), or nothing."""
+    if g.get("low_dampening") is None:
+        return ""
+    return (f"; dampening {g['low_dampening']} tried for every expert, a candidate where probe windows of token ids "
+            "the calibration never contains show it no worse than RTN")
 
 
 class AWQSettings(Settings):  # method: awq (quantkit.quant.awq)
@@ -158,23 +175,24 @@ class AWQ(Method):
     cost_note = ("awq: the search gathers the layer's MoE inputs and each expert's routed rows (budgeted); "
                  "time as GPTQ x 1.3")
 
-    def quantize(self, w, experts, recipe, group_size, layer, *, x=None, tokens=None, alternatives=None):
+    def quantize(self, w, experts, recipe, group_size, layer, *, x=None, tokens=None, alternatives=None, low=False):
         from quantkit.quant.awq import quantize_experts_awq
 
-        return quantize_experts_awq(x, w, tokens, experts, recipe, group_size, layer, alternatives=alternatives)
+        return quantize_experts_awq(x, w, tokens, experts, recipe, group_size, layer, alternatives=alternatives, low=low)
 
     def settings_line(self, recipe: dict) -> str | None:
         a, g = recipe.get("awq") or {}, recipe.get("gptq") or {}
         return (f"- AWQ: grid {a.get('grid')}, duo scaling {a.get('duo_scaling')}, then GPTQ on the smoothed weights "
                 f"(dampening {g.get('dampening')}, block {g.get('block_size')}, actorder {g.get('actorder')})"
-                + (f"; thin-calibration prior {g['width_prior']:g} x input width / fit tokens" if g.get("width_prior") else ""))
+                + (f"; thin-calibration prior {g['width_prior']:g} x input width / fit tokens" if g.get("width_prior") else "")
+                + _low_line(g))
 
 
 class RTN(Method):
     name, display, help = "rtn", "RTN", "data-free baseline: round to nearest, min-max group scales"
     inputs = Inputs.NONE
 
-    def quantize(self, w, experts, recipe, group_size, layer, *, x=None, tokens=None, alternatives=None):
+    def quantize(self, w, experts, recipe, group_size, layer, *, x=None, tokens=None, alternatives=None, low=False):
         from quantkit.quant.experts import ExpertRecord, rtn_expert
 
         return ({e: rtn_expert(w, e, group_size) for e in experts},
@@ -194,7 +212,7 @@ class RTNClip(Method):
     inputs, section, settings = Inputs.NONE, "rtn_clip", RTNClipSettings
     flops_per_weight = 20.0 * 20  # RTN's work for each of the search's candidate ranges (grid x max_shrink)
 
-    def quantize(self, w, experts, recipe, group_size, layer, *, x=None, tokens=None, alternatives=None):
+    def quantize(self, w, experts, recipe, group_size, layer, *, x=None, tokens=None, alternatives=None, low=False):
         from quantkit.quant.experts import PROJS, ExpertRecord, expert_weights
         from quantkit.quant.gptq import quantize_rtn_clip
 

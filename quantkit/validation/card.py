@@ -227,7 +227,10 @@ def _guard_line(report: dict) -> str:
             + (f", {e['awq_kept_s1']} AWQ kept s = 1" if e.get("awq_kept_s1") else "")
             + f"; {calibrated}/{made} quantized routed experts stored calibrated"
             + (f", {e['width_prior']} under the thin-calibration prior (per expert in the report's `prior`)"
-               if e.get("width_prior") else ""))
+               if e.get("width_prior") else "")
+            + (f"; probe: {e['probe_judged']} judged at gptq.low_dampening on token ids the calibration never "
+               f"contains, {e['probe_admitted_low']} no worse than RTN there, {e['low_dampening']} stored at it"
+               if e.get("probe_judged") else ""))
 
 
 def _measured(which: str, v: dict) -> list[str]:

@@ -115,7 +115,8 @@ def test_rtn_and_reused_experts_need_no_activations():
 def test_full_scale_glm_on_one_h200_fits_and_says_validate_is_long():
     c = plan_convert_for("glm-5.2", gpu="h200", max_host_memory="200GB")
     assert c.fits and c.peak_device <= c.gpu_budget
-    assert c.tokens == 512 * 2048
+    assert c.tokens == (512 + c.probe) * 2048 and c.probe == 16  # the shipped gptq.low_dampening's probe, capped
+    assert sum(c.seconds.values()) < 2 * 3600  # the 2 h target (docs/benchmarks.md, "Full-scale predictions")
     assert c.disk["resume_state"] > 0
     # 340 GB of the 1.9 TB kept (device, then host): every greedy token re-reads the rest
     assert c.validate_kept < c.validate_share and any("each greedy token re-reads" in n for n in c.notes)
@@ -142,7 +143,8 @@ def test_plan_convert_cli_json():
     r = runner.invoke(app, ["plan", "glm-5.2", "--convert", "--gpu", "h200", "--json", "--num-samples", "64"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
-    assert d["tokens"] == 64 * 2048 and d["store"]["dtype"] in ("float32", "bfloat16") and d["seconds_total"] > 0
+    assert d["tokens"] == (64 + d["probe"]) * 2048 and d["probe"] == 8 and d["store"]["dtype"] in ("float32", "bfloat16")
+    assert d["seconds_total"] > 0
     r = runner.invoke(app, ["plan", "glm-5.2", "--convert", "--gpu", "cpu", "--max-host-memory", "4GB"])
     assert r.exit_code == 0 and "does not fit" in r.output and "--max-host-memory" in r.output
 
@@ -158,6 +160,36 @@ def test_convert_reports_the_same_prediction_as_plan(tiny_glm, tmp_path):
     assert got["memory"] == planned.to_json()["memory"] and got["expert_chunk"] == planned.expert_chunk
     assert got["store"] == planned.to_json()["store"]
     assert res.report["peak_rss_bytes"] <= 6 * GB
+
+
+def test_a_probe_is_counted_as_tokens_gptq_twice_and_the_copies_it_keeps():
+    """gptq.low_dampening's probe windows (quantkit.quant.experts.probe_windows): stored and run like
+    calibration windows but enter no Hessian; every expert quantized twice in one batched call
+    (arithmetic x 2, the same launches), with W and H stacked twice."""
+    base, probed = _glm(num_samples=64, seq_len=512), _glm(num_samples=64, seq_len=512, probe=8)
+    assert probed.tokens == base.tokens + 8 * 512
+    assert probed.seconds["hessians"] == pytest.approx(base.seconds["hessians"], rel=0.01)
+    assert base.seconds["gptq"] < probed.seconds["gptq"] < 2 * base.seconds["gptq"]
+    assert probed.memory["experts"] > base.memory["experts"]
+    assert any("gptq.low_dampening" in n for n in probed.notes)
+
+
+def test_convert_and_plan_count_the_probe_alike(tiny_glm, tmp_path):
+    import yaml
+
+    from quantkit.conversion.pipeline import convert
+    from quantkit.recipe import load_recipe
+
+    rec = load_recipe("tiny-glm-5.2").to_dict()
+    rec["gptq"].update({"dampening": 0.1, "low_dampening": 0.01})
+    (tmp_path / "low.yaml").write_text(yaml.safe_dump(rec))
+    res = convert(tiny_glm, tmp_path / "out", recipe=tmp_path / "low.yaml", validate=False, progress=False,
+                  max_host_memory="6GB", device="cpu")
+    planned = plan_convert_for(str(tiny_glm), recipe=str(tmp_path / "low.yaml"), gpu="cpu", max_host_memory="6GB",
+                               validate=False)
+    n, T = rec["calibration"]["num_samples"], rec["calibration"]["seq_len"]
+    assert res.report["cost"]["tokens"] == planned.tokens == (n + -(-n // 8)) * T
+    assert res.report["cost"]["memory"] == planned.to_json()["memory"]
 
 
 def test_convert_refuses_before_writing(tiny_glm, tmp_path):

@@ -301,3 +301,16 @@ def test_real_text_with_a_stray_byte_still_works(tmp_path, tiny_kimi):
     d = load_tokens(str(f), tokenizer=tiny_kimi, num_samples=2, seq_len=16)
     assert d.ids.shape == (2, 16)
     assert float((d.ids == 3).float().mean()) < 0.1  # <unk> is id 3 in the tiny vocabulary
+
+
+def test_probe_ids_avoid_every_calibration_id_and_are_seeded():
+    """quantkit.inputs.tokens.probe_ids: ids the calibration never contains, the calibration's window
+    length, the same for the same seed; every id when the calibration has them all."""
+    cal = load_tokens("synthetic:train", tokenizer=None, num_samples=8, seq_len=32).ids
+    p = calib.probe_ids(cal, 512, 3, seed=0)
+    assert p.shape == (3, 32) and p.dtype == torch.int64
+    assert not set(p.flatten().tolist()) & set(cal.flatten().tolist())
+    assert p.max() < 512 and len(set(p.flatten().tolist())) > 40
+    assert torch.equal(p, calib.probe_ids(cal, 512, 3, seed=0)) and not torch.equal(p, calib.probe_ids(cal, 512, 3, seed=1))
+    full = torch.arange(16).reshape(2, 8)
+    assert set(calib.probe_ids(full, 16, 4, seed=0).flatten().tolist()) <= set(range(16))

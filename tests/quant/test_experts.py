@@ -7,6 +7,7 @@ import torch
 
 from quantkit.quant.experts import (
     HOLDOUT,
+    LOW,
     PROJS,
     ExpertRecord,
     calibration_inputs,
@@ -81,6 +82,29 @@ def test_guard_keeps_whichever_is_better_on_heldout_tokens():
     kept = guard_against_rtn(xh, w, 0, bad, 32, r)
     assert r.guard == "rtn" and r.method == "rtn" and r.err > r.err_rtn and r.heldout == len(xh) == 25
     assert all(torch.equal(kept[p].q, good[p].q) for p in PROJS)
+
+
+def test_low_dampening_competes_only_where_the_probe_admits_it():
+    """guard_against_rtn's `low`: held-out tokens live in the first half of the input dims, probe
+    tokens in the second. A candidate exact on the first half and wrecked on the second beats q on
+    held-out tokens but is worse than RTN on the probe: refused. Exact everywhere: admitted and
+    stored. No probe tokens: never a candidate."""
+    x, w = _layer()
+    half = torch.zeros(D)
+    half[: D // 2] = 1
+    xh, xp = x[:40] * half, x[40:80] * (1 - half)
+    src = {p: w[f"mlp.experts.0.{p}.weight"] for p in PROJS}
+    q = {p: quantize_rtn(t, 16) for p, t in src.items()}  # finer groups: better than RTN g32 everywhere
+    exact = {p: quantize_rtn(t, 1) for p, t in src.items()}  # one scale per weight: near exact
+    wrecked = dict(exact, gate_proj=quantize_rtn(src["gate_proj"] * torch.cat([torch.ones(D // 2), -torch.ones(D // 2)]), 1))
+    r = ExpertRecord(1, 0, 200, "gptq")
+    assert guard_against_rtn(xh, w, 0, q, 32, r, low=wrecked, x_probe=xp) is q
+    assert r.guard is None and r.probe == 40 and r.err_probe_low > r.err_probe_rtn and r.err_low < r.err
+    r = ExpertRecord(1, 0, 200, "gptq")
+    assert guard_against_rtn(xh, w, 0, q, 32, r, low=exact, x_probe=xp) is exact
+    assert r.guard == LOW and r.method == "gptq" and r.err_probe_low <= r.err_probe_rtn
+    r = ExpertRecord(1, 0, 200, "gptq")
+    assert guard_against_rtn(xh, w, 0, q, 32, r, low=exact, x_probe=xp[:0]) is q and r.probe == 0
 
 
 def test_width_prior_grows_as_calibration_thins_and_is_off_by_default():

@@ -214,6 +214,27 @@ def test_token_split_equals_one_process(single_mb, tmp_path, key, mb, method, np
 
 
 @pytest.mark.slow
+def test_token_split_with_a_probe_equals_one_process(tmp_path):
+    """gptq.low_dampening: every rank runs all the probe windows itself (never split, never shared),
+    so the probe's verdicts, and the bytes, equal a single process's."""
+    import yaml
+
+    from quantkit.recipe import load_recipe
+
+    rec = load_recipe("tiny-glm-5.2").to_dict()
+    rec["gptq"].update({"dampening": 0.1, "low_dampening": 0.01})
+    (tmp_path / "low.yaml").write_text(yaml.safe_dump(rec))
+    args = ("--recipe", str(tmp_path / "low.yaml"), "--json")
+    one = _single(MODELS["glm"], tmp_path / "one", *args, QUANTKIT_MICRO_BATCH="2")
+    two = _torchrun(MODELS["glm"], tmp_path / "two", *args, QUANTKIT_MICRO_BATCH="2")
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr[-2000:], two.stderr[-2000:])
+    assert _files(tmp_path / "two") == _files(tmp_path / "one")
+    got, want = (json.loads((tmp_path / o / "convert-report.json").read_text()) for o in ("two", "one"))
+    assert want["experts_summary"]["probe_judged"] > 0
+    assert [{k: v for k, v in e.items() if k != "rank"} for e in got["experts"]] == want["experts"]
+
+
+@pytest.mark.slow
 def test_token_split_killed_rank_resumes_on_another_world(single_mb, tmp_path):
     """A rank killed after its third layer with 4 micro-batches split 2 ways: the resume state
     holds every micro-batch's h and DSA selection (not only rank 0's), so resuming on 3 ranks
