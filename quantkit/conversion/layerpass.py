@@ -280,6 +280,13 @@ def _probe_rows(probe: tuple, experts: list[int]) -> tuple[torch.Tensor, dict[in
     return x, {e: (routing.idx == e).any(-1).nonzero(as_tuple=True)[0] for e in experts}
 
 
+def _expert_q(qgu: QuantizedWeight, qd: QuantizedWeight, j: int, I: int) -> dict[str, QuantizedWeight]:
+    """Expert j of a chunk's GPTQ results: gate and up are the row-stacked gate/up's halves."""
+    return {"gate_proj": QuantizedWeight(qgu.q[j, :I], qgu.scale[j, :I]),
+            "up_proj": QuantizedWeight(qgu.q[j, I:], qgu.scale[j, I:]),
+            "down_proj": QuantizedWeight(qd.q[j], qd.scale[j])}
+
+
 def gptq_experts(store: ActivationStore, routing: LayerRouting, ew: dict[str, torch.Tensor], experts: list[int],
                  recipe: Recipe, group_size: int, layer: int, probe: tuple | None = None):
     """GPTQ for a chunk of routed experts from streamed Hessians, with quantkit.quant.experts' policy:
@@ -345,25 +352,16 @@ def gptq_experts(store: ActivationStore, routing: LayerRouting, ew: dict[str, to
         del Wd
         layer_held = None
         for j, e in enumerate(run):
-            q = {
-                "gate_proj": QuantizedWeight(qgu.q[j, :I], qgu.scale[j, :I]),
-                "up_proj": QuantizedWeight(qgu.q[j, I:], qgu.scale[j, I:]),
-                "down_proj": QuantizedWeight(qd.q[j], qd.scale[j]),
-            }
+            q = _expert_q(qgu, qd, j, I)
             r = ExpertRecord(layer, e, int(counts[e]), "gptq", "all_tokens" if e in hungry else None,
                              float(qgu.loss[j] + qd.loss[j]), prior=prior_of(g, n_fit[j], Wgu_width))
             x_held = held.get(e)
             if x_held is None:  # no held-out routed token: every held-out token of the layer
                 layer_held = _layer_heldout(store, window) if layer_held is None else layer_held
                 x_held = layer_held
-            if low is not None:
-                q_low = {"gate_proj": QuantizedWeight(qgu_low.q[j, :I], qgu_low.scale[j, :I]),
-                         "up_proj": QuantizedWeight(qgu_low.q[j, I:], qgu_low.scale[j, I:]),
-                         "down_proj": QuantizedWeight(qd_low.q[j], qd_low.scale[j])}
-                quantized[e] = guard_against_rtn(x_held, ew, e, q, group_size, r, low=q_low,
-                                                 x_probe=probe_inputs(x_probe, probe_tokens[e]))
-            else:
-                quantized[e] = guard_against_rtn(x_held, ew, e, q, group_size, r)
+            quantized[e] = guard_against_rtn(
+                x_held, ew, e, q, group_size, r, low=None if low is None else _expert_q(qgu_low, qd_low, j, I),
+                x_probe=None if low is None else probe_inputs(x_probe, probe_tokens[e]))
             records[e] = r
         del held, layer_held
     return quantized, [records[e] for e in sorted(records)]
