@@ -127,3 +127,21 @@ def test_summarize_prints_one_row_per_class_and_size(bench, tmp_path):
     table = bench.summarize([tmp_path]).splitlines()
     assert len(table) == 3 and table[2] == ("| tiny-glm | 32x64 | -3.0 / random-ids +0.5 / +0.2 | -4.0 / random-ids -1.0 / -0.1 | "
                                             "random-ids +2.0 | 0.20 | 100 / 100 / 100 |")
+
+
+def test_summarize_adds_the_probe_column_from_the_runs_reports(bench, tmp_path):
+    """With gptq.low_dampening the runs' convert reports (logs/<run>.log) carry the probe's counts:
+    one more column, admitted / judged and stored at the low dampening, per method."""
+    import json
+
+    row = {s: {"vs_rtn": {"mean": -3.0, "se": 1.0}} for s in ("in-dist", "random-ids")} | {"wall_s": 1.0,
+                                                                                           "peak_rss_bytes": 2**20}
+    res = {"class": "tiny-glm", "calibration": "synthetic:train 32x64", "eval": {"in-dist": [4, 16], "random-ids": [2, 16]},
+           "rows": {"RTN": row, "GPTQ": row, "AWQ": row}}
+    (tmp_path / "results.json").write_text(json.dumps([res]))
+    (tmp_path / "tiny-glm" / "logs").mkdir(parents=True)
+    summary = {"probe_judged": 64, "probe_admitted_low": 60, "low_dampening": 58}
+    (tmp_path / "tiny-glm" / "logs" / "GPTQ.log").write_text(json.dumps({"experts_summary": summary}))
+    table = bench.summarize([tmp_path]).splitlines()
+    assert table[0].endswith("probe, GPTQ / AWQ: low admitted / judged, stored low |")
+    assert table[2].endswith("| 60/64, 58 / - |")
