@@ -204,7 +204,7 @@ def eval_sets(n: int, seq: int, vocab: int, corpus: str = "synthetic") -> dict:
 
 
 SHIPPED_GPTQ = ("dampening", "actorder", "observer", "static_groups", "hessian_weighting", "holdout", "min_tokens",
-                "fallback", "width_prior", "prior_tokens")
+                "fallback", "width_prior", "prior_tokens", "low_dampening")
 
 
 def shipped_fields(recipe: str) -> dict:

@@ -100,7 +100,7 @@ from quantkit.planner.budgets import (
     validate_exchange,
     validate_room,
 )
-from quantkit.quant.experts import probe_windows
+from quantkit.quant.experts import HOLDOUT
 from quantkit.quant.methods import Inputs, method_for
 from quantkit.runtime.machine import available_host_memory, peak_rss  # noqa: F401
 from quantkit.runtime.units import GB, GiB
@@ -159,7 +159,7 @@ class ConvertCost:
     fits: bool = True
     reason: str = ""
     nproc: int = 1  # ranks (quantkit.runtime.distributed); memory and time are per rank, all ranks in parallel
-    probe: int = 0  # gptq.low_dampening's probe windows (quantkit.quant.experts.probe_windows), counted in tokens
+    probe: int = 0  # gptq.low_dampening's probe windows (probe_windows), counted in tokens
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -633,7 +633,7 @@ def plan_convert(
 ) -> ConvertCost:
     """Settings and predicted cost of converting `arch` (see the module docstring for the terms).
 
-    probe: gptq.low_dampening's probe windows (quantkit.conversion.stages.probe_windows): stored and
+    probe: gptq.low_dampening's probe windows (probe_windows, below): stored and
     run through every layer like calibration windows, and every expert quantized a second time.
 
     quantized: the fraction of the calibrated layers' routed experts that decode stores as new INT4
@@ -797,6 +797,21 @@ def plan_convert_for(
                         validate=rec.validate if validate else None, quantized=quantized, nproc=nproc,
                         probe=probe_windows(rec) if calibrate and quantized else 0,
                         expert_bytes=expert_bytes, rates=rates)
+
+
+PROBE_TOKENS = 32768  # at most this many probe tokens: ~1000 per expert at full scale (top-8 of 256)
+
+
+def probe_windows(rec: Recipe) -> int:
+    """The probe windows a run makes (quantkit.conversion.stages.Calibration.probe): with
+    gptq.low_dampening set and a calibrated method, as many as the held-out share of the
+    calibration windows (one in HOLDOUT), at least one, and no more than PROBE_TOKENS tokens' worth
+    (judging needs tokens per expert, not a share of the calibration: at 512 x 2048 that is 16
+    windows, 3% more attention work rather than 12%); else 0."""
+    if getattr(rec.gptq, "low_dampening", None) is None or not method_for(rec.method).calibrated:
+        return 0
+    c = rec.calibration
+    return max(1, min(-(-c.num_samples // HOLDOUT), PROBE_TOKENS // c.seq_len))
 
 
 def quantized_fraction(ckpt, decisions) -> float:

@@ -38,6 +38,7 @@ import torch
 from quantkit.checkpoint.finish import finish_pair, journal
 from quantkit.checkpoint.reader import Checkpoint
 from quantkit.checkpoint.unfinished import record_command
+from quantkit.conversion.cost import probe_windows
 from quantkit.conversion.job import Job
 from quantkit.conversion.outputs import (
     PairWriter,
@@ -54,7 +55,6 @@ from quantkit.conversion.resume import STATE_DIR, fingerprint, load_hidden, open
 from quantkit.conversion.stages import Calibration, Prefetcher, convert_layer, outside_layers, start_calibration
 from quantkit.errors import ConfigError, OutputError
 from quantkit.inputs.modelspec import open_checkpoint
-from quantkit.quant.experts import probe_windows
 from quantkit.runtime import distributed
 from quantkit.runtime.machine import peak_rss
 from quantkit.runtime.progress import LayerProgress

@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 from quantkit import __version__
 from quantkit.checkpoint.reader import Checkpoint
+from quantkit.conversion.cost import probe_windows
 from quantkit.conversion.job import Job
 from quantkit.conversion.kvscales import kv_cache_report
 from quantkit.conversion.precision import PASS, precision_summary
 from quantkit.conversion.resume import State
-from quantkit.quant.experts import HOLDOUT, LOW, ExpertRecord, probe_windows
+from quantkit.quant.experts import HOLDOUT, LOW, ExpertRecord
 from quantkit.quant.methods import METHODS, Inputs, method_for
 from quantkit.runtime.files import file_sha256
 from quantkit.runtime.machine import peak_rss

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from quantkit.checkpoint.reader import Checkpoint
 from quantkit.conversion.activations import ActivationStore
+from quantkit.conversion.cost import probe_windows
 from quantkit.conversion.job import Job
 from quantkit.conversion.kvscales import write_kv_scales
 from quantkit.conversion.layerpass import LayerRouting, attention_pass, convert_experts
@@ -26,7 +27,7 @@ from quantkit.model.kvcache import KVAbsmax
 from quantkit.model.mtp import embed_name, mtp_input, shifted
 from quantkit.model.reference import Context
 from quantkit.model.tensors import TensorClass
-from quantkit.quant.experts import ExpertRecord, probe_windows
+from quantkit.quant.experts import ExpertRecord
 from quantkit.quant.methods import method_for
 from quantkit.runtime import distributed, faults
 from quantkit.runtime.machine import return_freed_memory

@@ -47,7 +47,7 @@ from quantkit.quant.gptq import HessianError, QuantizedWeight, gptq, quantize_rt
 
 __all__ = ["PROJS", "HOLDOUT", "ExpertRecord", "expert_weights", "is_heldout", "is_heldout_window", "split_heldout", "starved",
            "calibration_inputs",
-           "expert_dampening", "prior_of", "heldout_inputs", "probe_inputs", "probe_windows", "rtn_expert", "run_gptq", "low_dampening",
+           "expert_dampening", "prior_of", "heldout_inputs", "probe_inputs", "rtn_expert", "run_gptq", "low_dampening",
            "guard_against_rtn", "guard_experts", "LOW"]
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -94,23 +94,6 @@ def is_heldout_window(pos: torch.Tensor, seq_len: int) -> torch.Tensor:
     i*seq_len ... (i+1)*seq_len - 1): True for every token of every HOLDOUT-th calibration window, so
     the guard judges on whole windows no Hessian saw, not on the fitted tokens' neighbours."""
     return (pos // seq_len) % HOLDOUT == HOLDOUT - 1
-
-
-PROBE_TOKENS = 32768  # at most this many probe tokens: ~1000 per expert at full scale (top-8 of 256)
-
-
-def probe_windows(rec) -> int:
-    """The probe windows a run makes (quantkit.conversion.stages.Calibration.probe): with
-    gptq.low_dampening set and a calibrated method, as many as the held-out share of the
-    calibration windows (one in HOLDOUT), at least one, and no more than PROBE_TOKENS tokens' worth
-    (judging needs tokens per expert, not a share of the calibration: at 512 x 2048 that is 16
-    windows, 3% more attention work rather than 12%); else 0."""
-    from quantkit.quant.methods import method_for
-
-    if getattr(rec.gptq, "low_dampening", None) is None or not method_for(rec.method).calibrated:
-        return 0
-    c = rec.calibration
-    return max(1, min(-(-c.num_samples // HOLDOUT), PROBE_TOKENS // c.seq_len))
 
 
 def starved(n_routed: int, g) -> bool:
