@@ -95,15 +95,17 @@ def decision(e: dict) -> tuple[str, str]:
     probe = _probe_words(e)
     if e["method"] == "reused":
         return "reused", "the source's INT4 weights, bit for bit"
+    starved = f"starved: {e['tokens']} routed calibration tokens, below gptq.min_tokens; "
     if e.get("fallback") == "rtn":
-        return "fallback", f"starved: {e['tokens']} routed calibration tokens, below gptq.min_tokens; rounded to nearest"
+        return "fallback", starved + "rounded to nearest"
+    if e.get("guard") == "rtn":
+        lead = starved + "fitted on every calibration token of the layer, then " if e.get("fallback") == "all_tokens" else ""
+        return "fallback", f"{lead}guard: RTN's output error {e['err_rtn']:.4g} <= the calibrated {e['err']:.4g} {held}{probe}"
     if e.get("fallback") == "all_tokens":
-        return "fallback", (f"starved: {e['tokens']} routed calibration tokens, below gptq.min_tokens; fitted on every "
-                            f"calibration token of the layer{probe}")
+        judged = f"; output error {e['err']:.4g} < RTN's {e['err_rtn']:.4g} {held}" if e.get("err") is not None else ""
+        return "fallback", starved + f"fitted on every calibration token of the layer{judged}{probe}"
     if e.get("fallback"):
         return "fallback", e["fallback"]
-    if e.get("guard") == "rtn":
-        return "fallback", f"guard: RTN's output error {e['err_rtn']:.4g} <= the calibrated {e['err']:.4g} {held}{probe}"
     if not METHODS.get(e["method"]) or not METHODS[e["method"]].calibrated:
         return "data-free", f"method {e['method']}"
     if e.get("err") is not None and e.get("err_rtn") is not None:

@@ -115,8 +115,12 @@ def test_guard_keeps_rtn_where_it_is_better_on_heldout_tokens(pairs):
     assert judged and pairs["glm"].report["experts_summary"]["guarded"] == len(judged)
     for e in judged:
         assert (e["method"] == "rtn") == (e["err_rtn"] < e["err"]) == (e["guard"] == "rtn")
-        # the report says it in words too: calibrated or fallback, and the errors that decided it
-        assert e["decision"] == ("fallback" if e["guard"] == "rtn" else "calibrated")
+        # the report says it in words too: calibrated or fallback, and the errors that decided it. A
+        # starved expert (fitted on every token of the layer) is judged too, and stays a fallback: which
+        # experts starve depends on the trained tiny model's routing, so on some CPUs there are none
+        starved = e["fallback"] == "all_tokens"
+        assert e["decision"] == ("fallback" if e["guard"] == "rtn" or starved else "calibrated")
+        assert e["why"].startswith("starved: ") == starved
         assert f"{e['err']:.4g}" in e["why"] and f"{e['err_rtn']:.4g}" in e["why"]
     s = pairs["glm"].report["experts_summary"]
     assert sum(s["decisions"].values()) == s["total"]

@@ -21,4 +21,11 @@ def test_each_expert_is_calibrated_or_a_fallback_with_why_and_the_card_counts_th
     assert decision(base | {"method": "rtn", "fallback": "rtn", "tokens": 3, "heldout": 0})[1].startswith("starved: 3")
     assert decision(base | {"method": "rtn", "heldout": 0, "err": None, "err_rtn": None}) == ("data-free", "method rtn")
     assert decision(base | {"method": "reused"})[0] == "reused"
+    # a starved expert fitted on every token of the layer is a fallback, judged by the guard like any other
+    starved = base | {"method": "gptq", "fallback": "all_tokens", "tokens": 7}
+    assert decision(starved) == ("fallback", "starved: 7 routed calibration tokens, below gptq.min_tokens; fitted on "
+                                             "every calibration token of the layer; output error 0.1 < RTN's 0.3 on 5 "
+                                             "held-out tokens")
+    kept_rtn = decision(starved | {"method": "rtn", "guard": "rtn", "err": 0.4})[1]
+    assert kept_rtn.startswith("starved: 7") and "guard: RTN's output error 0.3 <= the calibrated 0.4" in kept_rtn
     assert _decisions_line({"calibrated": 14, "fallback": 2}).endswith("14 calibrated, 2 fallback")

@@ -96,20 +96,29 @@ def test_engine_numerics_kl_equals_an_independent_w8a8(glm_pair, tiny_glm):
 def test_transformers_runs_decode_as_stored_as_engine_numerics_do(glm_pair):
     """The upstream oracle where it computes it right: transformers loading decode/ as stored runs its FP8
     layers through compressed-tensors' dynamic 1x128 group fake-quant (W8A8) and its INT4 experts
-    dequantized; quantkit's engine numerics compute the same logits, its weight numerics do not."""
+    dequantized; quantkit's engine numerics compute the same logits, its weight numerics do not.
+
+    Judged per position over 32 windows, not by one maximum: the two forwards sum in different orders,
+    and where an activation lies within an ulp of an e4m3 rounding boundary that order flips its code, a
+    step as large as the W8A8-vs-weights gap itself, in that position and every later one of its window.
+    How often depends on the CPU's kernels and the trained tiny model (none in 12 positions on one machine,
+    1 in 7 on another), so the bar is that most positions agree to 1e-5 under engine numerics (measured:
+    86%) and none does under weights numerics (0%; the smallest gap measured is 5e-4)."""
     from transformers import AutoModelForCausalLM
 
+    from quantkit.synthetic.tiny import batches
     from quantkit.validation.forward import run
 
-    ids = torch.tensor([[1, 5, 9, 13, 40, 41, 42, 7, 8, 100, 101, 3]])
+    ids = batches(32, 12, seed=77)
     model = AutoModelForCausalLM.from_pretrained(glm_pair / "decode", dtype=torch.float32).eval()
     for p in model.parameters():
         p.data = p.data.float()
     with torch.no_grad():
-        theirs = model(ids).logits
-    rel = {}
+        theirs = model(ids).logits  # (32, 12, vocab)
+    exact = {}
     for numerics in ("engine", "weights"):
         ck = Checkpoint(glm_pair / "decode")
         ck.numerics = numerics
-        rel[numerics] = ((run(ck, ids, device="cpu") - theirs).abs().max() / theirs.abs().max()).item()
-    assert rel["engine"] < 1e-5 and rel["weights"] > 100 * rel["engine"], rel
+        gap = (run(ck, ids, device="cpu") - theirs).abs().amax(-1) / theirs.abs().amax((1, 2))[:, None]  # (32, 12)
+        exact[numerics] = (gap < 1e-5).float().mean().item()
+    assert exact["engine"] >= 0.5 and exact["weights"] <= 0.02, exact
