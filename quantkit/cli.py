@@ -17,9 +17,9 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from quantkit.model.arch import preset_names
+from quantkit.model.presets import preset_names
 from quantkit.quant.methods import METHODS, unknown_method
-from quantkit.synthetic.tiny import TINY_NAMES
+from quantkit.synthetic import TINY_NAMES
 
 app = typer.Typer(
     name="quantkit",

@@ -22,6 +22,7 @@ from typing import Any
 from quantkit.errors import ConfigError
 from quantkit.model.families import family_of
 from quantkit.model.family import Family
+from quantkit.model.presets import load_preset, preset_names  # noqa: F401  (quantkit.model.arch is where callers find them)
 
 
 @dataclass(frozen=True)
@@ -303,18 +304,3 @@ def load_config(folder: Path) -> dict[str, Any]:
 
 def load_arch(folder: Path) -> ModelArch:
     return arch_from_config(load_config(folder), source=str(Path(folder) / "config.json"))
-
-
-PRESET_DIR = Path(__file__).parent / "presets"
-
-
-def preset_names() -> list[str]:
-    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
-
-
-def load_preset(name: str) -> dict[str, Any]:
-    """The published config.json of a real model, shipped so planning needs no download."""
-    path = PRESET_DIR / f"{name}.json"
-    if not path.is_file():
-        raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(preset_names())}")
-    return json.loads(path.read_text())
