@@ -31,6 +31,8 @@ Classes (each built once, cached under $QUANTKIT_CACHE/bench-calibration):
   tiny-kimi             the trained tiny Kimi K2.6, requantized to group 128 from its INT4 g32 experts
   trained-dsv3          transformers' DeepseekV3ForCausalLM trained 300 steps on CPU on a Markov language
                         unlike the tiny models' (calibrated and evaluated on that language)
+  two-domain-dsv3       the same model trained 400 steps on two languages, the synthetic corpus and the Markov
+                        one, half each (calibrated on the synthetic corpus: "other text" is its second language)
   random-dsv3-outliers  random BF16 DeepSeek-V3 layout, 1/64 of each expert Linear's input columns x4
   random-glm-fp8        random GLM-MoE-DSA weights stored FP8 (GLM-5.2-FP8's format), DSA active
   realshape-glm         realshape:glm-5.2 (real width, 2 layers, 16 experts top-8) at --realshape-budgets
@@ -58,6 +60,7 @@ REVERSED_SEED = 3000
 RANDOM_IDS_SEED = 4000
 OTHER_TEXT_SEED = 5000
 MIX_REVERSED_SEED = 500  # --mix-reversed's second source: train-side corpus seeds, above what synthetic:train reaches here
+MIX_OTHER_SEED = 300_000  # --mix-other's second source: Markov documents no eval set (5000 and up) or training (100000+) has
 
 
 # ---- the model classes -------------------------------------------------------------------------------
@@ -128,9 +131,9 @@ def markov_windows(n: int, seq: int, seed: int, vocab: int = 512):
     return out
 
 
-def _trained_dsv3(folder: Path, steps: int = 300) -> None:
-    """transformers' own DeepseekV3ForCausalLM, trained on CPU on the Markov language (a couple of
-    minutes), saved by save_pretrained (per-expert tensors, BF16)."""
+def _train_dsv3(folder: Path, data, steps: int) -> None:
+    """transformers' own DeepseekV3ForCausalLM, trained on CPU on `data` ((16 * steps, 64) ids, 16 a step),
+    saved by save_pretrained (per-expert tensors, BF16)."""
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -145,7 +148,6 @@ def _trained_dsv3(folder: Path, steps: int = 300) -> None:
                            pad_token_id=0, tie_word_embeddings=False, num_nextn_predict_layers=0)
     model = DeepseekV3ForCausalLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    data = markov_windows(16 * steps, 64, 100_000)  # training documents: seeds 100000 and up
     for step in range(steps):
         ids = data[16 * step: 16 * (step + 1)]
         loss = model(input_ids=ids, labels=ids).loss
@@ -158,11 +160,33 @@ def _trained_dsv3(folder: Path, steps: int = 300) -> None:
     (folder / "train-loss.txt").write_text(f"{loss.item():.4f} after {steps} steps\n")
 
 
+def _trained_dsv3(folder: Path, steps: int = 300) -> None:
+    """DeepSeek-V3 trained on the Markov language alone (a couple of minutes)."""
+    _train_dsv3(folder, markov_windows(16 * steps, 64, 100_000), steps)  # training documents: seeds 100000 and up
+
+
+def _two_domain_dsv3(folder: Path, steps: int = 400) -> None:
+    """DeepSeek-V3 trained on two languages, the way a real model is trained on chat and code: every
+    step's 16 windows are 8 of the synthetic corpus (seeds 0-399, the calibration's side) and 8 of the
+    Markov language (seeds 100000 and up). The languages share ids 6-130 and the Markov one also uses
+    the ids above, so the router can tell them apart: experts that one language sends most of its
+    tokens to are what a one-language calibration leaves thin."""
+    import torch
+
+    from quantkit.synthetic.tiny import batches
+
+    syn = torch.cat([batches(8, 64, seed) for seed in range(steps)])  # (8 * steps, 64)
+    mk = markov_windows(8 * steps, 64, 100_000)
+    data = torch.stack([syn.view(steps, 8, 64), mk.view(steps, 8, 64)], 1).reshape(16 * steps, 64)  # 8 + 8 a step
+    _train_dsv3(folder, data, steps)
+
+
 CLASSES = {
     # name: (build into a folder, or a tiny spec; group size; calibration windows x length; corpus)
     "tiny-glm": ("tiny:glm-5.2", 128, (64, 64), "synthetic"),
     "tiny-kimi": ("tiny:kimi-k2.6", 128, (64, 64), "synthetic"),
     "trained-dsv3": (_trained_dsv3, 128, (64, 64), "markov"),
+    "two-domain-dsv3": (_two_domain_dsv3, 128, (64, 64), "synthetic"),
     "random-dsv3-outliers": (_random_dsv3, 128, (32, 128), "synthetic"),
     "random-glm-fp8": (_random_glm, 128, (32, 64), "synthetic"),
 }
@@ -180,6 +204,8 @@ def class_source(name: str) -> Path:
     if isinstance(build, str):
         return Path(resolve(build))
     text = inspect.getsource(build) + inspect.getsource(markov_windows) + inspect.getsource(_outlier_columns)
+    if name.endswith("dsv3"):
+        text += inspect.getsource(_train_dsv3)
     key = hashlib.sha256(text.encode()).hexdigest()[:10]
     return cached_build(cache_dir() / "bench-calibration" / f"{name}-{key}", build)
 
@@ -249,15 +275,18 @@ def quantkit_run(src: Path, out: Path, method: str, calib: tuple[int, int], G: i
     return m
 
 
-def mix_second_source(calib: tuple[int, int], wd: Path) -> Path:
-    """--mix-reversed's second source, a token file: the same language reversed, from corpus seeds
-    no eval set uses (MIX_REVERSED_SEED and up; the reversed eval set is REVERSED_SEED's)."""
+def mix_second_source(calib: tuple[int, int], wd: Path, kind: str = "reversed") -> Path:
+    """A mix's second source, a token file from documents no eval set uses: --mix-reversed's, the same
+    language reversed (MIX_REVERSED_SEED and up; the reversed eval set is REVERSED_SEED's); --mix-other's,
+    the other corpus, the Markov language (MIX_OTHER_SEED and up; the other-text eval set is OTHER_TEXT_SEED's)."""
     import numpy as np
 
     from quantkit.synthetic.tiny import batches
 
-    second = wd / "calib-reversed.npy"
-    np.save(second, batches(calib[0], calib[1], MIX_REVERSED_SEED).flip(-1).numpy())
+    second = wd / f"calib-{kind}.npy"
+    ids = batches(calib[0], calib[1], MIX_REVERSED_SEED).flip(-1) if kind == "reversed" else \
+        markov_windows(calib[0], calib[1], MIX_OTHER_SEED)
+    np.save(second, ids.numpy())
     return second
 
 
@@ -285,8 +314,11 @@ def guard_summary(experts: list[dict]) -> dict:
 
     stored = sum(1 for e in experts if e["method"] in METHODS and METHODS[e["method"]].calibrated)
     rel = [(e["err"] - e["err_rtn"]) / e["err_rtn"] for e in judged if e["err_rtn"] > 0]
+    tokens = sorted(e["tokens"] for e in experts if e.get("tokens") is not None)
     return {"judged": len(judged), "calibrated_better": better, "stored_calibrated": stored, "total": len(experts),
-            "mean_rel_err_vs_rtn": sum(rel) / len(rel) if rel else None}
+            "mean_rel_err_vs_rtn": sum(rel) / len(rel) if rel else None,
+            "starved": sum(1 for e in experts if e.get("fallback")),
+            "tokens_min": tokens[0] if tokens else None, "tokens_median": tokens[len(tokens) // 2] if tokens else None}
 
 
 def window_kl(ref_lp, lp):
@@ -333,11 +365,12 @@ def run_class(name: str, args, work: Path, env: dict, say) -> dict:
         kv = dict(f.split("=", 1) for f in fields.split(",") if f)
         method = kv.pop("METHOD", "gptq")
         plan.append((vname, method, variant_recipe(base, kv, wd / f"{vname}.yaml")))
-    if args.mix_reversed:
+    share, kind = (args.mix_reversed, "reversed") if args.mix_reversed else (args.mix_other, "other")
+    if share:
         if corpus != "synthetic":
-            raise RuntimeError(f"{name}: --mix-reversed needs a class calibrated on the synthetic corpus")
-        second = mix_second_source(calib, wd)
-        plan += [(f"{k} mix", m, mix_recipe(r, second, args.mix_reversed, wd / f"{k}-mix.yaml"))
+            raise RuntimeError(f"{name}: --mix-{kind} needs a class calibrated on the synthetic corpus")
+        second = mix_second_source(calib, wd, kind)
+        plan += [(f"{k} mix", m, mix_recipe(r, second, share, wd / f"{k}-mix.yaml"))
                  for k, m, r in list(plan) if k != "RTN"]
     for key, method, recipe in plan:
         say(f"{name}: quantkit {key} ...")
@@ -611,6 +644,8 @@ def render(res: dict) -> str:
             agree = (g["calibrated_better"] * 2 > g["judged"]) == (r[sets[0]]["vs_rtn"]["mean"] < 0)
             line += (f"  {g['calibrated_better']}/{g['judged']}, {g['stored_calibrated']}/{g['total']}"
                      f" ({'agrees' if agree else 'DISAGREES'} with KL)")
+            if g.get("tokens_min") is not None:
+                line += f"; routed tokens/expert min {g['tokens_min']}, median {g['tokens_median']}, {g['starved']} starved"
         lines.append(line)
     for k, r in rows.items():
         if "vs_unmixed" in r[sets[0]]:
@@ -638,6 +673,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mix-reversed", type=float, default=0.0, metavar="SHARE",
                     help="beside every calibrated run X, 'X mix': the same recipe calibrated on a calibration.mix of "
                          "synthetic:train and, for SHARE of the same windows, the reversed language (docs/benchmarks.md)")
+    ap.add_argument("--mix-other", type=float, default=0.0, metavar="SHARE",
+                    help="as --mix-reversed, the second source the other corpus (the Markov language: the other-text "
+                         "eval set's language, from other documents); for two-domain-dsv3, its second training language")
     ap.add_argument("--base", default="GPTQ,AWQ,RTN-clip",
                     help="the tiny recipe's runs beside RTN (always run), comma-separated; '' for none (variants only)")
     ap.add_argument("--llmc-from", type=Path, default=None,
@@ -666,6 +704,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [c for c in names if c not in CLASSES and c not in REALSHAPE]
     if bad:
         ap.error(f"--classes: unknown {', '.join(bad)}; choose from {', '.join([*CLASSES, *REALSHAPE])}")
+    if args.mix_reversed and args.mix_other:
+        ap.error("--mix-reversed and --mix-other: one second source at a time")
     if args.resume and not args.out:
         ap.error("--resume needs --out (the work folder of the earlier run)")
     if args.out and args.out.exists() and any(args.out.iterdir()) and not args.resume:

@@ -97,6 +97,38 @@ def test_mix_recipe_keeps_the_total_and_holds_out_the_eval_sets(bench, tmp_path)
     assert not any(bool((w == c).all()) for w in evals for c in rev)
 
 
+def test_mix_other_is_the_markov_language_from_documents_no_eval_set_or_training_has(bench, tmp_path):
+    """--mix-other: the second source is the other-text eval set's language, from other documents, and not
+    two-domain-dsv3's training windows."""
+    import numpy as np
+
+    second = torch.from_numpy(np.load(bench.mix_second_source((8, 16), tmp_path, "other")))
+    assert torch.equal(second, bench.markov_windows(8, 16, bench.MIX_OTHER_SEED))
+    held = [bench.eval_sets(4, 16, 512)["other-text"], bench.markov_windows(8, 16, 100_000)]  # eval; training's first
+    assert not any(bool((w == c).all()) for h in held for w in h for c in second)
+
+
+def test_two_domain_training_windows_alternate_the_languages(bench, monkeypatch, tmp_path):
+    """two-domain-dsv3 trains on 8 synthetic-corpus and 8 Markov windows a step (the training itself is the
+    bench's, checked by hand: docs/benchmarks.md)."""
+    from quantkit.synthetic.tiny import batches
+
+    seen = {}
+    monkeypatch.setattr(bench, "_train_dsv3", lambda folder, data, steps: seen.update(data=data, steps=steps))
+    bench._two_domain_dsv3(tmp_path, steps=3)
+    d = seen["data"]
+    assert d.shape == (48, 64) and seen["steps"] == 3
+    assert torch.equal(d[16:24], batches(8, 64, 1)) and torch.equal(d[24:32], bench.markov_windows(24, 64, 100_000)[8:16])
+
+
+def test_guard_summary_counts_starved_experts_and_routed_tokens(bench):
+    experts = [{"method": "gptq", "err": 1.0, "err_rtn": 2.0, "tokens": 40},
+               {"method": "gptq", "err": 1.0, "err_rtn": 2.0, "tokens": 3, "fallback": "all_tokens"},
+               {"method": "gptq", "err": 1.0, "err_rtn": 2.0, "tokens": 90}]
+    g = bench.guard_summary(experts)
+    assert (g["starved"], g["tokens_min"], g["tokens_median"]) == (1, 3, 40)
+
+
 def test_last_layer_log_probs_equal_the_full_forward(bench):
     """realshape-glm's quality: the layers before the last run once, from the source; only the last
     layer and the head per checkpoint. On one checkpoint that is the full forward."""
