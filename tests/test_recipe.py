@@ -40,9 +40,10 @@ def test_shipped_recipes_load(name):
     assert r.name == name
     assert r == load_recipe(REPO_RECIPES / f"{name}.yaml")
     assert r.method == "gptq" and r.gptq.block_size % r.group_size == 0
-    for spec in (r.calibration.dataset, r.validate.dataset):  # both parse (no data is read)
+    calib = [spec for spec, _ in r.calibration.sources()]
+    for spec in (*calib, r.validate.dataset):  # every one parses (no data is read)
         parse_spec(spec)
-    assert r.validate.dataset != r.calibration.dataset and r.validate.gates
+    assert r.validate.dataset not in calib and r.validate.gates
 
 
 def test_shipped_recipe_settings():
@@ -61,9 +62,15 @@ def test_shipped_recipe_settings():
     assert {**ds.validate.gates, "kv_delta_max": None} == {**glm_gates, "kv_delta_max": None}
     assert "indexer_overlap_min" in glm.validate.gates
     assert ds.validate.gates["kv_delta_max"] < glm.validate.gates["kv_delta_max"]
-    for r in (kimi, glm, ds):
-        assert (r.calibration.dataset, r.calibration.num_samples, r.calibration.seq_len) == (
-            "hf:HuggingFaceH4/ultrachat_200k@train_sft", 512, 2048)
+    for r in (kimi, glm, ds, load_recipe("qwen3-moe")):
+        # the shipped mix (docs/recipes.md, "The shipped mix"): chat, code, tool calls in English and in Chinese
+        assert (r.calibration.dataset, r.calibration.num_samples, r.calibration.seq_len) == (None, 512, 2048)
+        assert r.calibration.sources() == [("hf:HuggingFaceH4/ultrachat_200k@train_sft", 256),
+                                           ("hf:HuggingFaceTB/smoltalk:self-oss-instruct@train", 128),
+                                           ("hf:llamafactory/glaive_toolcall_en@train", 64),
+                                           ("hf:llamafactory/glaive_toolcall_zh@train", 64)]
+        assert all(parse_spec(spec).kind == "hf" for spec, _ in r.calibration.sources())
+        assert r.validate.dataset not in dict(r.calibration.sources())
     for name in ("tiny-kimi-k2.6", "tiny-glm-5.2"):
         t = load_recipe(name)
         assert (t.calibration.dataset, t.calibration.num_samples, t.calibration.seq_len) == ("synthetic:train", 64, 64)

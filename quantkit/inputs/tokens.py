@@ -34,11 +34,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 from itertools import islice
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import torch
 
 from quantkit.errors import ConfigError
+from quantkit.inputs.documents import document, render
 from quantkit.runtime.files import file_sha256
 
 __all__ = ["TokenData", "load_tokens", "parse_spec", "probe_ids", "HELDOUT_SEED"]
@@ -50,7 +51,6 @@ TOKEN_SUFFIXES = (".npy", ".safetensors")
 SHUFFLE_BUFFER = 10_000  # documents held when shuffling a streamed dataset
 _TOKENIZE_BATCH = 64
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?(@[\w.-]+)?(#[\w.-]+)?$")
-_ROLES = {"human": "user", "gpt": "assistant", "model": "assistant"}  # ShareGPT `from` values
 
 
 @dataclass
@@ -162,7 +162,7 @@ def load_tokens(
         docs, source = (_text_file(s) if s.kind == "text" else _hf_documents(s, seed))
         if s.kind == "text":
             random.Random(seed).shuffle(docs)
-        texts = (t for t in (_render(d, tok, chat_template, s.normalized) for d in docs) if t)
+        texts = (t for t in (render(d, tok, chat_template, s.normalized) for d in docs) if t)
         ids, used = _pack(_tokenize(tok, texts), tok, num_samples, seq_len, s.normalized)
         _check_known(ids, tok, s.normalized)
         source.update(documents=used, chat_template=chat_template)
@@ -270,7 +270,7 @@ def _text_file(s: Spec) -> tuple[list, dict]:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise ConfigError(f"{path}:{lineno}: not valid JSON ({e.msg}); write one JSON object per line") from None
-                docs.append(_document(row, f"{path}:{lineno}"))
+                docs.append(document(row, f"{path}:{lineno}"))
         utf8.check()
     else:
         try:
@@ -279,55 +279,10 @@ def _text_file(s: Spec) -> tuple[list, dict]:
             rows = pq.read_table(path).to_pylist()
         except Exception as e:  # pyarrow raises several types for a corrupt file
             raise ConfigError(f"{path}: not a readable parquet file ({type(e).__name__}: {_first_line(e)})") from None
-        docs = [_document(row, f"{path}: row {i}") for i, row in enumerate(rows)]
+        docs = [document(row, f"{path}: row {i}") for i, row in enumerate(rows)]
     if not docs:
         raise ConfigError(f"{path}: no documents; add text (blank lines separate .txt documents)")
     return docs, {"kind": "file", "path": str(path), "sha256": file_sha256(path), "format": suffix[1:]}
-
-
-def _document(row: Any, where: str) -> dict:
-    """Normalize one record to {"text": str} and/or {"messages": [{role, content}]}."""
-    if not isinstance(row, dict):
-        raise ConfigError(f"{where}: expected an object with \"text\" or \"messages\", got {type(row).__name__}")
-    doc: dict = {}
-    if isinstance(row.get("text"), str):
-        doc["text"] = row["text"]
-    msgs = row.get("messages", row.get("conversations"))
-    if msgs is not None:
-        doc["messages"] = _messages(msgs, where)
-    if not doc:
-        raise ConfigError(f"{where}: no \"text\" string or \"messages\"/\"conversations\" list "
-                          f"(fields: {', '.join(sorted(row)) or 'none'}); add one of them")
-    return doc
-
-
-def _messages(msgs: Any, where: str) -> list[dict]:
-    if not isinstance(msgs, list):
-        raise ConfigError(f"{where}: messages must be a list of {{role, content}} objects")
-    out = []
-    for m in msgs:
-        if not isinstance(m, dict):
-            raise ConfigError(f"{where}: each message must be an object with role and content")
-        role = m.get("role", _ROLES.get(m.get("from"), m.get("from")))
-        content = m.get("content", m.get("value"))
-        if isinstance(content, list):  # multimodal parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type", "text") == "text")
-        if not isinstance(role, str) or not isinstance(content, str):
-            raise ConfigError(f"{where}: a message lacks a string role or content; use {{\"role\": ..., \"content\": ...}}")
-        out.append({"role": role, "content": content})
-    return out
-
-
-def _render(doc: dict, tok, chat_template: bool, spec: str) -> str:
-    """Chat documents through the chat template (when asked), else the plain text."""
-    if "messages" in doc and (chat_template or "text" not in doc):
-        if not chat_template:
-            return "\n".join(m["content"] for m in doc["messages"])
-        if not getattr(tok, "chat_template", None):
-            raise ConfigError(f"{spec}: chat documents but the tokenizer has no chat template; "
-                              "add one to tokenizer_config.json or turn chat templates off (chat_template=False)")
-        return tok.apply_chat_template(doc["messages"], tokenize=False)
-    return doc["text"]
 
 
 # ---- Hugging Face datasets -----------------------------------------------------------------------
@@ -335,7 +290,7 @@ def _hf_documents(s: Spec, seed: int) -> tuple[Iterator[dict], dict]:
     """Documents of a dataset in a seeded shuffled order; streamed unless saved with save_to_disk."""
     source = {"kind": "hf", "dataset": s.dataset, "config": s.config, "split": s.split, "revision": s.revision,
               "local": s.path is not None}
-    return (_document(row, f"{s.normalized}: row") for row in _hf_rows(s, seed)), source
+    return (document(row, f"{s.normalized}: row") for row in _hf_rows(s, seed)), source
 
 
 def _hf_rows(s: Spec, seed: int) -> Iterator[dict]:
