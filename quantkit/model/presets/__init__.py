@@ -1,5 +1,5 @@
-"""The published config.json of real models (Kimi K2.6, GLM 5.2, DeepSeek-V3, Qwen3-30B-A3B), shipped so
-that `quantkit plan` and the real-shape builds need no download.
+"""The published config.json of real models (one JSON file per preset in this folder), shipped so that
+`quantkit plan` and the real-shape builds need no download.
 
 Kept apart from quantkit.model.arch (which imports the families' torch code) so that the CLI can list
 the names in its --help without importing torch.
