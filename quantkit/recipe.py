@@ -67,22 +67,34 @@ class Calibration(_Section):
     num_samples: int = Field(128, ge=1)
     seq_len: int = Field(512, ge=1)
     seed: int = Field(0, ge=0)
+    # windows of uniform random ids (the `random` spec) on top of num_samples, as a fraction of it: every
+    # token's direction in every Hessian, whatever the data leaves out (docs/recipes.md, "The random share")
+    extra_random: float = Field(0.0, ge=0, le=1)
+
+    def random_windows(self) -> int:
+        """The extra_random windows: round(num_samples x extra_random)."""
+        return round(self.num_samples * self.extra_random)
+
+    def windows(self) -> int:
+        """Every calibration window: num_samples and the extra_random ones."""
+        return self.num_samples + self.random_windows()
 
     def sources(self) -> list[tuple[str, int]]:
         """(spec, windows) of every source: the one dataset's num_samples, or each mix source's
         windows (tokens / seq_len, or its weight's share of num_samples by largest remainder, ties
-        to the earlier source), in the recipe's order."""
+        to the earlier source), in the recipe's order; then ("random", its windows) with extra_random."""
+        extra = [("random", self.random_windows())] if self.random_windows() else []
         if not self.mix:
-            return [(self.dataset, self.num_samples)] if self.dataset else []
+            return [(self.dataset, self.num_samples), *extra] if self.dataset else []
         if self.mix[0].tokens is not None:
-            return [(m.data, m.tokens // self.seq_len) for m in self.mix]
+            return [(m.data, m.tokens // self.seq_len) for m in self.mix] + extra
         total = sum(m.weight for m in self.mix)
         exact = [self.num_samples * m.weight / total for m in self.mix]
         windows = [math.floor(x) for x in exact]
         by_remainder = sorted(range(len(exact)), key=lambda i: (windows[i] - exact[i], i))
         for i in by_remainder[: self.num_samples - sum(windows)]:
             windows[i] += 1
-        return [(m.data, n) for m, n in zip(self.mix, windows)]
+        return [(m.data, n) for m, n in zip(self.mix, windows)] + extra
 
     def problems(self) -> list[str]:
         """What is wrong with the mix, one line each (field path first); empty when fine."""

@@ -275,31 +275,34 @@ def quantkit_run(src: Path, out: Path, method: str, calib: tuple[int, int], G: i
     return m
 
 
-def mix_second_source(calib: tuple[int, int], wd: Path, kind: str = "reversed") -> Path:
-    """A mix's second source, a token file from documents no eval set uses: --mix-reversed's, the same
-    language reversed (MIX_REVERSED_SEED and up; the reversed eval set is REVERSED_SEED's); --mix-other's,
-    the other corpus, the Markov language (MIX_OTHER_SEED and up; the other-text eval set is OTHER_TEXT_SEED's)."""
+def mix_second_source(calib: tuple[int, int], wd: Path, kind: str = "reversed") -> str:
+    """A mix's second source: a token file from documents no eval set uses (--mix-reversed's, the same
+    language reversed, MIX_REVERSED_SEED and up, where the reversed eval set is REVERSED_SEED's;
+    --mix-other's, the other corpus, the Markov language, MIX_OTHER_SEED and up, where the other-text eval
+    set is OTHER_TEXT_SEED's), or --mix-random's, quantkit's own `random` spec (the real recipes' share)."""
     import numpy as np
 
     from quantkit.synthetic.tiny import batches
 
+    if kind == "random":
+        return "random"
     second = wd / f"calib-{kind}.npy"
     ids = batches(calib[0], calib[1], MIX_REVERSED_SEED).flip(-1) if kind == "reversed" else \
         markov_windows(calib[0], calib[1], MIX_OTHER_SEED)
     np.save(second, ids.numpy())
-    return second
+    return str(second)
 
 
-def mix_recipe(recipe: str | Path, second: Path, share: float, path: Path) -> Path:
+def mix_recipe(recipe: str | Path, second: str, share: float, path: Path, first: str = "synthetic:train") -> Path:
     """A recipe file: `recipe` (a name or file) calibrated on a mix at the same total windows:
-    (1 - share) of them synthetic:train, `share` from `second`."""
+    (1 - share) of them `first` (the class's calibration data), `share` from `second`."""
     import yaml
 
     from quantkit.recipe import load_recipe
 
     data = load_recipe(recipe).model_dump(mode="json")
-    data["calibration"].update(dataset=None, mix=[{"data": "synthetic:train", "weight": 1 - share},
-                                                  {"data": str(second), "weight": share}])
+    data["calibration"].update(dataset=None, mix=[{"data": first, "weight": 1 - share},
+                                                  {"data": second, "weight": share}])
     path.write_text(yaml.safe_dump(data))
     load_recipe(path)
     return path
@@ -365,17 +368,24 @@ def run_class(name: str, args, work: Path, env: dict, say) -> dict:
         kv = dict(f.split("=", 1) for f in fields.split(",") if f)
         method = kv.pop("METHOD", "gptq")
         plan.append((vname, method, variant_recipe(base, kv, wd / f"{vname}.yaml")))
-    share, kind = (args.mix_reversed, "reversed") if args.mix_reversed else (args.mix_other, "other")
+    share, kind = next(((v, k) for k, v in (("reversed", args.mix_reversed), ("other", args.mix_other),
+                                              ("random", args.mix_random)) if v), (0.0, ""))
+    extra = 0
     if share:
-        if corpus != "synthetic":
+        if corpus != "synthetic" and kind != "random":
             raise RuntimeError(f"{name}: --mix-{kind} needs a class calibrated on the synthetic corpus")
         second = mix_second_source(calib, wd, kind)
-        plan += [(f"{k} mix", m, mix_recipe(r, second, share, wd / f"{k}-mix.yaml"))
+        if args.mix_extra:  # the second source's windows on top of the class's: share of (N + extra)
+            extra = round(calib[0] * share)
+            share = extra / (calib[0] + extra)
+        plan += [(f"{k} mix", m, mix_recipe(r, second, share, wd / f"{k}-mix.yaml", data))
                  for k, m, r in list(plan) if k != "RTN"]
+    mixed = (calib[0] + extra, calib[1])  # a mix run's windows
     for key, method, recipe in plan:
         say(f"{name}: quantkit {key} ...")
-        runs[key] = quantkit_run(src, wd / key.replace(" ", "-"), method, calib, G, recipe, logs, env,
-                                 None if key.endswith(" mix") else data)
+        mix_run = key.endswith(" mix")
+        runs[key] = quantkit_run(src, wd / key.replace(" ", "-"), method, mixed if mix_run else calib, G, recipe, logs,
+                                 env, None if mix_run else data)
     tokens = load_tokens(data, tokenizer=src, num_samples=calib[0], seq_len=calib[1],
                          seed=rec.calibration.seed)
     if any(m["sha256"] not in (None, tokens.sha256) for k, m in runs.items() if not k.endswith(" mix")):
@@ -565,11 +575,9 @@ def _d(p: dict | None) -> str:
 def acceptance(rows: dict, sets: list[str]) -> list[str]:
     """Issue 30's bar for each calibrated row (GPTQ, AWQ): no worse than RTN beyond 1 SE on every
     input set (z <= +1), better than RTN by 2 SE in distribution (z <= -2), and within 1 SE of
-    llm-compressor's default in distribution (z <= +1; lower is better)."""
+    llm-compressor's default in distribution (z <= +1; lower is better); every quantkit row but RTN's."""
     out = []
-    for k in ("GPTQ", "AWQ"):
-        if k not in rows:
-            continue
+    for k in [k for k in rows if k not in ("RTN", "RTN-clip") and not k.startswith("llmc")]:
         r = rows[k]
         z = {s: _z(r[s]["vs_rtn"]) for s in sets}
         worst = max(sets, key=lambda s: z[s])
@@ -582,22 +590,23 @@ def acceptance(rows: dict, sets: list[str]) -> list[str]:
     return out
 
 
-def summarize(folders: list[Path]) -> str:
+def summarize(folders: list[Path], pair: tuple[str, str] = ("GPTQ", "AWQ")) -> str:
     """One markdown row per class and calibration size from earlier runs' results.json (--out
-    folders): the acceptance z values of the GPTQ and AWQ rows (in-dist vs RTN, the worst of the
-    other sets vs RTN, in-dist vs llmc), llm-compressor's worst set vs RTN, the wall ratio and the
-    peak RSS of each run (MiB)."""
+    folders): the acceptance z values of the `pair` rows (GPTQ and AWQ, or --summarize-rows', e.g. their
+    mix rows: in-dist vs RTN, the worst of the other sets vs RTN, in-dist vs llmc), llm-compressor's
+    worst set vs RTN, the wall ratio and the peak RSS of each run (MiB)."""
+    g, a = pair
     runs = [(folder, r) for folder in folders for r in json.loads((folder / "results.json").read_text())]
-    probed = any(_probe_counts(f, r["class"], k) for f, r in runs for k in ("GPTQ", "AWQ"))
-    lines = ["| class | calibration | GPTQ: in-dist / worst other set / vs llmc | AWQ: in-dist / worst other set / vs llmc "
-             "| llmc: worst other set vs RTN | GPTQ wall / llmc | peak RSS MiB GPTQ / AWQ / llmc |"
-             + (" probe, GPTQ / AWQ: low admitted / judged, stored low |" if probed else ""),
+    probed = any(_probe_counts(f, r["class"], k) for f, r in runs for k in pair)
+    lines = [f"| class | calibration | {g}: in-dist / worst other set / vs llmc | {a}: in-dist / worst other set / vs llmc "
+             f"| llmc: worst other set vs RTN | {g} wall / llmc | peak RSS MiB {g} / {a} / llmc |"
+             + (f" probe, {g} / {a}: low admitted / judged, stored low |" if probed else ""),
              "|---|---|---|---|---|---|---|" + ("---|" if probed else "")]
     for folder, r in runs:
         if True:
             rows, sets = r["rows"], list(r["eval"])
             cells = []
-            for k in ("GPTQ", "AWQ"):
+            for k in pair:
                 z = {s: _z(rows[k][s]["vs_rtn"]) for s in sets}
                 worst = max(sets[1:], key=z.get)
                 llmc = f" / {_z(rows[k][sets[0]]['vs_llmc']):+.1f}" if "vs_llmc" in rows[k][sets[0]] else ""
@@ -605,10 +614,10 @@ def summarize(folders: list[Path]) -> str:
             lm = rows.get("llmc")
             zl = {s: _z(lm[s]["vs_rtn"]) for s in sets[1:]} if lm else {}
             wl = max(zl, key=zl.get) if zl else None
-            rss = " / ".join(f"{rows[k]['peak_rss_bytes'] / 2**20:.0f}" for k in ("GPTQ", "AWQ", "llmc") if k in rows)
-            probe = " / ".join(_probe_counts(folder, r["class"], k) or "-" for k in ("GPTQ", "AWQ"))
+            rss = " / ".join(f"{rows[k]['peak_rss_bytes'] / 2**20:.0f}" for k in (*pair, "llmc") if k in rows)
+            probe = " / ".join(_probe_counts(folder, r["class"], k) or "-" for k in pair)
             lines.append(f"| {r['class']} | {r['calibration'].split()[-1]} | {cells[0]} | {cells[1]} | "
-                         + (f"{wl} {zl[wl]:+.1f} | {rows['GPTQ']['wall_s'] / lm['wall_s']:.2f}" if lm else " | ")
+                         + (f"{wl} {zl[wl]:+.1f} | {rows[g]['wall_s'] / lm['wall_s']:.2f}" if lm else " | ")
                          + f" | {rss} |" + (f" {probe} |" if probed else ""))
     return "\n".join(lines)
 
@@ -616,7 +625,7 @@ def summarize(folders: list[Path]) -> str:
 def _probe_counts(folder: Path, cls: str, run: str) -> str | None:
     """gptq.low_dampening's verdicts in a run's convert report (its log): the experts whose low
     dampening the probe admitted / judged, and those stored at it; None without a probe."""
-    log = folder / cls / "logs" / f"{run}.log"
+    log = folder / cls / "logs" / f"{run.replace(' ', '-')}.log"
     if not log.is_file():
         return None
     s = json.loads(log.read_text()).get("experts_summary", {})
@@ -676,6 +685,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mix-other", type=float, default=0.0, metavar="SHARE",
                     help="as --mix-reversed, the second source the other corpus (the Markov language: the other-text "
                          "eval set's language, from other documents); for two-domain-dsv3, its second training language")
+    ap.add_argument("--mix-random", type=float, default=0.0, metavar="SHARE",
+                    help="as --mix-reversed, the second source quantkit's `random` spec: uniform ids over the "
+                         "vocabulary less special tokens (another draw than the random-ids eval set's)")
+    ap.add_argument("--mix-extra", action="store_true",
+                    help="a mix's second source adds SHARE x the class's windows on top of them (the first source "
+                         "keeps all its windows) instead of taking SHARE of them")
     ap.add_argument("--base", default="GPTQ,AWQ,RTN-clip",
                     help="the tiny recipe's runs beside RTN (always run), comma-separated; '' for none (variants only)")
     ap.add_argument("--llmc-from", type=Path, default=None,
@@ -696,16 +711,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="realshape-glm: reuse the finished conversions in --out's work folder (same names, same recipes)")
     ap.add_argument("--summarize", type=Path, nargs="+", default=None, metavar="OUT",
                     help="print one markdown table from earlier runs' --out folders (their results.json) and exit")
+    ap.add_argument("--summarize-rows", default="GPTQ,AWQ", metavar="G,A",
+                    help="--summarize these two rows of each run (e.g. 'GPTQ mix,AWQ mix' of a --mix-* run)")
     args = ap.parse_args(argv)
     if args.summarize:
-        print(summarize(args.summarize))
+        print(summarize(args.summarize, tuple(args.summarize_rows.split(","))))
         return 0
     names = [c for c in args.classes.split(",") if c]
     bad = [c for c in names if c not in CLASSES and c not in REALSHAPE]
     if bad:
         ap.error(f"--classes: unknown {', '.join(bad)}; choose from {', '.join([*CLASSES, *REALSHAPE])}")
-    if args.mix_reversed and args.mix_other:
-        ap.error("--mix-reversed and --mix-other: one second source at a time")
+    if sum(1 for v in (args.mix_reversed, args.mix_other, args.mix_random) if v) > 1:
+        ap.error("--mix-reversed, --mix-other, --mix-random: one second source at a time")
     if args.resume and not args.out:
         ap.error("--resume needs --out (the work folder of the earlier run)")
     if args.out and args.out.exists() and any(args.out.iterdir()) and not args.resume:

@@ -64,12 +64,16 @@ def test_shipped_recipe_settings():
     assert ds.validate.gates["kv_delta_max"] < glm.validate.gates["kv_delta_max"]
     for r in (kimi, glm, ds, load_recipe("qwen3-moe")):
         # the shipped mix (docs/recipes.md, "The shipped mix"): chat, code, tool calls in English and in Chinese
-        assert (r.calibration.dataset, r.calibration.num_samples, r.calibration.seq_len) == (None, 512, 2048)
-        assert r.calibration.sources() == [("hf:HuggingFaceH4/ultrachat_200k@train_sft", 256),
-                                           ("hf:HuggingFaceTB/smoltalk:self-oss-instruct@train", 128),
-                                           ("hf:llamafactory/glaive_toolcall_en@train", 64),
-                                           ("hf:llamafactory/glaive_toolcall_zh@train", 64)]
-        assert all(parse_spec(spec).kind == "hf" for spec, _ in r.calibration.sources())
+        # and the random share (docs/recipes.md, "The random share"): 455 windows of data and 57 of random ids,
+        # the 512 windows the full-scale time was planned on
+        assert (r.calibration.dataset, r.calibration.num_samples, r.calibration.seq_len) == (None, 455, 2048)
+        assert r.calibration.sources() == [("hf:HuggingFaceH4/ultrachat_200k@train_sft", 227),
+                                           ("hf:HuggingFaceTB/smoltalk:self-oss-instruct@train", 114),
+                                           ("hf:llamafactory/glaive_toolcall_en@train", 57),
+                                           ("hf:llamafactory/glaive_toolcall_zh@train", 57),
+                                           ("random", 57)]
+        assert r.calibration.windows() == 512
+        assert [parse_spec(spec).kind for spec, _ in r.calibration.sources()] == ["hf"] * 4 + ["random"]
         assert r.validate.dataset not in dict(r.calibration.sources())
     for name in ("tiny-kimi-k2.6", "tiny-glm-5.2"):
         t = load_recipe(name)
@@ -229,7 +233,7 @@ def test_overrides():
     r = recipe_overrides(base, method="rtn", group_size=128, num_samples=16, seq_len=256, calib="synthetic:train", seed=3)
     assert (r.method, r.group_size) == ("rtn", 128)
     assert r.calibration.model_dump() == {"dataset": "synthetic:train", "mix": None, "num_samples": 16, "seq_len": 256,
-                                          "seed": 3}
+                                          "seed": 3, "extra_random": 0.125}  # --calib keeps the random share
     assert r.prefill == base.prefill and base.group_size == 32  # the base recipe is untouched
     for kwargs, line in [
         (dict(group_size=100), "command line (recipe kimi-k2.6): --group-size: must be one of 32, 64 or 128 (got 100)"),
@@ -259,6 +263,12 @@ def test_mix_windows_by_weight_or_tokens(tmp_path):
     assert r.calibration.sources() == [("synthetic:train", 6), ("a.jsonl", 2)]
     single = recipe_overrides(r, calib="synthetic:train")  # --calib names the one source: the mix goes
     assert single.calibration.mix is None and single.calibration.sources() == [("synthetic:train", 8)]
+    # extra_random: round(num_samples x it) windows of the `random` spec after the data, on top of num_samples
+    r = load_recipe(write(tmp_path, MIX.replace("  mix:\n", "  extra_random: 0.25\n  dataset: synthetic:train\n")))
+    assert r.calibration.sources() == [("synthetic:train", 8), ("random", 2)] and r.calibration.windows() == 10
+    more = recipe_overrides(r, num_samples=64)  # the share follows --num-samples; --calib keeps it
+    assert more.calibration.sources() == [("synthetic:train", 64), ("random", 16)]
+    assert recipe_overrides(r, calib="a.jsonl").calibration.sources() == [("a.jsonl", 8), ("random", 2)]
 
 
 @pytest.mark.parametrize("body, line", [
@@ -291,12 +301,13 @@ def test_a_mix_converts_with_per_source_counts(tmp_path):
     np.save(ids, np.random.default_rng(0).integers(0, 100, size=(64, 16)))
     recipe = tmp_path / "mix.yaml"
     recipe.write_text(MIX.replace("seq_len: 32", "seq_len: 16") + "  - {data: synthetic:train, weight: 0.75}\n"
-                      f"  - {{data: {ids}, weight: 0.25}}\n")
+                      f"  - {{data: {ids}, weight: 0.25}}\n  extra_random: 0.25\n")
     res = convert(src, tmp_path / "out", recipe=recipe, validate=False, progress=False)
     cal = res.report["calibration"]
     assert cal["sources"] == [{"spec": "synthetic:train", "windows": 6, "tokens": 96},
-                              {"spec": f"file:{ids}", "windows": 2, "tokens": 32}]
-    assert (cal["num_samples"], cal["tokens"]) == (8, 128)
+                              {"spec": f"file:{ids}", "windows": 2, "tokens": 32},
+                              {"spec": "random", "windows": 2, "tokens": 32}]  # extra_random, on top
+    assert (cal["num_samples"], cal["tokens"]) == (10, 160)
     lines = card._recipe(res.report)  # the card's "Recipe and calibration" section
     assert any("`synthetic:train` 96 tokens (6 windows)" in line for line in lines), lines
     recipe.write_text(recipe.read_text().replace(str(ids), str(tmp_path / "missing.npy")))

@@ -790,7 +790,7 @@ def plan_convert_for(
                          seq_len=seq_len)
     source_bytes, out, expert_bytes, quantized = _preset_sizes(model, arch, rec) if ckpt is None else _checkpoint_sizes(ckpt, rec)
     calibrate = needs_calibration(rec)  # as convert: the KV scales need the pass even when experts are reused
-    return plan_convert(arch, method=rec.method, group_size=rec.group_size, num_samples=rec.calibration.num_samples,
+    return plan_convert(arch, method=rec.method, group_size=rec.group_size, num_samples=rec.calibration.windows(),
                         seq_len=rec.calibration.seq_len, calibrate=calibrate, device="cpu" if gpu == "cpu" else "cuda",
                         gpu=None if gpu == "cpu" else gpu, max_host_memory=max_host_memory,
                         max_gpu_memory=max_gpu_memory, source_bytes=source_bytes, output_bytes=out,
@@ -811,7 +811,7 @@ def probe_windows(rec: Recipe) -> int:
     if getattr(rec.gptq, "low_dampening", None) is None or not method_for(rec.method).calibrated:
         return 0
     c = rec.calibration
-    return max(1, min(-(-c.num_samples // HOLDOUT), PROBE_TOKENS // c.seq_len))
+    return max(1, min(-(-c.windows() // HOLDOUT), PROBE_TOKENS // c.seq_len))
 
 
 def quantized_fraction(ckpt, decisions) -> float:

@@ -306,7 +306,7 @@ def _calibration_tokens(rec: Recipe, recipe: str | Path | None, ckpt: Checkpoint
     from quantkit.recipe import recipe_file
 
     c = rec.calibration
-    if not c.mix:
+    if not c.mix and not c.random_windows():
         return load_tokens(c.dataset, tokenizer=ckpt.folder, num_samples=c.num_samples, seq_len=c.seq_len, seed=c.seed,
                            trust_remote_code=trust_remote_code)
     try:
@@ -317,8 +317,13 @@ def _calibration_tokens(rec: Recipe, recipe: str | Path | None, ckpt: Checkpoint
             where = recipe_file(recipe if recipe is not None else rec.name)
         except ConfigError:
             where = f"recipe {rec.name}"
-        raise ConfigError(f"{where}: calibration.mix[{e.index}] ({e.spec}): {e.problem}; or point this source at "
-                          "other data, lower its share, or remove it from the mix") from None
+        if c.mix and e.index < len(c.mix):
+            field, fix = f"calibration.mix[{e.index}]", "or point this source at other data, lower its share, or remove it from the mix"
+        elif e.spec == "random" and e.index == len(c.sources()) - 1:
+            field, fix = "calibration.extra_random", "or set extra_random: 0"
+        else:
+            field, fix = "calibration.dataset", "or point calibration.dataset at other data"
+        raise ConfigError(f"{where}: {field} ({e.spec}): {e.problem}; {fix}") from None
 
 
 def _plan(job: Job, calibrate: bool, progress: bool, *, validate: bool, max_host_memory, max_gpu_memory,
@@ -329,7 +334,7 @@ def _plan(job: Job, calibrate: bool, progress: bool, *, validate: bool, max_host
     from quantkit.conversion.cost import plan_convert, quantized_fraction  # looked up per run: tests replace it
 
     ckpt, rec, decisions = job.ckpt, job.rec, job.decisions
-    cost = plan_convert(ckpt.arch, method=rec.method, group_size=job.G, num_samples=rec.calibration.num_samples,
+    cost = plan_convert(ckpt.arch, method=rec.method, group_size=job.G, num_samples=rec.calibration.windows(),
                         seq_len=rec.calibration.seq_len, calibrate=calibrate, device=job.dev.type,
                         max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory,
                         source_bytes=sum(ckpt.storage_bytes(n) for n in ckpt.tensors),

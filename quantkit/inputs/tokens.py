@@ -10,6 +10,9 @@ Spec grammar (docs/recipes.md has the full reference):
 
     synthetic[:train|:heldout]          the tiny models' generated corpus (quantkit.synthetic.tiny); train draws
                                         corpus seeds in [0, 1000), heldout seeds >= 1000
+    random                              uniform token ids over the model's vocabulary, its special tokens
+                                        excepted: a data-free share of a calibration mix that reaches
+                                        every token's directions (`_random`)
     PATH.jsonl | .txt | .parquet        text or chat documents in a local file
     PATH.npy | .safetensors             pre-tokenized ids (int [N, L] or a 1-D stream; `input_ids`)
     DIR                                 a local dataset folder (parquet/json files, or save_to_disk)
@@ -45,6 +48,7 @@ from quantkit.runtime.files import file_sha256
 __all__ = ["TokenData", "load_tokens", "parse_spec", "probe_ids", "HELDOUT_SEED"]
 
 PROBE_SEED = 7919  # probe_ids' generator: the calibration seed plus this
+RANDOM_SEED = 6007  # the `random` spec's generator: the calibration seed plus this (not the probe's draw)
 HELDOUT_SEED = 1000  # quantkit.synthetic.tiny: corpus seeds >= 1000 never reach training or calibration
 TEXT_SUFFIXES = (".jsonl", ".txt", ".parquet")
 TOKEN_SUFFIXES = (".npy", ".safetensors")
@@ -63,7 +67,7 @@ class TokenData:
 
 @dataclass(frozen=True)
 class Spec:
-    """A parsed data spec. kind: synthetic | text | tokens | hf (a local folder is hf with local=True)."""
+    """A parsed data spec. kind: synthetic | random | text | tokens | hf (a local folder is hf with local=True)."""
 
     kind: str
     normalized: str
@@ -85,6 +89,8 @@ def parse_spec(spec: str) -> Spec:
         if split not in ("train", "heldout"):
             raise ConfigError(f"{s}: unknown synthetic split {split!r}; use synthetic:train or synthetic:heldout")
         return Spec("synthetic", f"synthetic:{split}", split=split)
+    if s == "random":
+        return Spec("random", "random")
     if s.startswith("hf:"):
         return _parse_hf(s[3:], s)
     path = Path(s).expanduser()
@@ -155,6 +161,8 @@ def load_tokens(
     s = parse_spec(spec)
     if s.kind == "synthetic":
         ids, source = _synthetic(s, num_samples, seq_len, seed)
+    elif s.kind == "random":
+        ids, source = _random(tokenizer, num_samples, seq_len, seed)
     elif s.kind == "tokens":
         ids, source = _token_file(s, num_samples, seq_len, seed)
     else:
@@ -204,6 +212,60 @@ def _synthetic(s: Spec, n: int, L: int, seed: int) -> tuple[torch.Tensor, dict]:
         first = HELDOUT_SEED + seed
     ids = tiny.batches(n, L, first)
     return ids, {"kind": "synthetic", "split": s.split, "corpus_seed": first, "tiny_version": tiny.TINY_VERSION}
+
+
+# ---- random ids ----------------------------------------------------------------------------------
+def _random(folder: Path | None, n: int, L: int, seed: int) -> tuple[torch.Tensor, dict]:
+    """Uniform ids over [0, vocab_size) less the model's special tokens (`_special_ids`: BOS, EOS, chat
+    and tool-call markers, tokens that steer the model rather than carry text), seeded.
+
+    Why: a Hessian only knows the directions its calibration tokens excite. Chat text never uses most
+    of a vocabulary (code, other scripts, tool-call syntax), so GPTQ moves error into the directions
+    those tokens excite, and no held-out chat token can see it. A share of windows of every id puts
+    each token's embedding direction into every layer's Hessian without asking the user for data
+    (docs/recipes.md, "The random share"). The pool is the model's embedding rows, not the
+    tokenizer's length: a vocabulary padded past the tokenizer adds a few untrained rows (GLM 5.2:
+    ~0.1% of the pool), a tokenizer shorter than the embedding (the test models) would hide most."""
+    if folder is None:
+        raise ConfigError("random: uniform ids need the model folder (its config's vocab_size); pass it as tokenizer")
+    cfg_path = Path(folder) / "config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    if not vocab:
+        raise ConfigError(f"{cfg_path}: no vocab_size; random calibration ids need the model's vocabulary size")
+    special = _special_ids(Path(folder), cfg)
+    keep = torch.ones(int(vocab), dtype=torch.bool)
+    keep[[i for i in special if 0 <= i < vocab]] = False
+    pool = keep.nonzero().flatten()  # (P,)
+    gen = torch.Generator().manual_seed(RANDOM_SEED + seed)
+    ids = pool[torch.randint(0, len(pool), (n, L), generator=gen)]  # (n, L)
+    return ids, {"kind": "random", "vocab_size": int(vocab), "pool": len(pool), "excluded": int(vocab) - len(pool)}
+
+
+def _special_ids(folder: Path, cfg: dict) -> set[int]:
+    """The special token ids a model folder names, read from its JSON files alone (no tokenizer code,
+    so Kimi's tiktoken tokenizer needs no trust_remote_code here): tokenizer_config.json's
+    added_tokens_decoder and named special tokens, tokenizer.json's added_tokens, and config.json's
+    bos/eos/pad ids. A named token is looked up in tokenizer.json's vocabulary."""
+    def read(name: str) -> dict:
+        f = folder / name
+        return json.loads(f.read_text()) if f.is_file() else {}
+
+    tcfg, tj = read("tokenizer_config.json"), read("tokenizer.json")
+    ids = {int(k) for k in tcfg.get("added_tokens_decoder") or {}}
+    added = {a["content"]: a["id"] for a in tj.get("added_tokens") or []}
+    ids |= set(added.values())
+    vocab = {**((tj.get("model") or {}).get("vocab") or {}), **added}
+    named = [tcfg.get(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
+                                   "mask_token")] + list(tcfg.get("additional_special_tokens") or [])
+    for t in named:
+        t = t.get("content") if isinstance(t, dict) else t
+        if isinstance(t, str) and isinstance(vocab, dict) and t in vocab:
+            ids.add(int(vocab[t]))
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        v = cfg.get(key, (cfg.get("text_config") or {}).get(key))
+        ids |= {int(x) for x in (v if isinstance(v, list) else [v]) if isinstance(x, int)}
+    return ids
 
 
 # ---- pre-tokenized files -------------------------------------------------------------------------

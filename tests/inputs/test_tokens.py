@@ -314,3 +314,46 @@ def test_probe_ids_avoid_every_calibration_id_and_are_seeded():
     assert torch.equal(p, calib.probe_ids(cal, 512, 3, seed=0)) and not torch.equal(p, calib.probe_ids(cal, 512, 3, seed=1))
     full = torch.arange(16).reshape(2, 8)
     assert set(calib.probe_ids(full, 16, 4, seed=0).flatten().tolist()) <= set(range(16))
+
+
+def test_random_spec_draws_the_embedding_less_special_tokens(tmp_path, tiny_kimi):
+    """`random`: uniform ids over [0, vocab_size) less the tokenizer's special and added tokens, seeded;
+    the pool is the embedding, not the tokenizer (the tiny tokenizer is shorter than its 512 rows)."""
+    from quantkit.inputs.tokens import open_tokenizer
+
+    tok = open_tokenizer(tiny_kimi)
+    special = set(tok.all_special_ids) | set(tok.added_tokens_decoder)
+    d = load_tokens("random", tokenizer=tiny_kimi, num_samples=16, seq_len=64)
+    ids = set(d.ids.flatten().tolist())
+    assert d.ids.shape == (16, 64) and d.ids.dtype == torch.int64 and d.spec == "random"
+    assert special and not ids & special
+    assert max(ids) < 512 and max(ids) >= len(tok)  # rows past the tokenizer's length are drawn too
+    assert len(ids) > 350  # 1024 uniform draws from ~500 ids reach ~440 of them
+    assert d.source == {"kind": "random", "vocab_size": 512, "pool": 512 - len(special), "excluded": len(special)}
+    again = load_tokens("random", tokenizer=tiny_kimi, num_samples=16, seq_len=64)
+    assert again.sha256 == d.sha256
+    assert load_tokens("random", tokenizer=tiny_kimi, num_samples=16, seq_len=64, seed=1).sha256 != d.sha256
+    with pytest.raises(ConfigError, match="need the model folder"):
+        load_tokens("random", tokenizer=None, num_samples=1, seq_len=4)
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"m/config.json: no vocab_size"):
+        load_tokens("random", tokenizer=folder, num_samples=1, seq_len=4)
+
+
+def test_random_spec_reads_special_tokens_from_the_json_files_alone(tmp_path):
+    """The shapes the real models store their special tokens in, with no tokenizer code run: Kimi's
+    tiktoken folder (tokenizer_config.json's added_tokens_decoder, no tokenizer.json), GLM's
+    tokenizer.json added_tokens, config.json's eos list."""
+    folder = tmp_path / "kimi-like"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 64, "eos_token_id": [7, 9]}}))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"added_tokens_decoder": {str(i): {"content": f"<|reserved_{i}|>", "special": True} for i in range(56, 64)},
+         "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}}))
+    (folder / "tokenizer.json").write_text(json.dumps(
+        {"added_tokens": [{"id": 0, "content": "[gMASK]"}], "model": {"vocab": {"<s>": 1}}}))
+    d = load_tokens("random", tokenizer=folder, num_samples=64, seq_len=32)
+    assert set(d.ids.flatten().tolist()) == set(range(64)) - {0, 7, 9, *range(56, 64)}
+    assert d.source["excluded"] == 11
