@@ -228,11 +228,10 @@ def _random(folder: Path | None, n: int, L: int, seed: int) -> tuple[torch.Tenso
     ~0.1% of the pool), a tokenizer shorter than the embedding (the test models) would hide most."""
     if folder is None:
         raise ConfigError("random: uniform ids need the model folder (its config's vocab_size); pass it as tokenizer")
-    cfg_path = Path(folder) / "config.json"
-    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-    vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    cfg, vocab = _vocab_size(Path(folder))
     if not vocab:
-        raise ConfigError(f"{cfg_path}: no vocab_size; random calibration ids need the model's vocabulary size")
+        raise ConfigError(f"{Path(folder) / 'config.json'}: no vocab_size; random calibration ids need the model's "
+                          "vocabulary size")
     special = _special_ids(Path(folder), cfg)
     keep = torch.ones(int(vocab), dtype=torch.bool)
     keep[[i for i in special if 0 <= i < vocab]] = False
@@ -497,14 +496,20 @@ def _check_known(ids: torch.Tensor, tok, spec: str) -> None:
 
 def _check_vocab(ids: torch.Tensor, folder: Path, spec: str) -> None:
     """Ids must index the model's embedding (catches token files made with another tokenizer)."""
-    cfg_path = folder / "config.json"
-    if not cfg_path.is_file() or not ids.numel():
+    if not ids.numel():
         return
-    cfg = json.loads(cfg_path.read_text())
-    vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    _, vocab = _vocab_size(folder)
     if vocab and int(ids.max()) >= vocab:
         raise ConfigError(f"{spec}: token id {int(ids.max())} >= the model's vocab_size {vocab}; "
                           "tokenize the data with this model's tokenizer")
+
+
+def _vocab_size(folder: Path) -> tuple[dict, int | None]:
+    """The folder's config.json (empty when there is none) and its vocab_size (a multimodal config's
+    text_config's), None when it names none."""
+    cfg_path = folder / "config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    return cfg, cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
 
 
 def _first_line(e: BaseException) -> str:
