@@ -226,6 +226,18 @@ def random_checkpoint(folder: Path, src: Path, layers: int, args) -> Path:
 
 
 # ---- quality -------------------------------------------------------------------------------------
+def calibration_tokens(rec, src: Path):
+    """The windows quantkit convert calibrates on with recipe `rec` (its dataset, or its mix and random
+    share, as quantkit.conversion.pipeline reads them), so llm-compressor is handed the same ids."""
+    from quantkit.inputs.mix import load_mix
+    from quantkit.inputs.tokens import load_tokens
+
+    c = rec.calibration
+    if c.mix or c.random_windows():
+        return load_mix(c.sources(), tokenizer=src, seq_len=c.seq_len, seed=c.seed)
+    return load_tokens(c.dataset, tokenizer=src, num_samples=c.num_samples, seq_len=c.seq_len, seed=c.seed)
+
+
 def log_probs(folder: Path | str, ids, chunk: int = 16):
     """log-softmax of quantkit's reference-forward logits, (N, T, V), computed `chunk` windows at a time."""
     import torch
@@ -361,7 +373,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from quantkit.checkpoint.reader import Checkpoint
     from quantkit.inputs.modelspec import is_tiny, resolve
-    from quantkit.inputs.tokens import load_tokens
     from quantkit.recipe import default_recipe, load_recipe, recipe_overrides
     from quantkit.synthetic.tiny import batches
 
@@ -394,8 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     rec = load_recipe(recipe) if recipe else default_recipe(args.model, arch)
     rec = recipe_overrides(rec, group_size=args.group_size, num_samples=args.num_samples, seq_len=args.seq_len,
                            calib="synthetic:train")
-    tokens = load_tokens("synthetic:train", tokenizer=src, num_samples=args.num_samples, seq_len=args.seq_len,
-                         seed=rec.calibration.seed)
+    tokens = calibration_tokens(rec, src)
+    res["calibration"] = f"{tokens.spec} {tokens.ids.shape[0]}x{tokens.ids.shape[1]}"
     ids_path = work / "calib-ids.pt"
     torch.save(tokens.ids, ids_path)
 

@@ -57,6 +57,22 @@ def test_reference_copy_is_exact_and_splice_reproduces_decode(bench, tmp_path):
     assert not torch.equal(a, logits(ref, ids, device="cpu"))  # the experts really changed
 
 
+def test_llm_compressor_gets_the_windows_quantkit_calibrates_on(bench, tmp_path):
+    """With a random share (or a mix) in the recipe, the ids handed to llm-compressor are convert's own."""
+    from quantkit.checkpoint.reader import Checkpoint
+    from quantkit.conversion.pipeline import _calibration_tokens
+    from quantkit.recipe import load_recipe, recipe_overrides
+
+    src, _ = write_random(tmp_path / "src", small_config("glm"))
+    base = load_recipe("tiny-glm-5.2")
+    for share in (0.0, 0.25):
+        rec = recipe_overrides(base.model_copy(update={"calibration": base.calibration.model_copy(
+            update={"extra_random": share})}), num_samples=8, seq_len=16, calib="synthetic:train")
+        ours = bench.calibration_tokens(rec, src)
+        assert ours.ids.shape == (8 + round(8 * share), 16)
+        assert ours.sha256 == _calibration_tokens(rec, None, Checkpoint(src), False).sha256
+
+
 def test_compare_and_paired(bench):
     ref = torch.randn(4, 8, 16).log_softmax(-1)
     same = bench.compare(ref, ref)
