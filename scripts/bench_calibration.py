@@ -331,6 +331,39 @@ def window_kl(ref_lp, lp):
     return token_kl(ref_lp, lp).mean(-1)
 
 
+def run_plan(args, base: str, wd: Path, calib: tuple[int, int], data: str, corpus: str, name: str):
+    """The class's quantkit runs as (row name, method, recipe): RTN, the --base rows (with --shipped's
+    settings), the --variant rows, and with a --mix-* option each calibrated row's mix form beside it
+    (or instead of it, --mix-only); and a mix row's (windows, tokens per window)."""
+    plan = [(k, m, base) for k, m in (("RTN", "rtn"), ("GPTQ", "gptq"), ("AWQ", "awq"), ("RTN-clip", "rtn-clip"))
+            if k == "RTN" or k in args.base.split(",")]
+    if args.shipped:  # the calibrated rows with a shipped real recipe's settings
+        fields = shipped_fields(args.shipped)
+        plan = [(k, m, variant_recipe(base, fields, wd / f"{k}-{args.shipped}.yaml") if m in ("gptq", "awq") else r)
+                for k, m, r in plan]
+    for spec in args.variant:
+        vname, _, fields = spec.partition(":")
+        kv = dict(f.split("=", 1) for f in fields.split(",") if f)
+        method = kv.pop("METHOD", "gptq")
+        plan.append((vname, method, variant_recipe(base, kv, wd / f"{vname}.yaml")))
+    share, kind = next(((v, k) for k, v in (("reversed", args.mix_reversed), ("other", args.mix_other),
+                                              ("random", args.mix_random)) if v), (0.0, ""))
+    extra = 0
+    if share:
+        if corpus != "synthetic" and kind != "random":
+            raise RuntimeError(f"{name}: --mix-{kind} needs a class calibrated on the synthetic corpus")
+        second = mix_second_source(calib, wd, kind)
+        if args.mix_extra:  # the second source's windows on top of the class's: share of (N + extra)
+            extra = round(calib[0] * share)
+            share = extra / (calib[0] + extra)
+        plan += [(f"{k} mix", m, mix_recipe(r, second, share, wd / f"{k}-mix.yaml", data))
+                 for k, m, r in list(plan) if k != "RTN"]
+        if args.mix_only:  # the calibrated rows in their mix form only (RTN stays: every z is against it)
+            plan = [p for p in plan if p[0] == "RTN" or p[0].endswith(" mix")]
+    mixed = (calib[0] + extra, calib[1])  # a mix run's windows
+    return plan, mixed
+
+
 def run_class(name: str, args, work: Path, env: dict, say) -> dict:
     import torch
 
@@ -357,30 +390,7 @@ def run_class(name: str, args, work: Path, env: dict, say) -> dict:
         data = str(wd / "calib.npy")
         np.save(data, markov_windows(*calib, 0).numpy())
     runs: dict = {}
-    plan = [(k, m, base) for k, m in (("RTN", "rtn"), ("GPTQ", "gptq"), ("AWQ", "awq"), ("RTN-clip", "rtn-clip"))
-            if k == "RTN" or k in args.base.split(",")]
-    if args.shipped:  # the calibrated rows with a shipped real recipe's settings
-        fields = shipped_fields(args.shipped)
-        plan = [(k, m, variant_recipe(base, fields, wd / f"{k}-{args.shipped}.yaml") if m in ("gptq", "awq") else r)
-                for k, m, r in plan]
-    for spec in args.variant:
-        vname, _, fields = spec.partition(":")
-        kv = dict(f.split("=", 1) for f in fields.split(",") if f)
-        method = kv.pop("METHOD", "gptq")
-        plan.append((vname, method, variant_recipe(base, kv, wd / f"{vname}.yaml")))
-    share, kind = next(((v, k) for k, v in (("reversed", args.mix_reversed), ("other", args.mix_other),
-                                              ("random", args.mix_random)) if v), (0.0, ""))
-    extra = 0
-    if share:
-        if corpus != "synthetic" and kind != "random":
-            raise RuntimeError(f"{name}: --mix-{kind} needs a class calibrated on the synthetic corpus")
-        second = mix_second_source(calib, wd, kind)
-        if args.mix_extra:  # the second source's windows on top of the class's: share of (N + extra)
-            extra = round(calib[0] * share)
-            share = extra / (calib[0] + extra)
-        plan += [(f"{k} mix", m, mix_recipe(r, second, share, wd / f"{k}-mix.yaml", data))
-                 for k, m, r in list(plan) if k != "RTN"]
-    mixed = (calib[0] + extra, calib[1])  # a mix run's windows
+    plan, mixed = run_plan(args, base, wd, calib, data, corpus, name)
     for key, method, recipe in plan:
         say(f"{name}: quantkit {key} ...")
         mix_run = key.endswith(" mix")
@@ -430,7 +440,7 @@ def run_class(name: str, args, work: Path, env: dict, say) -> dict:
             row[s] = {"kl": kl[s][k].mean().item(), "vs_rtn": vars(paired(kl[s][k], kl[s]["RTN"]))}
             if "llmc" in kl[s]:
                 row[s]["vs_llmc"] = vars(paired(kl[s][k], kl[s]["llmc"]))
-            if k.endswith(" mix"):  # the same method calibrated on one source, at the same total tokens
+            if k.endswith(" mix") and k[: -len(" mix")] in kl[s]:  # the same method on one source, same tokens
                 row[s]["vs_unmixed"] = vars(paired(kl[s][k], kl[s][k[: -len(" mix")]]))
         if "experts" in m:
             row["guard"] = guard_summary(m["experts"])
@@ -691,6 +701,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mix-extra", action="store_true",
                     help="a mix's second source adds SHARE x the class's windows on top of them (the first source "
                          "keeps all its windows) instead of taking SHARE of them")
+    ap.add_argument("--mix-only", action="store_true",
+                    help="with a --mix-* option, run the calibrated rows only in their mix form (half the runs)")
     ap.add_argument("--base", default="GPTQ,AWQ,RTN-clip",
                     help="the tiny recipe's runs beside RTN (always run), comma-separated; '' for none (variants only)")
     ap.add_argument("--llmc-from", type=Path, default=None,

@@ -113,6 +113,23 @@ def test_mix_random_extra_rows_are_the_shipped_extra_random(bench, tmp_path):
     assert mixed.calibration.seed == shipped.calibration.seed
 
 
+def test_mix_only_runs_the_calibrated_rows_in_their_mix_form_alone(bench, tmp_path):
+    """--mix-only keeps RTN (every z is against it) and drops the unmixed calibrated rows; --mix-extra
+    adds SHARE x the class's windows to a mix row."""
+    import argparse
+
+    from quantkit.recipe import load_recipe
+
+    args = argparse.Namespace(base="GPTQ", shipped=None, variant=["G01:gptq.dampening=0.01"], mix_reversed=0.0,
+                              mix_other=0.0, mix_random=0.25, mix_extra=True, mix_only=False)
+    plan, mixed = bench.run_plan(args, "tiny-glm-5.2", tmp_path, (32, 16), "synthetic:train", "synthetic", "c")
+    assert [k for k, _, _ in plan] == ["RTN", "GPTQ", "G01", "GPTQ mix", "G01 mix"] and mixed == (40, 16)
+    args.mix_only = True
+    plan, _ = bench.run_plan(args, "tiny-glm-5.2", tmp_path, (32, 16), "synthetic:train", "synthetic", "c")
+    assert [k for k, _, _ in plan] == ["RTN", "GPTQ mix", "G01 mix"]
+    assert load_recipe(plan[2][2]).gptq.dampening == 0.01  # the variant's fields reach its mix form
+
+
 def test_mix_other_is_the_markov_language_from_documents_no_eval_set_or_training_has(bench, tmp_path):
     """--mix-other: the second source is the other-text eval set's language, from other documents, and not
     two-domain-dsv3's training windows."""
