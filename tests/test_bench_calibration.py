@@ -98,18 +98,18 @@ def test_mix_recipe_keeps_the_total_and_holds_out_the_eval_sets(bench, tmp_path)
 
 
 def test_mix_random_extra_rows_are_the_shipped_extra_random(bench, tmp_path):
-    """--mix-random 0.125 --mix-extra: a mix row calibrates on the class's windows and an eighth more of
+    """--mix-random 0.25 --mix-extra: a mix row calibrates on the class's windows and a quarter more of
     quantkit's `random` spec, the same sources (so the same ids: convert hands both to load_mix) as a
     recipe with the real recipes' calibration.extra_random at the class's windows."""
     from quantkit.recipe import load_recipe, recipe_overrides
 
     second = bench.mix_second_source((32, 16), tmp_path, "random")
-    mixed = recipe_overrides(load_recipe(bench.mix_recipe("tiny-glm-5.2", second, 4 / 36, tmp_path / "m.yaml")),
-                             num_samples=36, seq_len=16)  # what run_class gives a mix row under --mix-extra
+    mixed = recipe_overrides(load_recipe(bench.mix_recipe("tiny-glm-5.2", second, 8 / 40, tmp_path / "m.yaml")),
+                             num_samples=40, seq_len=16)  # what run_class gives a mix row under --mix-extra
     extra = load_recipe("glm-5.2").calibration.extra_random
     shipped = recipe_overrides(load_recipe(bench.variant_recipe(
         "tiny-glm-5.2", {"calibration.extra_random": str(extra)}, tmp_path / "s.yaml")), num_samples=32, seq_len=16)
-    assert mixed.calibration.sources() == shipped.calibration.sources() == [("synthetic:train", 32), ("random", 4)]
+    assert mixed.calibration.sources() == shipped.calibration.sources() == [("synthetic:train", 32), ("random", 8)]
     assert mixed.calibration.seed == shipped.calibration.seed
 
 
