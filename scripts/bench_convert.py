@@ -228,14 +228,11 @@ def random_checkpoint(folder: Path, src: Path, layers: int, args) -> Path:
 # ---- quality -------------------------------------------------------------------------------------
 def calibration_tokens(rec, src: Path):
     """The windows quantkit convert calibrates on with recipe `rec` (its dataset, or its mix and random
-    share, as quantkit.conversion.pipeline reads them), so llm-compressor is handed the same ids."""
-    from quantkit.inputs.mix import load_mix
-    from quantkit.inputs.tokens import load_tokens
+    share), read by convert's own function, so llm-compressor is handed the same ids."""
+    from quantkit.checkpoint.reader import Checkpoint
+    from quantkit.conversion.pipeline import _calibration_tokens
 
-    c = rec.calibration
-    if c.mix or c.random_windows():
-        return load_mix(c.sources(), tokenizer=src, seq_len=c.seq_len, seed=c.seed)
-    return load_tokens(c.dataset, tokenizer=src, num_samples=c.num_samples, seq_len=c.seq_len, seed=c.seed)
+    return _calibration_tokens(rec, None, Checkpoint(src), False)
 
 
 def log_probs(folder: Path | str, ids, chunk: int = 16):
@@ -390,7 +387,6 @@ def main(argv: list[str] | None = None) -> int:
         print(*a, file=sys.stderr, flush=True)
 
     res: dict = {"machine": machine(), "model": args.model, "group_size": args.group_size, "threads": args.threads or "default",
-                 "calibration": f"synthetic:train {args.num_samples}x{args.seq_len}",
                  "eval": f"corpus seed {EVAL_SEED}, {args.eval_samples}x{args.eval_seq_len}", "runs": {}}
     src = resolve(args.model)  # builds a tiny model once, outside any timing
     if args.random:
