@@ -228,7 +228,8 @@ def convert(
     group_size: GroupSize = None,
     decode_rest: Annotated[Optional[str], typer.Option(help="Decode's non-expert weights: prefill (same bytes as prefill, default) or bf16 (Kimi's official look).")] = None,
     device: Device = "auto",
-    resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from its last completed layer.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from its last completed layer (refused if the options or inputs differ from that run's).")] = False,
+    restart: Annotated[bool, typer.Option("--restart", help="Discard an interrupted run in --out and start over (without it, or --resume, such a folder is refused).")] = False,
     no_validate: Annotated[bool, typer.Option("--no-validate", help="Skip validating the pair afterwards.")] = False,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow the tokenizer's own code to run.")] = False,
     delete_source_after: Annotated[bool, typer.Option("--delete-source-after", help="hf:// sources: delete each shard once consumed.")] = False,
@@ -256,7 +257,7 @@ def convert(
     _relaunch_under_torchrun(ctx, nproc, out)
     try:
         result = run_convert(model, out, recipe=recipe or preset, method=method, calib=calib, num_samples=num_samples,
-                             seq_len=seq_len, group_size=group_size, decode_rest=decode_rest, device=device, resume=resume,
+                             seq_len=seq_len, group_size=group_size, decode_rest=decode_rest, device=device, resume=resume, restart=restart,
                              validate=not no_validate, progress=not (json_out or quiet), trust_remote_code=trust_remote_code,
                              delete_source_after=delete_source_after, allow_unverified=allow_unverified,
                              max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory, eval_data=eval_data,

@@ -402,7 +402,19 @@ BAD = [
     ("symlink to a file outside the source", _symlink_out, r"symlink to .* outside the model folder", ["inspect", "convert"]),
     ("config.json not JSON", lambda f: (f / "config.json").write_text("{oops"), r"not valid JSON", ["inspect", "convert"]),
     ("unknown model_type", lambda f: _edit_json(f, "config.json", lambda d: d.update(model_type="llama")), r"unknown model_type 'llama'", ["inspect", "convert"]),
+    # the family's invariants (what the router and the reference forward assume), checked before layer 0
+    ("top-k above the expert count", lambda f: _edit_json(f, "config.json", lambda d: d.update(num_experts_per_tok=9)),
+     r"num_experts_per_tok 9 is more than n_routed_experts 8", ["inspect", "convert"]),
+    ("topk_group above n_group", lambda f: _edit_json(f, "config.json", lambda d: d.update(n_group=2, topk_group=3)),
+     r"topk_group 3 is more than n_group 2", ["inspect", "convert"]),
+    ("top-k above the experts of the chosen groups", lambda f: _edit_json(f, "config.json", lambda d: d.update(n_group=4, topk_group=1)),
+     r"num_experts_per_tok 4 is more than the 2 experts", ["inspect", "convert"]),
+    ("index_topk of 0", lambda f: _edit_json(f, "config.json", lambda d: d.update(index_topk=0)),
+     r"index_topk is 0", ["inspect", "convert"]),
 ]
+
+
+CONFIG_CASES = {b[0] for b in BAD[BAD.index(next(b for b in BAD if b[0] == "top-k above the expert count")):]}
 
 
 def _invoke(command: str, folder: Path, out: Path, whole_out: Path) -> tuple[int, str]:
@@ -431,6 +443,8 @@ def test_bad_input_is_one_line_with_a_fix(src, whole, tmp_path, case, mutate, me
         record("bad input", f"{case} ({command})", 1, ok)
         assert ok, f"{command}: exit {code}: {output}"
         assert not (tmp_path / "out" / "prefill").exists() and not (tmp_path / "out" / "decode").exists()
+        if case in CONFIG_CASES:  # refused before any work: no folder, no *.partial
+            assert not (tmp_path / "out").exists(), list((tmp_path / "out").iterdir())
 
 
 @pytest.mark.parametrize("device,message", [("cuda", "no CUDA device"), ("cuda:3", "cuda:3"), ("tpu", "not a device")])
@@ -1040,3 +1054,117 @@ def test_a_truncated_body_is_refused(evil, tmp_path):
     ok = ok and (tmp_path / "pulled2" / SHARD).read_bytes() == evil.content[SHARD] and pulled.unverified == []
     record("malicious Hub", "a short body in a complete response; a connection dropped mid-body", 2, ok, str(e.value)[:80])
     assert ok, str(e.value)
+
+
+# ---- the output folder never loses work, never lies -------------------------------------------------------
+def _interrupted(src, out, monkeypatch, point: str = "layer:written#2", **kw) -> None:
+    monkeypatch.setenv("QUANTKIT_FAULT", f"{point}:raise")
+    with pytest.raises(faults.InjectedFault):
+        _convert(src, out, **kw)
+    monkeypatch.delenv("QUANTKIT_FAULT")
+
+
+def _one_error_line(res) -> str:
+    lines = res.output.strip().splitlines()
+    assert res.exit_code == 1 and len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in res.output, res.output
+    return lines[0]
+
+
+def test_a_rerun_without_resume_never_discards_an_interrupted_run(src, whole, tmp_path, monkeypatch):
+    out = tmp_path / "o"
+    _interrupted(src, out, monkeypatch)
+    before = _files(out)
+    res = runner.invoke(app, ["convert", str(src), "--out", str(out), "--method", "rtn", "--no-validate"])
+    line = _one_error_line(res)
+    kept = _files(out) == before
+    ok = "--resume" in line and "--restart" in line and "interrupted" in line and kept
+    assert ok, line
+    both = runner.invoke(app, ["convert", str(src), "--out", str(out), "--method", "rtn", "--no-validate", "--resume", "--restart"])
+    assert "--resume" in _one_error_line(both) and _files(out) == before
+    again = runner.invoke(app, ["convert", str(src), "--out", str(out), "--method", "rtn", "--no-validate", "--restart"])
+    ok = ok and again.exit_code == 0 and _same_pair(out, whole[0])
+    record("rerun on an interrupted output", "without --resume: refused naming --resume and --restart, nothing "
+           "touched; --restart starts over (byte-identical)", 2, ok)
+    assert ok, again.output
+
+
+@pytest.mark.parametrize("finished", [False, True], ids=["interrupted", "finished"])
+def test_resume_with_other_options_is_refused_naming_the_first_difference(src, whole, tmp_path, monkeypatch, finished):
+    out = tmp_path / "o"
+    if finished:
+        shutil.copytree(whole[0], out)
+    else:
+        _interrupted(src, out, monkeypatch)
+    before = _files(out)
+    res = runner.invoke(app, ["convert", str(src), "--out", str(out), "--method", "gptq", "--calib", "synthetic:train",
+                              "--no-validate", "--resume"])
+    line = _one_error_line(res)
+    fix = "another --out" if finished else "--restart"
+    ok = "method" in line and "rtn" in line and "gptq" in line and fix in line and _files(out) == before
+    grp = runner.invoke(app, ["convert", str(src), "--out", str(out), "--method", "rtn", "--group-size", "64",
+                              "--no-validate", "--resume"])
+    ok = ok and "group_size" in _one_error_line(grp) and _files(out) == before
+    same = runner.invoke(app, ["convert", str(src), "--out", str(out), "--method", "rtn", "--no-validate", "--resume"])
+    ok = ok and same.exit_code == 0 and _same_pair(out, whole[0])
+    record("--resume with other options", f"{'a finished' if finished else 'an interrupted'} run, --method and "
+           "--group-size changed: refused naming the field and both values; the same options resume", 3, ok)
+    assert ok, (line, grp.output, same.output)
+
+
+def test_stale_validation_files_and_another_runs_report_are_never_left_beside_a_new_pair(src, whole, tmp_path):
+    out = tmp_path / "o"
+    shutil.copytree(whole[0], out)
+    for which in ("prefill", "decode"):
+        shutil.rmtree(out / which)  # an older pair removed by hand, its report and results left
+    results = {f"validation.{x}": f"PASSED {x}" for x in ("json", "md", "png")}
+    for name, text in results.items():
+        (out / name).write_text(text)
+    report = (out / REPORT).read_text()
+    res = runner.invoke(app, ["convert", str(src), "--out", str(out), "--method", "rtn", "--no-validate"])
+    line = _one_error_line(res)
+    ok = REPORT in line and "--restart" in line and (out / REPORT).read_text() == report
+    (out / REPORT).unlink()  # results of a pair no longer there, no report: cleared, and said which
+    res = runner.invoke(app, ["convert", str(src), "--out", str(out), "--method", "rtn", "--no-validate"])
+    ok = ok and res.exit_code == 0 and all(n in res.output for n in results) and "removed" in res.output
+    ok = ok and not any((out / n).exists() for n in results) and _same_pair(out, whole[0])
+    record("stale files in --out", "another run's convert-report.json: refused; validation.json/.md/.png of a pair "
+           "no longer there: removed and named", 2, ok)
+    assert ok, res.output
+
+
+def test_the_disk_precheck_counts_two_layers_of_resume_state(src, tmp_path):
+    """At a save the next layer's hidden states are written beside the last saved ones (the old file
+    is removed after state.json names the new one): the peak is two copies."""
+    from quantkit.checkpoint.reader import Checkpoint
+    from quantkit.conversion.cost import plan_convert_for
+
+    ck = Checkpoint(src)
+    c = plan_convert_for(str(src), gpu="cpu", method="gptq", num_samples=64, seq_len=16)
+    one = c.tokens * ck.arch.hidden_size * (4 if "32" in str(c.store.dtype) else 2)
+    ok = c.store.backing == "memory" and c.disk["resume_state"] == 2 * one
+    glm = plan_convert_for("glm-5.2", gpu="h200", max_host_memory="200GB")
+    ok = ok and glm.disk["resume_state"] == 2 * glm.tokens * 6144 * 4 and "resume state 51.54" in glm.summary()
+    record("disk precheck", "the resume state's peak (two layers' hidden states) counted; GLM 5.2's figure 51.5 GB",
+           1, ok)
+    assert ok, (c.disk, glm.disk)
+
+
+def test_a_write_error_other_than_a_full_disk_is_one_line(src, tmp_path):
+    """A file size limit (`ulimit -f`): the write fails with EFBIG (Python ignores SIGXFSZ)."""
+    import resource
+
+    out = tmp_path / "o"
+    limit = 200_000
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    proc = subprocess.run(_cli("convert", str(src), "--out", str(out), "--method", "gptq", "--calib", "synthetic:train",
+                               "--num-samples", "4", "--seq-len", "16", "--no-validate", "--quiet"),
+                          capture_output=True, text=True, preexec_fn=small_files, env=_env())
+    lines = proc.stderr.strip().splitlines()
+    ok = (proc.returncode == 1 and len(lines) == 1 and "Traceback" not in proc.stderr and str(out) in lines[0]
+          and "File too large" in lines[0] and "--resume" in lines[0])
+    record("write error (not a full disk)", "a file size limit (ulimit -f, EFBIG) mid-run", 1, ok,
+           "one line naming the file, the error and --resume")
+    assert ok, proc.stderr[-3000:]

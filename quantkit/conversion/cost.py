@@ -679,7 +679,9 @@ def plan_convert(
     notes = _store_notes(m, store, activation_dtype)
     state_bytes = m.tokens * x.hidden * (4 if dt == torch.float32 else 2)
     disk = {"prefill": output_bytes[0], "decode": output_bytes[1],
-            "resume_state": state_bytes + (2 * state_bytes if backing == "disk" else 0),
+            # at a save the next layer's h is written beside the saved one, removed only once state.json
+            # names the new file (quantkit.conversion.resume.save_state): two copies at the peak
+            "resume_state": 2 * state_bytes + (2 * state_bytes if backing == "disk" else 0),
             "streamed_source": 0}
 
     r = _device_rates(on_gpu, gpu, rates)

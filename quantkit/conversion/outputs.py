@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -141,6 +142,8 @@ def owned_output(fn):
         except Exception as e:
             if isinstance(e, OSError) and e.errno in _UNWRITABLE and str(e.filename or "").startswith(str(out)):
                 raise unusable(out, e, "convert") from None
+            if (code := write_errno(e)) in (errno.EFBIG, errno.EIO):
+                raise _write_failed(out, e, code) from None
             if not disk_full(e):
                 raise
             free = shutil.disk_usage(out).free
@@ -182,14 +185,39 @@ def disk_full(e: BaseException) -> bool:
     return isinstance(e, SafetensorError) and any(m in codes for m in re.findall(r"(?:os error|code:) ?(\d+)", str(e)))
 
 
+def write_errno(e: BaseException) -> int | None:
+    """The errno of a failed write: an OSError's, or the one safetensors' writer puts in its message."""
+    if isinstance(e, OSError):
+        return e.errno
+    import re
+
+    from safetensors import SafetensorError
+
+    found = re.findall(r"(?:os error|code:) ?(\d+)", str(e)) if isinstance(e, SafetensorError) else []
+    return int(found[0]) if found else None
+
+
+def _write_failed(out: Path, e: BaseException, code: int) -> OutputError:
+    """A write that failed for another reason than a full disk, as one line: what the system said,
+    the file when known, and the fix; the completed layers are kept."""
+    where = f" ({e.filename})" if isinstance(e, OSError) and e.filename else ""
+    why = os.strerror(code)
+    fix = ("a file size limit (ulimit -f) or the filesystem's largest file is below what this run writes: raise it "
+           "or choose another --out" if code == errno.EFBIG else "check the disk (dmesg names the device)")
+    return OutputError(f"{out}: writing failed: {why} (errno {code}){where}; {fix}, then rerun with --resume to "
+                       "continue (the completed layers are kept)")
+
+
 def _size(n: float) -> str:
     return decimal_bytes(n, digits=1, gb_from=1e9, bytes_below=1e6)
 
 
 def check_disk(ckpt, decisions, out: Path, G: int, free: int | None = None, extra: int = 0) -> None:
-    """Refuse a run that cannot fit: the predicted pair, less what an interrupted run already wrote,
-    plus `extra` (the resume state: one copy of h in its stored dtype, and the store when disk-backed)."""
+    """Refuse a run that cannot fit: the predicted pair plus `extra` (the resume state at its peak:
+    two copies of h in its stored dtype, the saved one and the next, and the store when
+    disk-backed), less what an interrupted run already wrote (its parts and its saved h)."""
     written = sum(p.stat().st_size for w in ("prefill", "decode") for p in (out / f"{w}.partial").glob("part-*"))
+    written += sum(p.stat().st_size for p in (out / ".quantkit-convert").glob("*hidden.*.bin"))
     need = sum(predicted_bytes(ckpt, decisions, G)) - written + extra
     _NEEDS[str(out)] = need
     free = shutil.disk_usage(out).free if free is None else free

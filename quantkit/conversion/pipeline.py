@@ -51,7 +51,16 @@ from quantkit.conversion.outputs import (
 )
 from quantkit.conversion.precision import Decision, decide_all, needs_calibration, predicted_bytes
 from quantkit.conversion.report import ConvertResult, convert_report, source_identity
-from quantkit.conversion.resume import STATE_DIR, fingerprint, load_hidden, open_state, save_state
+from quantkit.conversion.resume import (
+    STATE_DIR,
+    fingerprint,
+    load_hidden,
+    open_state,
+    refuse_other_inputs,
+    run_inputs,
+    save_state,
+    saved_inputs,
+)
 from quantkit.conversion.stages import Calibration, Prefetcher, convert_layer, outside_layers, start_calibration
 from quantkit.errors import ConfigError, OutputError
 from quantkit.inputs.modelspec import open_checkpoint
@@ -79,6 +88,7 @@ def convert(
     decode_rest: str | None = None,
     device: str = "auto",
     resume: bool = False,
+    restart: bool = False,
     validate: bool = True,
     progress: bool = True,
     trust_remote_code: bool = False,
@@ -104,7 +114,11 @@ def convert(
             below override its fields when given.
         decode_rest: "bf16" stores everything but the routed experts BF16 in decode (Kimi's official
             INT4 look; recipe `decode.rest`); default "prefill": the prefill checkpoint's bytes.
-        resume: continue an interrupted run from its last completed layer (byte-identical result).
+        resume: continue an interrupted run from its last completed layer (byte-identical result);
+            refused, naming the first difference, when the options or inputs differ from that run's.
+        restart: discard an interrupted run in `out` (and results of a pair no longer there) and
+            start over. Without it (or resume) a folder holding an interrupted run is refused: its
+            layers are never thrown away silently.
         validate: run `quantkit.validate` on the pair afterwards.
         delete_source_after: with an `hf://` source, delete each downloaded shard once every
             tensor in it has been consumed (local disk then holds a few shards at a time).
@@ -136,7 +150,9 @@ def convert(
     decisions, calibrate = _decide(ckpt, rec)  # every tensor, up front (a dry run of the whole conversion)
 
     state_dir = out / STATE_DIR
-    finished, finishing = _previous_run(out, state_dir, resume, group.leader)
+    source_files = source_identity(ckpt)
+    inputs = run_inputs(source_files, rec.model_dump(mode="json"))
+    finished, finishing = _previous_run(out, state_dir, inputs, resume=resume, restart=restart, leader=group.leader)
     if finished is not None:  # --resume after a run that had completed: only its validate is left
         return _validated(finished, group, validate, device, progress, _later_options(locals()))
     tokens = _calibration_tokens(rec, recipe, ckpt, trust_remote_code) if calibrate else None
@@ -144,9 +160,9 @@ def convert(
     if validate:
         later |= _validation_inputs(rec, ckpt, eval_data=eval_data, num_samples=eval_num_samples, seq_len=eval_seq_len,
                                     gen_tokens=gen_tokens, gates=gate)
-    source_files = source_identity(ckpt)
     out.mkdir(parents=True, exist_ok=True)
-    state = open_state(state_dir, fingerprint(source_files, rec, tokens), resume, group.leader)
+    state = open_state(state_dir, fingerprint(source_files, rec, tokens), resume, group.leader,
+                       run_inputs(source_files, rec.model_dump(mode="json"), tokens.sha256 if tokens else None))
     if group.leader:
         record_command(state_dir, argv + ([f"--nproc={group.world}"] if group.distributed else []),
                        ckpt.arch.num_layers_with_mtp)
@@ -224,18 +240,75 @@ def _command_line(model, out, args: dict) -> list[str]:
     return argv + ([] if args.get("validate", True) else ["--no-validate"])
 
 
-def _previous_run(out: Path, state_dir: Path, resume: bool, leader: bool) -> tuple[ConvertResult | None, bool]:
+def _previous_run(out: Path, state_dir: Path, inputs: dict, *, resume: bool, restart: bool,
+                  leader: bool) -> tuple[ConvertResult | None, bool]:
     """What `out` holds already: with --resume, a run that had completed (its result) or one that
-    had reached its finish (True: the layers are done; only the finish is left). A complete output
-    is never overwritten otherwise."""
+    had reached its finish (True: the layers are done; only the finish is left), each refused when
+    this run's options or inputs differ from its own. A complete output is never overwritten; an
+    interrupted one is discarded only with --restart; a report or results of a pair that is no
+    longer there are never left beside a new one."""
+    if resume and restart:
+        raise ConfigError("give --resume (continue the interrupted run) or --restart (discard it), not both")
     if leader:
         shutil.rmtree(out / (STATE_DIR + ".done"), ignore_errors=True)  # a finished run's state, left by a crash
-    if resume and (out / "convert-report.json").is_file() and not state_dir.exists():
-        report = json.loads((out / "convert-report.json").read_text())  # the interrupted run had finished
-        return ConvertResult(out, out / "prefill", out / "decode", report), False
+    report = out / "convert-report.json"
+    if resume and report.is_file() and not state_dir.exists():
+        done = json.loads(report.read_text())  # the interrupted run had finished
+        recorded = run_inputs(done.get("source", {}).get("files", {}), done.get("recipe", {}), None,
+                              done.get("quantkit_version"))
+        refuse_other_inputs(out, recorded, inputs, finished=True)
+        return ConvertResult(out, out / "prefill", out / "decode", done), False
+    if resume and (saved := saved_inputs(state_dir)) is not None:
+        refuse_other_inputs(out, saved, inputs, finished=False)  # before the calibration data is read
     finishing = resume and journal(state_dir) is not None
+    if not resume:
+        _clear_previous(out, state_dir, restart=restart, leader=leader)
     refuse_existing(out, state_dir, finishing)
     return None, finishing
+
+
+def _clear_previous(out: Path, state_dir: Path, *, restart: bool, leader: bool) -> None:
+    """A run without --resume: an interrupted run here is refused (or, with --restart, discarded);
+    another run's report is refused (or removed); results of a pair no longer here are removed.
+    Each removal is said on stderr."""
+    from quantkit.runtime.files import RESULTS_PENDING
+
+    partial = [out / f"{w}.partial" for w in ("prefill", "decode")]
+    placed = [out / w for w in ("prefill", "decode")] if journal(state_dir) is not None else []
+    # work worth keeping: a saved state (layers done) or a finish under way; a state folder without
+    # either (a run refused by its plan, or killed before its first save) holds nothing to resume
+    interrupted = (state_dir / "state.json").is_file() or bool(placed)
+    report = out / "convert-report.json"
+    pair = any((out / w).exists() for w in ("prefill", "decode"))
+    if interrupted and not restart:
+        raise OutputError(f"{out}: holds an interrupted convert{_layers_done(state_dir)} (its completed layers are "
+                          "kept); add --resume to continue it, or --restart to discard it and start over")
+    if report.is_file() and not pair and not interrupted and not restart:
+        raise OutputError(f"{out}: holds convert-report.json of another run (its prefill/ and decode/ are gone); "
+                          "remove it, choose another --out, or add --restart to discard it")
+    if not leader:
+        return
+    if restart and interrupted:
+        for p in [state_dir, *partial, *placed]:
+            if p.exists():
+                shutil.rmtree(p)
+        _say(f"{out}: --restart: discarded the interrupted convert")
+    if any((out / w).exists() for w in ("prefill", "decode")):
+        return  # a finished pair: refused next, its results with it
+    removed = [report.name] if restart and report.is_file() else []
+    removed += [n for n in ("validation.json", "validation.md", "validation.png", RESULTS_PENDING) if (out / n).exists()]
+    for name in removed:
+        (out / name).unlink()
+    if removed:
+        _say(f"{out}: removed {', '.join(removed)}: the results of an earlier pair that is no longer here")
+
+
+def _layers_done(state_dir: Path) -> str:
+    try:
+        n = json.loads((state_dir / "state.json").read_text()).get("next_layer", 0)
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return f" ({max(n, 0)} layers done)"
 
 
 def _recipe(model: str, arch: ModelArch, recipe: str | Path | None, **overrides) -> Recipe:

@@ -42,6 +42,7 @@ class State:
     experts: list[dict] = field(default_factory=list)
     layers: list[dict] = field(default_factory=list)
     differ: list[str] = field(default_factory=list)
+    inputs: dict = field(default_factory=dict)  # run_inputs(): what --resume compares, field by field
 
 
 def fingerprint(source_files: dict[str, str], rec: Recipe, tokens) -> str:
@@ -50,17 +51,88 @@ def fingerprint(source_files: dict[str, str], rec: Recipe, tokens) -> str:
         [source_files, rec.model_dump(mode="json"), tokens.sha256 if tokens else None, __version__]).encode()).hexdigest()
 
 
-def open_state(state_dir: Path, digest: str, resume: bool, leader: bool) -> State:
-    """The state to continue from: the interrupted run's with --resume (refused when its
-    fingerprint differs), else a fresh one. Rank 0 clears a stale folder (not resuming) and makes it."""
-    state = State(digest)
+# recipe fields a user sets with an option: the refusal names the option too
+_OPTION_OF = {"method": "--method", "group_size": "--group-size", "calibration.num_samples": "--num-samples",
+              "calibration.seq_len": "--seq-len", "calibration.dataset": "--calib", "calibration.mix": "--calib",
+              "decode.rest": "--decode-rest"}
+
+
+TOKENS = "calibration tokens (sha256)"
+
+
+def run_inputs(source_files: dict[str, str], recipe: dict, tokens_sha256: str | None = None,
+               version: str = __version__) -> dict:
+    """What decides the output bytes, flat and ordered so that the first difference is the one a user
+    changed: the recipe's own fields (method, group size, ...) before its sections', then the source's
+    files, the calibration tokens and quantkit's version. state.json and convert-report.json hold it,
+    and --resume compares it field by field (the fingerprint only says *that* something differs)."""
+    flat: dict = {}
+    for key, value in recipe.items():
+        if not isinstance(value, dict):
+            flat[key] = value
+    for key, value in recipe.items():
+        if isinstance(value, dict):
+            flat |= {f"{key}.{k}": v for k, v in value.items()}
+    flat |= {f"source file {name}": digest for name, digest in source_files.items()}
+    if tokens_sha256 is not None:
+        flat[TOKENS] = tokens_sha256
+    return flat | {"quantkit version": version}
+
+
+def first_difference(saved: dict, now: dict) -> str | None:
+    """The first field (in `now`'s order) whose value differs, as "field: A there, B here", else None.
+    The calibration tokens are compared only where both sides know them (they are read later)."""
+    for key in list(now) + [k for k in saved if k not in now]:
+        if key == TOKENS and (key not in saved or key not in now):
+            continue
+        a, b = saved.get(key, "(absent)"), now.get(key, "(absent)")
+        if a != b:
+            option = f" ({_OPTION_OF[key]})" if key in _OPTION_OF else ""
+            return f"{key}{option} was {_short(a)} in that run, {_short(b)} in this one"
+    return None
+
+
+def _short(v) -> str:
+    text = json.dumps(v) if not isinstance(v, str) else v
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def refuse_other_inputs(out: Path, saved: dict, now: dict, *, finished: bool) -> None:
+    """--resume: refuse a run whose options or inputs differ from the recorded run's, naming the first."""
+    diff = first_difference(saved, now)
+    if diff is None:
+        return
+    if finished:
+        raise OutputError(f"{out}: --resume: the finished pair here was made with other options: {diff}; "
+                          "resume with that run's options, or choose another --out for a new conversion")
+    raise OutputError(f"{out}: --resume: the interrupted run used other options: {diff}; resume with that "
+                      "run's options, or add --restart (without --resume) to discard it and start over")
+
+
+def saved_inputs(state_dir: Path) -> dict | None:
+    """The run_inputs() an interrupted run recorded in its state.json (None: no state, or one
+    written before they were recorded)."""
+    try:
+        return json.loads((Path(state_dir) / "state.json").read_text()).get("inputs") or None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def open_state(state_dir: Path, digest: str, resume: bool, leader: bool, inputs: dict | None = None) -> State:
+    """The state to continue from: the interrupted run's with --resume (refused, naming the first
+    difference, when its inputs differ), else a fresh one. Rank 0 clears a stale folder (not
+    resuming) and makes it."""
+    state = State(digest, inputs=inputs or {})
     if resume and (state_dir / "state.json").is_file():
         saved = json.loads((state_dir / "state.json").read_text())
         saved.pop("hidden", None)
         state = State(**saved)
+        if state.inputs and inputs:
+            refuse_other_inputs(state_dir.parent, state.inputs, inputs, finished=False)
+        state.inputs = inputs or state.inputs
         if state.fingerprint != digest:
             raise OutputError(f"{state_dir}: the interrupted run used another source, recipe or calibration; "
-                              "rerun without --resume (or restore them)")
+                              "resume with the same ones, or rerun with --restart to discard it")
     elif state_dir.exists() and leader:
         if not resume:
             shutil.rmtree(state_dir)

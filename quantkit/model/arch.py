@@ -263,11 +263,40 @@ def arch_from_config(cfg: dict[str, Any], *, source: str = "config.json") -> Mod
     )
     if len(arch.moe_layers) != n_layers:
         raise ConfigError(f"{source}: mlp_layer_types has {len(arch.moe_layers)} entries for {n_layers} layers")
-    if arch.n_routed_experts % arch.n_group:
-        raise ConfigError(f"{source}: n_routed_experts {arch.n_routed_experts} not divisible by n_group {arch.n_group}")
     if dsa and not arch.indexer_layers[0]:
         raise ConfigError(f"{source}: layer 0 must own a DSA indexer (IndexShare reuses the previous layer's)")
+    _check_invariants(arch, source, dsa=dsa)
     return arch
+
+
+def _check_invariants(arch: ModelArch, source: str, *, dsa: bool) -> None:
+    """What the router and the reference forward assume of the sizes, checked when the config is
+    read (before any layer): otherwise a top-k above the expert count ends in torch's "selected index
+    k out of range" at layer 0, and a top-k above the chosen groups' experts silently routes tokens
+    to experts masked out with -inf."""
+    a, fix = arch, "fix config.json"
+    if a.n_routed_experts % a.n_group:
+        raise ConfigError(f"{source}: n_routed_experts {a.n_routed_experts} not divisible by n_group {a.n_group}; {fix}")
+    if any(a.moe_layers) or a.num_mtp_layers:
+        if a.num_experts_per_tok > a.n_routed_experts:
+            raise ConfigError(f"{source}: num_experts_per_tok {a.num_experts_per_tok} is more than n_routed_experts "
+                              f"{a.n_routed_experts}: a token cannot be routed to that many experts; {fix}")
+        if a.topk_group > a.n_group:
+            raise ConfigError(f"{source}: topk_group {a.topk_group} is more than n_group {a.n_group}; {fix}")
+        reachable = a.topk_group * (a.n_routed_experts // a.n_group)
+        if a.n_group > 1 and a.num_experts_per_tok > reachable:
+            raise ConfigError(f"{source}: num_experts_per_tok {a.num_experts_per_tok} is more than the {reachable} experts "
+                              f"of the topk_group {a.topk_group} groups a token may use ({a.n_routed_experts} experts in "
+                              f"n_group {a.n_group}); {fix}")
+    if a.qk_rope_head_dim % 2:
+        raise ConfigError(f"{source}: qk_rope_head_dim {a.qk_rope_head_dim} is odd; rope rotates pairs of dimensions, "
+                          f"so it must be even; {fix}")
+    kv = a.attention_sizes.get("num_key_value_heads")
+    if kv and a.num_attention_heads % kv:
+        raise ConfigError(f"{source}: num_attention_heads {a.num_attention_heads} is not a multiple of num_key_value_heads "
+                          f"{kv}; each key/value head serves a whole group of query heads; {fix}")
+    if dsa and a.index_topk < 1:
+        raise ConfigError(f"{source}: index_topk is {a.index_topk}; the DSA indexer keeps at least one key; {fix}")
 
 
 NO_MTP = "no MTP layer in the source: speculative decoding unavailable"
