@@ -1064,6 +1064,18 @@ def _interrupted(src, out, monkeypatch, point: str = "layer:written#2", **kw) ->
     monkeypatch.delenv("QUANTKIT_FAULT")
 
 
+def _settled(out: Path) -> dict[str, bytes]:
+    """The folder's files once the interrupted run's background shard saves have finished (an
+    in-process crash does not wait for them)."""
+    last = _files(out)
+    while True:
+        time.sleep(0.3)
+        now = _files(out)
+        if now == last:
+            return now
+        last = now
+
+
 def _one_error_line(res) -> str:
     lines = res.output.strip().splitlines()
     assert res.exit_code == 1 and len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in res.output, res.output
@@ -1073,7 +1085,7 @@ def _one_error_line(res) -> str:
 def test_a_rerun_without_resume_never_discards_an_interrupted_run(src, whole, tmp_path, monkeypatch):
     out = tmp_path / "o"
     _interrupted(src, out, monkeypatch)
-    before = _files(out)
+    before = _settled(out)
     res = runner.invoke(app, ["convert", str(src), "--out", str(out), "--method", "rtn", "--no-validate"])
     line = _one_error_line(res)
     kept = _files(out) == before
@@ -1095,7 +1107,7 @@ def test_resume_with_other_options_is_refused_naming_the_first_difference(src, w
         shutil.copytree(whole[0], out)
     else:
         _interrupted(src, out, monkeypatch)
-    before = _files(out)
+    before = _settled(out)
     res = runner.invoke(app, ["convert", str(src), "--out", str(out), "--method", "gptq", "--calib", "synthetic:train",
                               "--no-validate", "--resume"])
     line = _one_error_line(res)

@@ -37,7 +37,10 @@ from quantkit.runtime.files import (
 MANIFEST = "manifest.json"
 FORMAT = "quantkit-manifest/1"
 REPORT = "convert-report.json"
-UNCOVERED = {MANIFEST, "README.md", ".README.staged.md"}  # the card (and its staged next version, quantkit.runtime.files.staged) is rewritten by validate and states the manifest digest
+# the card and the validation results each checkpoint folder carries (and their staged next versions,
+# quantkit.runtime.files.staged) are rewritten by validate; the card states the manifest's digest
+CARD_FILES = ("README.md", "validation.json", "validation.md", "validation.png")
+UNCOVERED = {MANIFEST, *CARD_FILES, *(f".{Path(n).stem}.staged{Path(n).suffix}" for n in CARD_FILES)}
 _CHUNK = 16 << 20
 
 

@@ -291,10 +291,6 @@ def _check_invariants(arch: ModelArch, source: str, *, dsa: bool) -> None:
     if a.qk_rope_head_dim % 2:
         raise ConfigError(f"{source}: qk_rope_head_dim {a.qk_rope_head_dim} is odd; rope rotates pairs of dimensions, "
                           f"so it must be even; {fix}")
-    kv = a.attention_sizes.get("num_key_value_heads")
-    if kv and a.num_attention_heads % kv:
-        raise ConfigError(f"{source}: num_attention_heads {a.num_attention_heads} is not a multiple of num_key_value_heads "
-                          f"{kv}; each key/value head serves a whole group of query heads; {fix}")
     if dsa and a.index_topk < 1:
         raise ConfigError(f"{source}: index_topk is {a.index_topk}; the DSA indexer keeps at least one key; {fix}")
 

@@ -102,7 +102,8 @@ def render_card(which: str, report: dict, validation: dict, *, license: dict[str
         "`convert-report.json` and `validation.json`; do not edit by hand, rerun `quantkit validate` to refresh it.",
         "",
         f"One half of a matched pair for disaggregated serving. This folder is the **{which}** checkpoint, for "
-        f"{pool}: {storage}. `../{other}` is the {ROLE[other][0]}, for {ROLE[other][1]}. The two hold identical "
+        f"{pool}: {storage}. Its twin, `{other}/` beside it in the convert output, is the {ROLE[other][0]}, for "
+        f"{ROLE[other][1]}. The two hold identical "
         f"bytes for every tensor except the {', '.join(report['shared_tensors']['differ_classes']) or 'none'} tensors "
         f"({report['shared_tensors']['identical']} identical, {report['shared_tensors']['differ']} differ)"
         + (", so the decode pool attends over KV that the prefill pool computed with the same attention weights."
@@ -234,6 +235,7 @@ def _guard_line(report: dict) -> str:
 
 
 def _measured(which: str, v: dict) -> list[str]:
+    from quantkit.validation.gates import BY_CONSTRUCTION
     from quantkit.validation.longctx import long_card
     from quantkit.validation.mtprow import mtp_card
 
@@ -254,15 +256,17 @@ def _measured(which: str, v: dict) -> list[str]:
         "| path | KL (nats) | top-1 | ppl delta | max layer err | greedy agree |",
         "|---|---:|---:|---:|---:|---:|",
     ]
+    same = {g["row"] for g in v["gates"] if g.get("note") == BY_CONSTRUCTION}
     for row in shown:
         if row not in rows:
             continue
         m = rows[row]["metrics"]
-        out.append(f"| {names[row]} | {_f(m.get('kl'), '.4g')} | {_f(m.get('top1'), '.4f')} | {_f(m.get('ppl_delta'), '+.2%')} "
+        label = names[row] + (" (identical to the source by construction; not counted as gate evidence)" if row in same else "")
+        out.append(f"| {label} | {_f(m.get('kl'), '.4g')} | {_f(m.get('top1'), '.4f')} | {_f(m.get('ppl_delta'), '+.2%')} "
                    f"| {_f(m.get('layer_rel_err'), '.3g')} | {_f(m.get('greedy_agree'), '.3f')} |")
     mtp_row, mtp_line = mtp_card(which, v)
-    out += mtp_row + ([""] + mtp_line if mtp_line else [])
-    out += long_card(which, v)
+    out += mtp_row + long_card(which, v)  # the table's last rows; its sentences below it (a table ends at a blank line)
+    out += [""] + mtp_line if mtp_line else []
     shown.append(f"long_context_{which}")  # its gates (indexer_overlap_min) in the summary below
     by_gate: dict[str, list[dict]] = {}
     for g in v["gates"]:
@@ -273,7 +277,9 @@ def _measured(which: str, v: dict) -> list[str]:
     summary = ", ".join(f"`{name}` {gs[0]['bound']:g} (" + ", ".join(
         f"{g['row']} {'pass' if g['passed'] else 'FAIL'}" for g in gs) + ")" for name, gs in by_gate.items())
     out += ["", f"Gates ({v['gates_from']}): {summary or 'none on this checkpoint'}; {verdict}."]
-    out.append("Full numbers, per-layer curves and the figure: `../validation.json`, `../validation.md`, `../validation.png`.")
+    out += ["", "![per-layer error against the source, from validation.json](validation.png)", "",
+            "Full numbers and per-layer curves: [validation.md](validation.md) and [validation.json](validation.json), "
+            "in this folder (copies of the convert output's, written with this card)."]
     return out
 
 

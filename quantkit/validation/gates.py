@@ -16,7 +16,8 @@ from pathlib import Path
 
 from quantkit.errors import ConfigError
 
-__all__ = ["GATES_FAILED_EXIT", "KV_ROWS", "LONG_ROWS", "METRICS", "PAIR_ROWS", "STEP_ROWS", "check_gates", "load_gates", "resolve_gates"]
+__all__ = ["BY_CONSTRUCTION", "GATES_FAILED_EXIT", "KV_ROWS", "LONG_ROWS", "METRICS", "PAIR_ROWS", "STEP_ROWS", "check_gates", "identical_rows", "load_gates",
+           "resolve_gates"]
 
 # metric -> what it is; a gate is `<metric>_max` or `<metric>_min`, optionally `<row>.` in front
 METRICS = {
@@ -107,8 +108,24 @@ def _check_gate_names(gates: dict[str, float], where: str) -> None:
                               f"{', '.join(METRICS)} and row one of {', '.join(PAIR_ROWS)}")
 
 
-def check_gates(gates: dict[str, float], rows: dict[str, dict]) -> list[dict]:
-    """One entry per (gate, row it applies to); `passed` None where no row measured the metric."""
+SAME = {"prefill": ("pass",), "decode": ("pass", "reuse-int4")}  # decisions that copy the source's bytes
+BY_CONSTRUCTION = "identical to the source by construction (every tensor the source's bytes): not evidence"
+
+
+def identical_rows(report: dict | None) -> set[str]:
+    """The rows whose checkpoint holds the source's bytes for every tensor (convert-report.json's
+    `decisions` lists every tensor not passed through): prefill converted from an FP8 source, decode
+    from an INT4 source with `--decode-rest bf16`. Such a row measures 0 by construction, so its
+    gates are shown as such and counted as no evidence."""
+    if not report or "decisions" not in report:
+        return set()
+    same = {w for w, ok in SAME.items() if all(d.get(w) in ok for d in report["decisions"].values())}
+    return {r for w in same for r in (w, f"long_context_{w}")}
+
+
+def check_gates(gates: dict[str, float], rows: dict[str, dict], identical: set[str] = frozenset()) -> list[dict]:
+    """One entry per (gate, row it applies to); `passed` None where no row measured the metric, or
+    where the row is `identical` to the source by construction (its value kept, with a note)."""
     results = []
     for name, bound in gates.items():
         scope, metric, kind = _split_gate(name)
@@ -122,5 +139,9 @@ def check_gates(gates: dict[str, float], rows: dict[str, dict]) -> list[dict]:
         for r in applies:
             v = rows[r]["metrics"][metric]
             ok = bool(v <= bound) if kind == "max" else bool(v >= bound)  # NaN fails both
+            if r in identical:
+                results.append({"gate": name, "row": r, "metric": metric, "bound": bound, "value": v, "passed": None,
+                                "note": BY_CONSTRUCTION})
+                continue
             results.append({"gate": name, "row": r, "metric": metric, "bound": bound, "value": v, "passed": ok})
     return results

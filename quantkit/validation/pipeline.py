@@ -60,7 +60,7 @@ from quantkit.errors import ConfigError
 from quantkit.model.numerics import NUMERICS, numerics_record
 from quantkit.runtime.device import resolve_device
 from quantkit.runtime.progress import LayerProgress
-from quantkit.validation.gates import GATES_FAILED_EXIT, METRICS, check_gates, load_gates
+from quantkit.validation.gates import GATES_FAILED_EXIT, METRICS, check_gates, identical_rows, load_gates
 from quantkit.validation.kvrows import kv_variants
 from quantkit.validation.longctx import long_len
 from quantkit.validation.measure import cross_phase_logits, measure
@@ -214,7 +214,8 @@ def validate(
     m["long_context"] = _long_context(inp, dev, dtype, plan, group, owners, long_n, kv.get(""))
     ranks = _gather_and_close(inp, plan, group, joined)
 
-    gate_results = check_gates(inp.s.gates, m["rows"] | (m["long_context"] or {}).get("rows", {}))
+    gate_results = check_gates(inp.s.gates, m["rows"] | (m["long_context"] or {}).get("rows", {}),
+                               identical_rows(inp.t.report))
     data = _record(inp, dev, dtype, ranks, group, m, kv_info, gate_results, notes, t0)
     result = ValidationResult(inp.t.out, data, {})
     if write and group.leader:

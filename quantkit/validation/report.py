@@ -7,6 +7,7 @@ Everything here reads validation.json's dict; nothing is measured.
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import torch
 from quantkit.runtime import faults
 from quantkit.runtime.files import RESULTS_PENDING
 from quantkit.runtime.progress import rich_html
-from quantkit.validation.gates import KV_ROWS, METRICS, STEP_ROWS
+from quantkit.validation.gates import BY_CONSTRUCTION, KV_ROWS, METRICS, STEP_ROWS
 from quantkit.validation.targets import Target
 
 __all__ = ["ROW_TITLES", "SHORT_TITLES", "ValidationResult", "plot", "render_markdown", "write_files"]
@@ -83,8 +84,10 @@ class ValidationResult:
         verdict = "[green]PASSED[/green]" if d["passed"] else "[red]FAILED[/red]"
         fails = "; ".join(f"{g['gate']} on {g['row']}: {g['value']:.4g}" for g in self.failed_gates)
         e = d["eval_data"]
+        same = sorted({SHORT_TITLES.get(g["row"], g["row"]) for g in gates if g.get("note") == BY_CONSTRUCTION})
         t.caption = (f"{verdict}: {n_pass}/{sum(1 for g in gates if g['passed'] is not None)} gate checks "
-                     f"({d['gates_from']}){': ' + fails if fails else ''}\n"
+                     + (f"(not counted: {', '.join(same)}, identical to the source by construction) " if same else "")
+                     + f"({d['gates_from']}){': ' + fails if fails else ''}\n"
                      f"reference ppl {d['reference_metrics']['ppl']:.3f}; eval {e['spec']} {e['num_samples']}x{e['seq_len']} "
                      f"sha256 {e['sha256'][:12]}; {d['gen_tokens']} greedy tokens; {d['device']} {d['dtype']} "
                      f"{(d.get('numerics') or {}).get('mode', 'weights')} numerics; "
@@ -253,9 +256,15 @@ def _expert_histogram(ax, report: dict | None) -> None:
 PENDING = RESULTS_PENDING  # the marker of validate's result files being made visible together
 
 
+def _checkpoint_folders(t: Target) -> dict[str, Path]:
+    """The pair's checkpoint folders (each gets a copy of the results beside its card)."""
+    return {w: t.out / t.report["outputs"][w]["path"] for w in ("prefill", "decode")}
+
+
 def write_files(t: Target, data: dict) -> dict[str, Path]:
     """Write validation.json, .md and .png into the target folder and, for a convert output, the model
-    cards; returns {what: path}.
+    cards and a copy of the three beside each card (a checkpoint folder uploaded alone renders its card
+    whole, figure included); returns {what: path}.
 
     All of them or none become visible: each is written whole under a staged name first, then
     quantkit.runtime.files.commit_renames renames them in a fixed order under a marker (PENDING),
@@ -272,9 +281,17 @@ def write_files(t: Target, data: dict) -> dict[str, Path]:
         for which, (path, text) in cards(t.out, t.report, data).items():
             files[f"card_{which}"] = path
             texts[f"card_{which}"] = (path, text)
+        for which, folder in _checkpoint_folders(t).items():  # each folder alone renders its card complete
+            for kind in ("json", "md"):
+                files[f"{kind}_{which}"] = folder / files[kind].name
+                texts[f"{kind}_{which}"] = (files[f"{kind}_{which}"], texts[kind][1])
+            files[f"png_{which}"] = folder / files["png"].name
     for path, text in texts.values():
         atomic_write_text(staged(path), text)
     plot(data, t.report, staged(files["png"]))
+    for key, path in files.items():
+        if key.startswith("png_"):
+            shutil.copyfile(staged(files["png"]), staged(path))
     faults.point("validate:staged")
     commit_renames(t.out / PENDING, list(files.values()))
     return files

@@ -169,3 +169,15 @@ def test_to_json_round_trips_through_json():
     d = json.loads(json.dumps(a.to_json()))
     assert d["indexer_layers"] == list(a.indexer_layers) and d["moe_layers"] == list(a.moe_layers)
     assert "raw" not in d and d["prefix"] == "model."
+
+
+@pytest.mark.parametrize("family,change,match", [
+    ("qwen3", {"num_key_value_heads": 3}, r"num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    ("qwen3", {"num_experts_per_tok": 99}, r"num_experts_per_tok 99 is more than n_routed_experts"),
+    ("glm", {"qk_rope_head_dim": 31}, r"qk_rope_head_dim 31 is odd"),
+    ("kimi", {"n_group": 2, "topk_group": 2, "num_experts_per_tok": 99}, r"more than n_routed_experts"),
+])
+def test_each_familys_invariants_are_checked_when_the_config_is_read(family, change, match, tiny_qwen3):
+    cfg = json.loads((tiny_qwen3 / "config.json").read_text()) if family == "qwen3" else small_config(family)
+    with pytest.raises(ConfigError, match=match):
+        arch_from_config(cfg | change)

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
+
+import pytest
+
 from quantkit.conversion.report import decision
 from quantkit.validation.card import _decisions_line, _guard_line
 
@@ -29,3 +35,75 @@ def test_each_expert_is_calibrated_or_a_fallback_with_why_and_the_card_counts_th
     kept_rtn = decision(starved | {"method": "rtn", "guard": "rtn", "err": 0.4})[1]
     assert kept_rtn.startswith("starved: 7") and "guard: RTN's output error 0.3 <= the calibrated 0.4" in kept_rtn
     assert _decisions_line({"calibrated": 14, "fallback": 2}).endswith("14 calibrated, 2 fallback")
+
+
+# ---- a validated tiny pair: self-contained cards, tables that render, rows identical by construction ----
+
+
+@pytest.fixture(scope="module")
+def validated(tmp_path_factory, tiny_glm):
+    """The tiny GLM pair (an FP8 source: prefill holds its bytes) converted with RTN and validated small."""
+    from quantkit.conversion.pipeline import convert
+    from quantkit.validation.pipeline import validate
+
+    out = convert("tiny:glm-5.2", tmp_path_factory.mktemp("card") / "glm", method="rtn", validate=False, progress=False).out
+    res = validate(out, num_samples=1, seq_len=8, gen_tokens=2, device="cpu", progress=False, long_context=0)
+    return out, res
+
+
+def _table_lines_outside_tables(text: str) -> list[str]:
+    """Lines that look like table rows ("| ... |") but that a CommonMark+GFM parser does not put in a table."""
+    from markdown_it import MarkdownIt
+
+    md = MarkdownIt("commonmark").enable("table")
+    tokens = md.parse(text)
+    in_table: set[int] = set()
+    code: set[int] = set()
+    for t in tokens:
+        if t.map and t.type == "table_open":
+            in_table |= set(range(*t.map))
+        if t.map and t.type in ("fence", "code_block", "html_block"):
+            code |= set(range(*t.map))
+    return [line for i, line in enumerate(text.split("\n"))
+            if line.startswith("|") and i not in in_table and i not in code]
+
+
+def test_each_checkpoint_folder_alone_renders_its_card_complete(validated, tmp_path):
+    out, _ = validated
+    for which in ("prefill", "decode"):
+        alone = tmp_path / which
+        shutil.copytree(out / which, alone)  # what a Hub upload of this folder holds
+        card = (alone / "README.md").read_text()
+        assert "../" not in card, which
+        targets = re.findall(r"\]\(([^)#\s]+)\)", card)  # markdown links and images
+        assert "validation.png" in targets and "validation.md" in targets, targets
+        missing = [t for t in targets if "://" not in t and not (alone / t).is_file()]
+        assert not missing, (which, missing)
+        assert json.loads((alone / "validation.json").read_text())["passed"] in (True, False)
+    from quantkit.checkpoint.manifest import verify
+
+    assert verify(out).ok, verify(out).problems  # the copies beside the cards are outside the manifest, like the card
+
+
+def test_the_cards_tables_render_and_the_mtp_sentence_is_below_its_table(validated):
+    out, _ = validated
+    for which in ("prefill", "decode"):
+        text = (out / which / "README.md").read_text()
+        assert "MTP draft accuracy" in text
+        assert _table_lines_outside_tables(text) == [], which
+        mtp_line = next(line for line in text.split("\n") if line.startswith("MTP draft accuracy"))
+        before = text.split(mtp_line)[0].rstrip(" ").split("\n")
+        assert before[-1] == "", "the sentence is its own paragraph, not a row of the table above"
+
+
+def test_a_row_identical_to_the_source_by_construction_is_no_gate_evidence(validated):
+    from quantkit.validation.gates import BY_CONSTRUCTION
+
+    out, res = validated
+    prefill = [g for g in res.data["gates"] if g["row"] == "prefill"]
+    assert prefill and all(g["passed"] is None and g["note"] == BY_CONSTRUCTION for g in prefill)
+    assert all(g["passed"] is not None for g in res.data["gates"] if g["row"] == "decode")
+    card = (out / "prefill" / "README.md").read_text()
+    assert "identical to the source by construction" in card
+    assert "(prefill pass" not in card and "prefill pass" not in card.split("Gates (")[1].split("\n")[0]
+    assert "not counted: prefill FP8" in str(res.table().caption)

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from quantkit.errors import ConfigError
 from quantkit.model.attention import Attention, Context
 from quantkit.model.family import EngineModule, Family
 from quantkit.model.kvcache import KVCache, per_tensor, scale_from_absmax
@@ -85,6 +86,10 @@ class GQA(Attention):
         """GQA's key/value heads and head width; rope turns the whole head (qk_rope_head_dim and
         v_head_dim are the head width), and MLA's ranks are 0."""
         hd = int(text.get("head_dim") or int(need("hidden_size")) // int(need("num_attention_heads")))
+        heads, kv = int(need("num_attention_heads")), int(need("num_key_value_heads"))
+        if heads % kv:  # checked when read: the reference forward repeats each key/value head heads // kv times
+            raise ConfigError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}; "
+                              "each key/value head serves a whole group of query heads; fix config.json")
         return dict(num_key_value_heads=int(need("num_key_value_heads")), head_dim=hd, q_lora_rank=0, kv_lora_rank=0,
                     qk_nope_head_dim=0, qk_rope_head_dim=hd, v_head_dim=hd)  # the first two: ModelArch.attention_sizes
 
