@@ -23,12 +23,21 @@ The public API (each also a `quantkit` command; help(qk.<name>) for its argument
     Checkpoint(folder)        read a sharded safetensors checkpoint tensor by tensor
     QuantkitError             the base of every user-facing error (one line naming the file and the fix)
 
+What they return (typed attributes for the headline numbers, `.to_json()` for everything):
+
+    ConvertResult             convert's: .prefill, .decode, .method, .experts, .prefill_bytes, .decode_bytes,
+                              .seconds, .validation (a ValidationResult), .report (convert-report.json)
+    ValidationResult          validate's: .passed, .prefill / .decode / .cross_phase (RowMetrics), .rows,
+                              .gates_passed, .gates_checked, .failed_gates, .data (validation.json)
+    RowMetrics                one row's .kl, .top1, .ppl, .ppl_delta, .layer_rel_err, .greedy_agree
+    VerifyResult              verify's: .ok, .problems, .files_checked, .shared_tensors
+
+convert and validate take the same keyword names for what they share (gate, device, progress,
+max_host_memory, max_gpu_memory). Progress goes to stderr; results are returned (and, from the
+command line, printed on stdout).
+
 Heavy modules load on first use, so `import quantkit` is cheap.
 """
-
-from __future__ import annotations
-
-import importlib
 
 __version__ = "0.1.0"
 
@@ -43,17 +52,24 @@ _API = {
     "check_serving": ("quantkit.serving.checks", "check_serving"),
     "Checkpoint": ("quantkit.checkpoint.reader", "Checkpoint"),
     "QuantkitError": ("quantkit.errors", "QuantkitError"),
+    "ConvertResult": ("quantkit.conversion.report", "ConvertResult"),
+    "ValidationResult": ("quantkit.validation.report", "ValidationResult"),
+    "RowMetrics": ("quantkit.validation.report", "RowMetrics"),
+    "VerifyResult": ("quantkit.checkpoint.manifest", "VerifyResult"),
 }
 
 __all__ = sorted(_API)
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_API))
+    """The API and the version (not the helpers this module imports)."""
+    return sorted([*_API, "__version__"])
 
 
 def __getattr__(name: str):
     if name in _API:
+        from importlib import import_module
+
         module, attr = _API[name]
-        return getattr(importlib.import_module(module), attr)
+        return getattr(import_module(module), attr)
     raise AttributeError(f"module 'quantkit' has no attribute {name!r}")

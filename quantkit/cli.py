@@ -310,7 +310,7 @@ def validate(
 
     _relaunch_under_torchrun(ctx, nproc, folder, resume_hint=False)
     result = run_validate(folder, reference=reference, eval_data=eval_data, num_samples=num_samples, seq_len=seq_len,
-                          gen_tokens=gen_tokens, device=device, gates=gate, progress=not (json_out or quiet), kv_cache_dtype=kv_cache_dtype,
+                          gen_tokens=gen_tokens, device=device, gate=gate, progress=not (json_out or quiet), kv_cache_dtype=kv_cache_dtype,
                           max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory, weights=weights,
                           tasks=tasks, task_dir=task_dir, limit=limit, num_fewshot=num_fewshot, numerics=numerics,
                           long_context=long_context, tool_task=tool_task)

@@ -18,3 +18,35 @@ def test_repeated_use(tiny_glm):
     assert a.to_json() == b.to_json()
     assert "<table>" in a._repr_html_()
     assert "glm-5.2" in qk.plan("glm-5.2")._repr_html_()
+
+
+def test_convert_and_validate_take_the_same_keyword_names():
+    import inspect as pyinspect
+
+    conv, val = (set(pyinspect.signature(f).parameters) for f in (qk.convert, qk.validate))
+    for name in ("gate", "device", "progress", "max_host_memory", "max_gpu_memory"):
+        assert name in conv and name in val, name
+
+
+def test_dir_lists_the_api_and_nothing_else():
+    names = dir(qk)
+    assert "annotations" not in names and "importlib" not in names
+    public = [n for n in names if not n.startswith("_")]
+    assert public == sorted(qk.__all__)
+    for name in ("ConvertResult", "ValidationResult", "RowMetrics", "VerifyResult"):
+        assert name in qk.__all__ and isinstance(getattr(qk, name), type), name
+
+
+def test_results_have_typed_attributes_for_the_headline_numbers(tmp_path):
+    metrics = {"kl": 0.01, "top1": 0.98, "ppl": 5.1, "ppl_delta": 0.003, "layer_rel_err": 0.02, "greedy_agree": 1.0}
+    data = {"rows": {"decode": {"metrics": metrics}, "prefill": {"metrics": metrics | {"kl": 0.0}}}, "passed": True,
+            "gates": [{"gate": "kl_max", "row": "decode", "passed": True}, {"gate": "kl_max", "row": "prefill", "passed": None}]}
+    val = qk.ValidationResult(tmp_path, data, {})
+    assert isinstance(val.decode, qk.RowMetrics) and val.decode.kl == 0.01 and val.prefill.kl == 0.0
+    assert val.rows["decode"].top1 == 0.98 and val.cross_phase is None
+    assert (val.gates_passed, val.gates_checked) == (1, 1)
+    report = {"method": "gptq", "seconds": 3.5, "experts_summary": {"total": 8, "gptq": 6, "rtn": 2},
+              "outputs": {"prefill": {"bytes": 10}, "decode": {"bytes": 4}}}
+    res = qk.ConvertResult(tmp_path, tmp_path / "prefill", tmp_path / "decode", report)
+    assert (res.method, res.prefill_bytes, res.decode_bytes, res.seconds) == ("gptq", 10, 4, 3.5)
+    assert res.experts == {"total": 8, "gptq": 6, "rtn": 2}

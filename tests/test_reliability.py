@@ -573,9 +573,9 @@ def test_a_log_fills_while_convert_runs_one_line_per_layer(src, whole, tmp_path)
     n = json.loads((whole[0] / REPORT).read_text())["layers"][-1]["layer"] + 1
     args = ["convert", str(src), "--out", str(out), "--method", "rtn"]
     p = subprocess.Popen(_cli(*args, "--no-validate"), env=_env(QUANTKIT_CONVERT_LAYER_DELAY="1"),
-                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     seen_running = []
-    for raw in p.stdout:
+    for raw in p.stderr:
         if raw.startswith("layers "):
             seen_running.append((raw.strip(), p.poll() is None))
     p.wait()
@@ -584,7 +584,7 @@ def test_a_log_fills_while_convert_runs_one_line_per_layer(src, whole, tmp_path)
                 and all(alive for _, alive in seen_running[:-1]))
     quiet = subprocess.run(_cli(*args, "--no-validate", "--quiet", "--out", str(tmp_path / "q")), env=_env(),
                            capture_output=True, text=True)
-    quiet_ok = quiet.returncode == 0 and "layers " not in quiet.stdout and "predicted" not in quiet.stderr
+    quiet_ok = quiet.returncode == 0 and "layers " not in quiet.stderr + quiet.stdout and "predicted" not in quiet.stderr
     killed = tmp_path / "k"
     subprocess.run(_cli(*args[:2], "--out", str(killed), "--method", "rtn", "--no-validate", "--json"),
                    env=_env(QUANTKIT_FAULT="state:saved#3"), capture_output=True)
@@ -594,9 +594,11 @@ def test_a_log_fills_while_convert_runs_one_line_per_layer(src, whole, tmp_path)
     validated = subprocess.run(_cli("validate", str(killed), "--device", "cpu", "--num-samples", "1", "--seq-len", "16",
                                     "--gen-tokens", "2", "--eval-data", "synthetic:heldout"), env=_env(), capture_output=True,
                                text=True)
-    passes = [line.split("  ")[0] for line in validated.stdout.splitlines() if line.startswith("validate: pass ")]
+    passes = [line.split("  ")[0] for line in validated.stderr.splitlines() if line.startswith("validate: pass ")]
+    progress_on_stdout = [line for line in resumed.stdout.splitlines() + validated.stdout.splitlines()
+                          if line.startswith(("layers ", "validate: pass "))]
     resume_ok = (resumed.returncode == 0 and at is not None and int(at.group(1)) > 0 and validated.returncode in (0, 3)
-                 and passes == ["validate: pass 1/2", "validate: pass 2/2"])
+                 and passes == ["validate: pass 1/2", "validate: pass 2/2"] and not progress_on_stdout)
     ok = lines_ok and quiet_ok and resume_ok
     record("logs (stdout a pipe)", f"a line per layer while running ({n} layers), none with --quiet, --resume names "
            "its layer, validate a line per pass", 4, ok)
@@ -604,6 +606,32 @@ def test_a_log_fills_while_convert_runs_one_line_per_layer(src, whole, tmp_path)
 
 
 # ---- one owner per output -----------------------------------------------------------------------------------
+def test_a_tool_task_prints_progress_after_the_last_pass(src, whole, tmp_path, capsys):
+    """`validate --tool-task` generates for minutes after the KL passes: it says so, a line per
+    sixteenth of its greedy steps in a log, on stderr like every other progress line."""
+    from importlib import resources
+
+    from quantkit.validation.pipeline import validate
+
+    out = tmp_path / "o"
+    shutil.copytree(whole[0], out)
+    task = json.loads(resources.files("quantkit.validation").joinpath("tooltask.json").read_text())
+    task.update(name="tools-1", max_tokens=32, prompts=task["prompts"][:1])
+    (tmp_path / "tools.json").write_text(json.dumps(task))
+    capsys.readouterr()
+    validate(out, eval_data="synthetic:heldout", num_samples=1, seq_len=8, gen_tokens=2, device="cpu", progress=True,
+             tool_task=tmp_path / "tools.json",
+             long_context=0)
+    err, stdout = capsys.readouterr()[::-1]
+    lines = [line.split("  ")[0] for line in err.splitlines() if line.startswith("validate: tool task")]
+    steps = [line for line in lines if "greedy step" in line]
+    ok = (len(steps) >= 2 and steps[-1].endswith("16/16") and err.index("validate: pass") < err.index(lines[0])
+          and "validate: " not in stdout)
+    record("logs (stdout a pipe)", "validate --tool-task after the last pass: a line per sixteenth of its greedy steps, "
+           "on stderr", 1, ok)
+    assert ok, err[-2000:]
+
+
 def _holder(out: Path) -> subprocess.Popen:
     code = ("import sys, time; from quantkit.checkpoint.outlock import acquire; acquire(sys.argv[1], 'convert'); "
             "print('held', flush=True); time.sleep(60)")
@@ -880,6 +908,11 @@ def test_verify_checks_the_pair_shares_its_bytes(whole, tmp_path):
     good = runner.invoke(app, ["verify", str(whole[0]), "--json"])
     assert good.exit_code == 0 and json.loads(good.output)["ok"]
     assert json.loads(good.output)["shared_checked"] > 0
+    # the count the card states ("N identical, M differ") is the one verify states first
+    identical = json.loads((whole[0] / REPORT).read_text())["shared_tensors"]["identical"]
+    assert json.loads(good.output)["shared_tensors"] == identical
+    shown = runner.invoke(app, ["verify", str(whole[0])]).output
+    assert f"{identical} (" in shown, shown
 
 
 def test_validate_verifies_first_and_the_card_states_the_manifest_digest(whole, src, tmp_path):

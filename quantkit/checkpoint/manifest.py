@@ -164,7 +164,8 @@ class VerifyResult:
     folders: list[str]
     files_checked: int = 0
     tensors_checked: int = 0
-    shared_checked: int = 0
+    shared_checked: int = 0  # stored tensors (an FP8 weight and its block scales count apart)
+    shared_tensors: int = 0  # the same as the model's tensors, as convert-report.json and the cards count them
     problems: list[str] = field(default_factory=list)
     manifest_sha256: dict[str, str] = field(default_factory=dict)
     unfinished: str | None = None  # a convert still running or interrupted (quantkit.checkpoint.unfinished)
@@ -176,6 +177,7 @@ class VerifyResult:
     def to_json(self) -> dict:
         return {"dir": str(self.dir), "ok": self.ok, "folders": self.folders, "files_checked": self.files_checked,
                 "tensors_checked": self.tensors_checked, "shared_checked": self.shared_checked,
+                "shared_tensors": self.shared_tensors,
                 "manifest_sha256": self.manifest_sha256, "problems": self.problems}
 
     def raise_for_problems(self) -> "VerifyResult":
@@ -196,7 +198,8 @@ class VerifyResult:
         t.add_row("folders", ", ".join(self.folders))
         t.add_row("files (sha256)", str(self.files_checked))
         t.add_row("tensors (sha256, dtype, shape)", str(self.tensors_checked))
-        t.add_row("shared tensors identical across the pair", str(self.shared_checked))
+        t.add_row("shared tensors identical across the pair (as the card counts them)",
+                  f"{self.shared_tensors} ({self.shared_checked} stored: FP8 scales counted apart)")
         t.caption = "OK" if self.ok else f"{len(self.problems)} problem(s)"
         return t
 
@@ -313,10 +316,18 @@ def _check_folder(folder: Path, which: str, m: dict, res: VerifyResult) -> dict[
     return found
 
 
+def _model_tensor(stored: str) -> str:
+    """The model tensor a stored tensor belongs to: an FP8 block scale to its weight (the unit of
+    convert-report.json's `shared_tensors` and the cards)."""
+    base, _, last = stored.rpartition(".")
+    return f"{base}.weight" if last in ("weight_scale_inv", "weight_scale") else stored
+
+
 def _check_shared(manifests: dict[str, dict], actual: dict[str, dict[str, dict]], res: VerifyResult) -> None:
     lists = {w: [(s["prefill"], s["decode"], s["sha256"]) for s in manifests[w].get("shared", [])] for w in manifests}
     if lists["prefill"] != lists["decode"]:
         res.problems.append(f"prefill/{MANIFEST} and decode/{MANIFEST} list different shared tensors (manifests from two runs?)")
+    res.shared_tensors = len({_model_tensor(p) for p, _, _ in lists["prefill"]})
     for pname, dname, digest in lists["prefill"]:
         res.shared_checked += 1
         p, q = actual["prefill"].get(pname), actual["decode"].get(dname)

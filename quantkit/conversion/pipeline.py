@@ -340,7 +340,7 @@ def _decide(ckpt: Checkpoint, rec: Recipe) -> tuple[dict[str, Decision], bool]:
 def _later_options(args: dict) -> dict:
     """The chained validate's options from convert's arguments, unchecked (a finished run's resume)."""
     names = {"max_host_memory": "max_host_memory", "max_gpu_memory": "max_gpu_memory", "eval_data": "eval_data",
-             "eval_num_samples": "num_samples", "eval_seq_len": "seq_len", "gen_tokens": "gen_tokens", "gate": "gates"}
+             "eval_num_samples": "num_samples", "eval_seq_len": "seq_len", "gen_tokens": "gen_tokens", "gate": "gate"}
     return {v: args[k] for k, v in names.items() if args.get(k) is not None}
 
 
@@ -366,7 +366,7 @@ def _validation_inputs(rec: Recipe, ckpt: Checkpoint, *, eval_data, num_samples,
     except QuantkitError as e:
         raise ConfigError(f"validate's eval data {dataset} (checked before converting any layer): {e}; {fix}") from None
     opts = {"eval_data": eval_data, "num_samples": num_samples, "seq_len": seq_len, "gen_tokens": gen_tokens,
-            "gates": gates}
+            "gate": gates}
     return {k: x for k, x in opts.items() if x is not None}
 
 

@@ -42,6 +42,27 @@ class ConvertResult:
     validation: Any = None  # quantkit.validation.pipeline.ValidationResult when convert ran validate
     rank: int = 0  # a multi-rank convert's other ranks (> 0) return an empty report: rank 0 has the real one
 
+    @property
+    def method(self) -> str:
+        return self.report["method"]
+
+    @property
+    def experts(self) -> dict[str, int]:
+        """The routed experts' counts by method and outcome (the report's `experts_summary`)."""
+        return self.report["experts_summary"]
+
+    @property
+    def prefill_bytes(self) -> int:
+        return self.report["outputs"]["prefill"]["bytes"]
+
+    @property
+    def decode_bytes(self) -> int:
+        return self.report["outputs"]["decode"]["bytes"]
+
+    @property
+    def seconds(self) -> float:
+        return self.report["seconds"]
+
     def to_json(self) -> dict[str, Any]:
         return self.report
 

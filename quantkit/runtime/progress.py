@@ -1,6 +1,9 @@
 """One progress display over layers (convert, validate), silent when disabled (--json, --quiet, tests).
 
-In a terminal (or Jupyter) it is a rich bar. When stdout is not a terminal (`nohup`, CI, a pipe)
+Progress goes to stderr, for every command (stdout carries results: tables, --json), so
+`quantkit ... --json > out.json` and a log of `2>` each get what they expect.
+
+In a terminal (or Jupyter) it is a rich bar. When stderr is not a terminal (`nohup`, CI, a pipe)
 a bar draws nothing until the end, so a job nobody watches would log nothing for hours; there it
 prints one flushed line per step instead (or per `per_line` steps: one per validate pass):
 `layers 3/61  elapsed 0:41:07  ETA 12:03:10  peak host 211.4 GB  peak device 97.3 GB`.
@@ -16,7 +19,7 @@ class LayerProgress:
     """`with LayerProgress(enabled, total, "layers") as bar:` then `bar.update(done, note)` or `bar.advance()`.
 
     Rich renders it in terminals and in Jupyter alike; with `enabled=False` every call is a no-op.
-    `lines` forces the line mode (default: when stdout is not a terminal); `per_line`: steps per line,
+    `lines` forces the line mode (default: when stderr is not a terminal); `per_line`: steps per line,
     `unit`: what a line counts (a line reads `<unit> i/N`, i in steps // per_line).
     """
 
@@ -29,10 +32,11 @@ class LayerProgress:
         self.t0 = time.time()
         self._printed = -1  # the last line's step count (a resume's first update prints where it starts)
         if enabled and not self.lines:
+            from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
             self.p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                              TimeElapsedColumn(), TimeRemainingColumn())
+                              TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True))
             self.task = self.p.add_task(description, total=total)
 
     def __enter__(self) -> "LayerProgress":
@@ -70,8 +74,8 @@ class LayerProgress:
         if done == self._printed or (done % self.per_line and done != self.total):
             return
         self._printed = done
-        sys.stdout.write(self.line() + "\n")
-        sys.stdout.flush()
+        sys.stderr.write(self.line() + "\n")
+        sys.stderr.flush()
 
     def line(self) -> str:
         """`<unit> i/N  elapsed  ETA  peak host  peak device` for the steps done so far."""
@@ -86,7 +90,7 @@ class LayerProgress:
 
 def _is_terminal() -> bool:
     try:
-        return sys.stdout.isatty() or "ipykernel" in sys.modules  # Jupyter renders the bar itself
+        return sys.stderr.isatty() or "ipykernel" in sys.modules  # Jupyter renders the bar itself
     except (AttributeError, ValueError):
         return False
 

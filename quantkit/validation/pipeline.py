@@ -114,7 +114,7 @@ def validate(
     seq_len: int | None = None,
     gen_tokens: int | None = None,
     device: str = "auto",
-    gates: str | Path | dict[str, float] | None = None,
+    gate: str | Path | dict[str, float] | None = None,
     progress: bool = True,
     dtype: torch.dtype = torch.float32,
     write: bool = True,
@@ -129,6 +129,7 @@ def validate(
     long_context: int | None = None,
     numerics: str = "weights",
     tool_task: str | Path | None = None,
+    gates: str | Path | dict[str, float] | None = None,
 ) -> ValidationResult:
     """Measure a converted pair (or one checkpoint) against its reference, layer by layer.
 
@@ -138,7 +139,8 @@ def validate(
         eval_data: held-out data spec (default: the recorded recipe's `validate.dataset`).
         num_samples, seq_len: eval windows and tokens per window (default: the recipe's).
         gen_tokens: greedy tokens generated after each window (default: the recipe's).
-        gates: a YAML/JSON gate file or a dict (`{"kl_max": 0.05}`); default: the recipe's gates.
+        gate: a YAML/JSON gate file or a dict (`{"kl_max": 0.05}`); default: the recipe's gates
+            (convert's `gate=`, the CLI's --gate; `gates=` is the same, its former name).
         write: write validation.json/.md/.png and the model cards (convert outputs only).
         kv_cache_dtype: `bf16` (the cache holds what attention computed), `fp8_e4m3` (the engines'
             static per-layer scale, run with the checkpoint's scales and with 1.0) or `fp8_ds_mla`
@@ -173,12 +175,15 @@ def validate(
 
     Example:
         >>> res = quantkit.validate("out/glm")
-        >>> res.data["rows"]["decode"]["metrics"]["kl"], res.passed
+        >>> res.decode.kl, res.passed
     """
     from quantkit.planner.budgets import validate_exchange
     from quantkit.runtime import distributed
 
     t0 = time.time()
+    if gate is not None and gates is not None:
+        raise ConfigError("give gate= (or its former name gates=), not both")
+    gates = gate if gate is not None else gates
     if weights not in WEIGHTS:
         raise ConfigError(f"--weights {weights}: one of {', '.join(WEIGHTS)}")
     if numerics not in NUMERICS:
@@ -210,7 +215,8 @@ def validate(
         m["tasks"] = run_tasks(spec, inp.ckpts, inp.t.reference_path, kv, dev, dtype, plan)
     if tools is not None:
         with torch.no_grad():
-            m["tool_calls"] = run_tool_task(tools, inp.ckpts, inp.t.reference_path, kv, dev, dtype, plan["chunk"])
+            m["tool_calls"] = run_tool_task(tools, inp.ckpts, inp.t.reference_path, kv, dev, dtype, plan["chunk"],
+                                            progress=progress and group.leader)
     m["long_context"] = _long_context(inp, dev, dtype, plan, group, owners, long_n, kv.get(""))
     ranks = _gather_and_close(inp, plan, group, joined)
 

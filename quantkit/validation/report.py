@@ -34,9 +34,27 @@ SHORT_TITLES = {"prefill": "prefill FP8", "decode": "decode INT4", "cross_phase"
                 "decode_kv": "decode+FP8KV", "cross_phase_kv": "cross+FP8KV", "model": "model"}
 
 
+@dataclass(frozen=True)
+class RowMetrics:
+    """One row of validate's results (a checkpoint, or a path such as cross-phase) against the source;
+    None where the row does not measure the metric (see quantkit.validation.gates.METRICS)."""
+
+    kl: float | None = None
+    top1: float | None = None
+    ppl: float | None = None
+    ppl_delta: float | None = None
+    layer_rel_err: float | None = None
+    greedy_agree: float | None = None
+
+    @classmethod
+    def of(cls, metrics: dict) -> "RowMetrics":
+        return cls(**{k: (float(metrics[k]) if metrics.get(k) is not None else None) for k in cls.__dataclass_fields__})
+
+
 @dataclass
 class ValidationResult:
-    """What `validate` measured; `data` is validation.json."""
+    """What `validate` measured; `data` is validation.json. The headline numbers are typed
+    attributes: `res.decode.kl`, `res.rows["cross_phase"].top1`, `res.passed`."""
 
     dir: Path
     data: dict[str, Any]
@@ -45,6 +63,31 @@ class ValidationResult:
     @property
     def passed(self) -> bool:
         return self.data["passed"]
+
+    @property
+    def rows(self) -> dict[str, RowMetrics]:
+        return {row: RowMetrics.of(r["metrics"]) for row, r in self.data["rows"].items()}
+
+    @property
+    def prefill(self) -> RowMetrics | None:
+        return self.rows.get("prefill")
+
+    @property
+    def decode(self) -> RowMetrics | None:
+        return self.rows.get("decode")
+
+    @property
+    def cross_phase(self) -> RowMetrics | None:
+        return self.rows.get("cross_phase")
+
+    @property
+    def gates_passed(self) -> int:
+        return sum(1 for g in self.data["gates"] if g["passed"])
+
+    @property
+    def gates_checked(self) -> int:
+        """Gate checks that count (not the unmeasured ones, nor rows identical to the source by construction)."""
+        return sum(1 for g in self.data["gates"] if g["passed"] is not None)
 
     @property
     def failed_gates(self) -> list[dict]:

@@ -237,9 +237,10 @@ def render(task: ToolTask, tok, tools: bool = True) -> list[list[int]]:
 
 
 def generate(ckpts: dict, runs: dict, prompts: list[list[int]], max_tokens: int, eos: set[int], device, dtype=None,
-             chunk: int = 16) -> dict[str, list[tuple[list[int], bool]]]:
+             chunk: int = 16, bar=None) -> dict[str, list[tuple[list[int], bool]]]:
     """{row: [(greedy tokens, stopped on EOS) per prompt]} for `runs` {row: (checkpoint key, KVCache or None)}: every
-    row and prompt its own stream with caches, all advanced in lockstep (each layer loaded once per step)."""
+    row and prompt its own stream with caches, all advanced in lockstep (each layer loaded once per step).
+    `bar` (quantkit.runtime.progress.LayerProgress over max_tokens), when given, counts the steps."""
     import torch
 
     from quantkit.validation.forward import Stream, heads, new_caches, step
@@ -248,11 +249,13 @@ def generate(ckpts: dict, runs: dict, prompts: list[list[int]], max_tokens: int,
     streams = {(row, i): Stream(f"{row}#{i}", key, new_caches(ckpts[key]), ids=torch.tensor([ids]), kv=kv)
                for row, (key, kv) in runs.items() for i, ids in enumerate(prompts)}
     out = {row: [([], False) for _ in prompts] for row in runs}
-    for _ in range(max_tokens):
+    for n in range(max_tokens):
         live = {k: s for k, s in streams.items() if not out[k[0]][k[1]][1]}
         if not live:
             break
         step(ckpts, list(live.values()), device, dtype, chunk=chunk)
+        if bar is not None:
+            bar.update(n + 1)
         for (row, i), s in live.items():
             tok = int(heads(ckpts[s.model], [s.h[:, -1:]], dtype)[0][0, -1].argmax())
             if tok in eos:
@@ -271,17 +274,24 @@ def as_generation(tokens: list[int], stopped: bool, tok, syntax: str) -> Generat
     return Generation("tool_calls" if calls else ("stop" if stopped else "length"), calls, text)
 
 
-def run_tool_task(task: ToolTask, ckpts: dict, tokenizer: Path, kv: dict, dev, dtype, chunk: int) -> dict:
+def run_tool_task(task: ToolTask, ckpts: dict, tokenizer: Path, kv: dict, dev, dtype, chunk: int,
+                  progress: bool = False) -> dict:
     """validation.json's `tool_calls`: the task on the source and every checkpoint row (and decode with the
-    FP8 KV cache when validate simulates one), each row against the source."""
+    FP8 KV cache when validate simulates one), each row against the source. `progress`: a line per
+    sixteenth of the greedy steps in a log (a bar in a terminal): the task runs for minutes."""
     from quantkit.inputs.tokens import open_tokenizer
+    from quantkit.runtime.progress import LayerProgress
 
     definition = ckpts["reference"].arch.definition
     tok, syntax = open_tokenizer(tokenizer, definition.trust_remote_code), definition.tool_calls
     runs = {row: (row, None) for row in ckpts}
     if "" in kv and "decode" in ckpts:
         runs["decode_kv"] = ("decode", kv[""])
-    raw = generate(ckpts, runs, render(task, tok), task.max_tokens, eos_ids(Path(tokenizer), tok), dev, dtype, chunk)
+    prompts = render(task, tok)
+    with LayerProgress(progress, task.max_tokens, f"validate: tool task ({len(prompts)} prompts x {len(runs)} rows)",
+                       per_line=max(1, task.max_tokens // 16), unit="validate: tool task, greedy step") as bar:
+        bar.update(0)
+        raw = generate(ckpts, runs, prompts, task.max_tokens, eos_ids(Path(tokenizer), tok), dev, dtype, chunk, bar)
     gens = {row: [as_generation(t, stopped, tok, syntax) for t, stopped in raw[row]] for row in runs}
     return result(task, syntax, ckpts["reference"].numerics, gens)
 
