@@ -21,6 +21,19 @@ from quantkit.model.presets import preset_names
 from quantkit.quant.methods import METHODS, unknown_method
 from quantkit.synthetic import TINY_NAMES
 
+
+class _Command(typer.core.TyperCommand):
+    """A command whose help shows no type beside a flag (typer prints `<bool>` there, as if the flag
+    took a value)."""
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        for p in params:
+            if getattr(p, "is_flag", False) and p.metavar is None:
+                p.metavar = ""
+        return params
+
+
 app = typer.Typer(
     name="quantkit",
     help="Quantize trillion-parameter MoE checkpoints (Kimi K2.6, GLM 5.2) into a matched FP8-prefill / INT4-decode pair.",
@@ -104,7 +117,7 @@ def emit_json(data) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
 
 
-@app.command()
+@app.command(cls=_Command)
 @user_errors
 def inspect(model: Model, json_out: Json = False, allow_unverified: Unverified = False):
     """Family, layers, parameters and bytes by tensor class, storage format per class, shard count."""
@@ -128,7 +141,7 @@ def _plan_tasks(model: str, tasks: str, gpus: int, gpu: str, group_size: int | N
         Console().print(render(costs), highlight=False)
 
 
-@app.command()
+@app.command(cls=_Command)
 @user_errors
 def plan(
     model: Annotated[str, typer.Argument(help=f"A preset ({', '.join(preset_names())}), a folder with config.json, or a tiny id.")],
@@ -193,7 +206,7 @@ def plan(
         render_plan(result, Console())
 
 
-@app.command()
+@app.command(cls=_Command)
 @user_errors
 def pull(
     repo: Annotated[str, typer.Argument(help="org/repo, org/repo@rev or hf://org/repo@rev.")],
@@ -213,7 +226,7 @@ def pull(
         console.print(f"pulled {len(result.files)} files of {result.repo_id}@{result.commit[:12]} into {out}")
 
 
-@app.command()
+@app.command(cls=_Command)
 @user_errors
 def convert(
     ctx: typer.Context,
@@ -278,7 +291,7 @@ def convert(
         _gates_failed(result.validation)
 
 
-@app.command()
+@app.command(cls=_Command)
 @user_errors
 def validate(
     ctx: typer.Context,
@@ -295,7 +308,7 @@ def validate(
     max_gpu_memory: Annotated[Optional[str], typer.Option(help="GPU memory budget (default: the device's).")] = None,
     weights: Annotated[str, typer.Option(help="auto: keep as much of the checkpoints (each rank its share) in memory, as stored, as the budget allows, so greedy tokens stop re-reading them; resident: all of it or an error; stream: re-read every layer for every greedy token.")] = "auto",
     nproc: Annotated[Optional[int], typer.Option(help="Ranks on this machine (one per GPU): launches torchrun; each rank runs its share of the routed experts (docs/distributed.md).")] = None,
-    tasks: Annotated[Optional[str], typer.Option(help="lm-eval tasks (comma-separated) to run on the source and every checkpoint: scores, paired deltas, flipped items (needs .[eval]).")] = None,
+    tasks: Annotated[Optional[str], typer.Option(help="lm-eval tasks (comma-separated) to run on the source and every checkpoint: scores, paired deltas, flipped items (needs the eval extra: pip install 'quantkit\\[eval]').")] = None,
     task_dir: Annotated[Optional[Path], typer.Option(help="A folder of local lm-eval task YAMLs for --tasks.")] = None,
     limit: Annotated[Optional[int], typer.Option(help="--tasks: items per task (default: all).")] = None,
     num_fewshot: Annotated[Optional[int], typer.Option(help="--tasks: few-shot examples (default: each task's).")] = None,
@@ -326,7 +339,7 @@ def validate(
         _gates_failed(result)
 
 
-@app.command("check-serving")
+@app.command("check-serving", cls=_Command)
 @user_errors
 def check_serving(
     path: Annotated[Path, typer.Argument(help="A checkpoint folder, or a convert output (checks prefill/ and decode/).")],
@@ -351,7 +364,7 @@ def check_serving(
         raise typer.Exit(2)
 
 
-@app.command()
+@app.command(cls=_Command)
 @user_errors
 def verify(
     folder: Annotated[Path, typer.Argument(metavar="DIR", help="A convert output (prefill/, decode/, convert-report.json) or one of its checkpoints.")],
@@ -370,7 +383,7 @@ def verify(
     result.raise_for_problems()
 
 
-@app.command()
+@app.command(cls=_Command)
 @user_errors
 def probe(
     url: Annotated[str, typer.Argument(help="The endpoint's OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1.")],

@@ -156,3 +156,31 @@ def test_a_rejected_option_leaves_no_empty_out(tmp_path):
     out = tmp_path / "never"
     r = runner.invoke(app, ["convert", "tiny:glm-5.2", "--out", str(out), "--method", "bogus", "--no-validate"])
     assert r.exit_code == 1 and "--method" in r.output and not out.exists(), r.output
+
+
+@pytest.mark.parametrize("command", ["convert", "validate", "plan", "verify", "check-serving", "probe", "inspect", "pull"])
+def test_help_shows_no_type_beside_a_flag_and_keeps_its_brackets(command):
+    r = runner.invoke(app, [command, "--help"], env={"COLUMNS": "250"})
+    assert r.exit_code == 0 and "<bool>" not in r.output, r.output
+    if command == "validate":
+        assert "quantkit[eval]" in r.output and "(needs .)" not in r.output
+
+
+def test_plan_takes_the_family_name_its_recipe_and_tiny_model_use():
+    r = runner.invoke(app, ["plan", "qwen3-moe", "--json"])
+    assert r.exit_code == 0, r.output
+    real = json.loads(runner.invoke(app, ["plan", "qwen3-30b-a3b", "--json"]).output)
+    assert json.loads(r.output) | {"model": real["model"]} == real
+    assert runner.invoke(app, ["plan", "qwen3-moe", "--convert", "--gpu", "h200", "--json"]).exit_code == 0
+
+
+def test_out_equal_to_or_inside_the_source_is_refused(tmp_path, tiny_glm):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_glm, src)
+    before = sorted(p.name for p in src.iterdir())
+    for out in (src, src / "out"):
+        r = runner.invoke(app, ["convert", str(src), "--out", str(out), "--method", "rtn", "--no-validate"])
+        assert r.exit_code == 1 and "--out" in r.output and "source folder" in r.output, r.output
+        assert sorted(p.name for p in src.iterdir()) == before

@@ -723,9 +723,10 @@ def _model_for(model: str):
     quantkit.inputs.modelspec opens (headers only)."""
     from pathlib import Path
 
-    from quantkit.model.arch import arch_from_config, load_preset, preset_names
+    from quantkit.model.arch import arch_from_config, load_preset
+    from quantkit.model.presets import is_preset
 
-    if model in preset_names() and not Path(model).is_dir():
+    if is_preset(model) and not Path(model).is_dir():
         return arch_from_config(load_preset(model), source=f"preset {model}"), None
     from quantkit.inputs.modelspec import open_checkpoint
 

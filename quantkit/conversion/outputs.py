@@ -130,6 +130,7 @@ def owned_output(fn):
 
         resolve_device(device)
         out = Path(out)
+        refuse_source_as_out(model, out)
         if not from_env().leader:  # a multi-rank convert: rank 0 owns the folder for all
             return fn(model, out, *args, device=device, **kwargs)
         made = not out.exists()
@@ -157,6 +158,18 @@ def owned_output(fn):
                 _remove_if_empty(out)  # a run refused before its first write leaves no empty --out behind
 
     return wrapper
+
+
+def refuse_source_as_out(model, out: Path) -> None:
+    """--out must not be the source folder or inside it: the outputs, the lock and the resume state
+    would be written among the weights being read (and a later run would read them as the model's)."""
+    src = Path(str(model))
+    if not src.is_dir():
+        return  # tiny:, hf:// (their folders are quantkit's and the Hub cache's)
+    s, o = src.resolve(), out.resolve()
+    if o == s or s in o.parents:
+        where = "is the source folder" if o == s else f"is inside the source folder {src}"
+        raise OutputError(f"{out}: --out {where}; choose a folder outside the model")
 
 
 _UNWRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EEXIST)

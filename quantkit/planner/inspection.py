@@ -127,8 +127,9 @@ def inspect(model: str | Path, *, allow_unverified: bool = False) -> Inspection:
     class, storage format."""
     from quantkit.inputs.modelspec import is_hub, is_realshape, is_tiny, open_checkpoint
     from quantkit.model.arch import preset_names
+    from quantkit.model.presets import is_preset
 
-    if isinstance(model, str) and model in preset_names() and not Path(model).is_dir():
+    if isinstance(model, str) and is_preset(model) and not Path(model).is_dir():
         return inspect_preset(model)
     if not (is_tiny(model) or is_hub(model) or is_realshape(model)) and not Path(model).is_dir():
         from quantkit.errors import ConfigError

@@ -130,8 +130,9 @@ def _arch(model: str):
     import json
     from pathlib import Path
 
-    from quantkit.model.arch import arch_from_config, load_preset, preset_names
+    from quantkit.model.arch import arch_from_config, load_preset
+    from quantkit.model.presets import is_preset
 
-    if model in preset_names() and not Path(model).is_dir():
+    if is_preset(model) and not Path(model).is_dir():
         return arch_from_config(load_preset(model), source=f"preset {model}")
     return arch_from_config(json.loads((Path(model) / "config.json").read_text()), source=str(model))

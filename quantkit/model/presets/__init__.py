@@ -16,13 +16,24 @@ from quantkit.errors import ConfigError
 PRESET_DIR = Path(__file__).parent
 
 
+# a family's name (its recipe's and tiny model's: recipes/qwen3-moe.yaml, tiny:qwen3-moe) -> the preset of
+# the real model its recipe is for
+ALIASES = {"qwen3-moe": "qwen3-30b-a3b"}
+
+
 def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
 
 
+def is_preset(name: str) -> bool:
+    return (PRESET_DIR / f"{ALIASES.get(name, name)}.json").is_file()
+
+
 def load_preset(name: str) -> dict[str, Any]:
-    """The published config.json of a real model, shipped so planning needs no download."""
-    path = PRESET_DIR / f"{name}.json"
+    """The published config.json of a real model, shipped so planning needs no download; a family's
+    name (ALIASES) reads its recipe's model."""
+    path = PRESET_DIR / f"{ALIASES.get(name, name)}.json"
     if not path.is_file():
-        raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(preset_names())}")
+        also = ", ".join(f"{a} (= {p})" for a, p in ALIASES.items())
+        raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(preset_names())}; also {also}")
     return json.loads(path.read_text())
