@@ -361,7 +361,20 @@ def check_serving(
             for e in r.engines:
                 for p in e.problems[:5]:
                     console.print(f"[red]{e.engine} refuses {r.folder}:[/red] {p}", highlight=False, soft_wrap=True)
+    if not json_out:
+        Console().print(_serving_verdict(reports), highlight=False, soft_wrap=True)
+    if not all(r.loads for r in reports):
         raise typer.Exit(2)
+
+
+def _serving_verdict(reports) -> str:
+    """check-serving's last line: whether every engine loads every folder, else who refuses what."""
+    engines = sorted({e.engine for r in reports for e in r.engines})
+    refused = [f"{e.engine} refuses {r.folder}" for r in reports for e in r.engines if not e.loads]
+    refused += [f"compressed-tensors cannot compute {r.folder}" for r in reports if r.compressed_tensors]
+    if not refused:
+        return f"verdict: loads: {' and '.join(engines)} would load {', '.join(r.folder for r in reports)}"
+    return f"verdict: REFUSED: {'; '.join(refused)} (exit 2)"
 
 
 @app.command(cls=_Command)

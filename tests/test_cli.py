@@ -184,3 +184,21 @@ def test_out_equal_to_or_inside_the_source_is_refused(tmp_path, tiny_glm):
         r = runner.invoke(app, ["convert", str(src), "--out", str(out), "--method", "rtn", "--no-validate"])
         assert r.exit_code == 1 and "--out" in r.output and "source folder" in r.output, r.output
         assert sorted(p.name for p in src.iterdir()) == before
+
+
+@pytest.mark.parametrize("loads", [True, False])
+def test_check_serving_ends_in_one_verdict_line(monkeypatch, tmp_path, loads):
+    from quantkit.serving import checks
+
+    def reports(folders, engines):
+        return [checks.ServingReport(str(f), "fp8", [checks.EngineReport(e, "1", "rules", loads or e == "vllm",
+                                                                         problems=[] if loads or e == "vllm" else ["no scheme"])
+                                                     for e in engines]) for f in folders]
+
+    monkeypatch.setattr(checks, "check_serving_many", reports)
+    monkeypatch.setattr(checks, "serving_folders", lambda path: [tmp_path / "prefill", tmp_path / "decode"])
+    monkeypatch.setattr(checks, "render", lambda r: f"table of {r.folder}")
+    r = runner.invoke(app, ["check-serving", str(tmp_path)])
+    last = r.output.strip().splitlines()[-1]
+    assert r.exit_code == (0 if loads else 2) and last.startswith("verdict: ")
+    assert ("would load" in last) if loads else ("REFUSED" in last and "sglang refuses" in last)

@@ -1213,3 +1213,34 @@ def test_a_write_error_other_than_a_full_disk_is_one_line(src, tmp_path):
     record("write error (not a full disk)", "a file size limit (ulimit -f, EFBIG) mid-run", 1, ok,
            "one line naming the file, the error and --resume")
     assert ok, proc.stderr[-3000:]
+
+
+def test_probe_against_a_server_that_accepts_and_never_answers_is_one_line_soon(whole, tmp_path):
+    import socket
+    import threading
+
+    held: list[socket.socket] = []
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+
+    def accept_and_hold():
+        while True:
+            try:
+                held.append(srv.accept()[0])  # never read, never answered
+            except OSError:
+                return
+
+    threading.Thread(target=accept_and_hold, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.getsockname()[1]}/v1"
+    t0 = time.time()
+    res = runner.invoke(app, ["probe", url, "--pair", str(whole[0]), "--timeout", "2", "--device", "cpu"])
+    elapsed = time.time() - t0
+    srv.close()
+    for c in held:
+        c.close()
+    lines = res.output.strip().splitlines()
+    ok = res.exit_code == 1 and len(lines) == 1 and "no answer within 2 s" in lines[0] and elapsed < 8
+    record("silent server", "probe against a server that accepts and never answers (--timeout 2)", 1, ok,
+           f"one line after {elapsed:.0f} s")
+    assert ok, (elapsed, res.output)

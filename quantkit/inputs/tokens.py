@@ -401,9 +401,12 @@ class _Utf8:
     _SURROGATE = re.compile("[\udc80-\udcff]")  # what errors="surrogateescape" makes of a bad byte
 
     def __init__(self, path: Path):
-        self.path, self.total, self.bad, self.first = path, 0, 0, None
+        self.path, self.total, self.bad, self.first, self.nul = path, 0, 0, None, 0
 
     def decode(self, raw: bytes) -> str:
+        if self.total == 0 and raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
+            self._utf16("a UTF-16 byte-order mark")
+        self.nul += raw.count(0)
         text = raw.decode("utf-8", errors="surrogateescape")
         hits = self._SURROGATE.findall(text)
         if hits:
@@ -414,7 +417,13 @@ class _Utf8:
         self.total += len(raw)
         return text
 
+    def _utf16(self, found: str) -> None:
+        raise ConfigError(f"{self.path}: UTF-16 text ({found}), not UTF-8; calibration text must be UTF-8: "
+                          "re-encode it (iconv -f utf-16 -t utf-8) or use another file")
+
     def check(self) -> None:
+        if self.total and self.nul > self.MAX_BAD * self.total:  # ASCII in UTF-16 without a BOM: a NUL per letter
+            self._utf16(f"{self.nul / self.total:.0%} of its bytes are NUL")
         if self.total and self.bad > self.MAX_BAD * self.total:
             raise ConfigError(
                 f"{self.path}: {self.bad / self.total:.1%} of its {self.total:,} bytes are not valid UTF-8 (the first "
@@ -454,7 +463,9 @@ def _tokenizer(folder: Path | None, trust_remote_code: bool, spec: str):
 def _tokenize(tok, texts: Iterable[str]) -> Iterator[list[int]]:
     it = iter(texts)
     while batch := list(islice(it, _TOKENIZE_BATCH)):
-        yield from tok(batch, add_special_tokens=False)["input_ids"]
+        # verbose=False: transformers' "Token indices sequence length is longer than the specified maximum"
+        # is about feeding the model whole documents; calibration packs them into seq_len windows
+        yield from tok(batch, add_special_tokens=False, verbose=False)["input_ids"]
 
 
 def _pack(docs: Iterable[list[int]], tok, n: int, L: int, spec: str) -> tuple[torch.Tensor, int]:

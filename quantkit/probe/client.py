@@ -41,6 +41,9 @@ class Reply:
     raw_model: str | None = None
 
 
+MODELS_TIMEOUT = 10.0  # seconds for GET /models, the first request: a listing answers at once even under load
+
+
 @dataclass
 class Endpoint:
     url: str  # the base URL, ending in /v1
@@ -75,18 +78,23 @@ class Endpoint:
             self._client.close()
             self._client = None
 
-    def request(self, method: str, path: str, body: dict | None = None, retries: int | None = None) -> dict:
-        """The JSON answer of one request, retried on 429/5xx and dropped connections."""
+    def request(self, method: str, path: str, body: dict | None = None, retries: int | None = None,
+                timeout: float | None = None) -> dict:
+        """The JSON answer of one request, retried on 429/5xx and dropped connections; a request that
+        gets no answer within `timeout` (default: the endpoint's) is not retried: a server that accepts
+        and never answers would otherwise hold the probe for (retries + 1) timeouts, silently."""
         import httpx
 
         url = self.url + path
         retries = self.retries if retries is None else retries
+        timeout = self.timeout if timeout is None else timeout
         for attempt in range(retries + 1):
             r = None
             try:
-                r = self.client().request(method, url, json=body)
+                r = self.client().request(method, url, json=body, timeout=timeout)
             except httpx.TimeoutException:
-                problem = f"no answer within {self.timeout:g} s (raise --timeout, or check the server's load)"
+                raise ProbeError(f"{url}: no answer within {timeout:g} s (raise --timeout, or check the server's "
+                                 "load)") from None
             except httpx.TransportError as e:
                 problem = f"cannot connect ({type(e).__name__}: {e}); is the server running and is the URL right?"
             else:
@@ -122,7 +130,7 @@ class Endpoint:
     # ---- the API ----------------------------------------------------------------------------------
     def models(self, retries: int | None = None) -> list[str]:
         """The server's model ids (GET /models); also the reachability check before anything is computed."""
-        d = self.request("GET", "/models", retries=retries)
+        d = self.request("GET", "/models", retries=retries, timeout=min(self.timeout, MODELS_TIMEOUT))
         data = d.get("data")
         if not isinstance(data, list):
             raise ProbeError(f"{self.url}/models: no `data` list in the answer; not an OpenAI-compatible server")

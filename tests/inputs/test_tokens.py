@@ -357,3 +357,29 @@ def test_random_spec_reads_special_tokens_from_the_json_files_alone(tmp_path):
     d = load_tokens("random", tokenizer=folder, num_samples=64, seq_len=32)
     assert set(d.ids.flatten().tolist()) == set(range(64)) - {0, 7, 9, *range(56, 64)}
     assert d.source["excluded"] == 11
+
+
+def test_utf16_text_is_refused_naming_its_encoding(tmp_path, tiny_kimi):
+    """UTF-16 is valid UTF-8 byte for byte where it is ASCII (a NUL after each letter): it read as a
+    handful of tokens and was refused as "only N tokens" instead of by its encoding."""
+    f = tmp_path / "utf16.txt"
+    f.write_bytes("\n\n".join(docs(40)).encode("utf-16"))
+    with pytest.raises(ConfigError, match=r"UTF-16.*iconv -f utf-16 -t utf-8") as e:
+        load_tokens(str(f), tokenizer=tiny_kimi, num_samples=2, seq_len=16)
+    assert "\n" not in str(e.value) and "only" not in str(e.value)
+
+
+def test_a_long_document_prints_no_tokenizer_length_warning(tmp_path, tiny_kimi):
+    """A document longer than the tokenizer's model_max_length is fine for calibration (it is packed
+    into windows); transformers' "Token indices sequence length is longer than ..." is noise there.
+    In a fresh process: transformers warns once per tokenizer object, through its own handler."""
+    import subprocess
+    import sys
+
+    f = tmp_path / "long.txt"
+    f.write_text(" ".join(docs(800)))  # one document, over 4096 tokens
+    code = ("from quantkit.inputs.tokens import load_tokens; "
+            f"load_tokens({str(f)!r}, tokenizer={str(tiny_kimi)!r}, num_samples=2, seq_len=16)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "Token indices sequence length" not in run.stderr + run.stdout
