@@ -170,26 +170,44 @@ class ConvertCost:
 
     def summary(self) -> str:
         s = self.store
-        dev = f", peak device {self.peak_device / GB:.2f} GB of {self.gpu_budget / GB:.1f}" if self.peak_device else ""
+        dev = f", peak device {_sz(self.peak_device)} of {_sz(self.gpu_budget)}" if self.peak_device else ""
         where = "disk" if s.backing == "disk" else ("device" if s.location == "device" and self.device != "cpu" else "host")
         ranks = f" per rank ({self.nproc} ranks)" if self.nproc > 1 else ""
+        total = sum(self.seconds.values())
+        small = total < RESOLUTION_S
         lines = [
-            f"predicted{ranks}: peak host {self.peak_host / GB:.2f} GB of {self.host_budget / GB:.1f} GB budget{dev}; "
-            f"time {_hms(sum(self.seconds.values()))} ("
-            + ", ".join(f"{k} {_hms(v)}" for k, v in self.seconds.items()) + ")",
+            f"predicted{ranks}: peak host {_sz(self.peak_host)} of {_sz(self.host_budget)} budget{dev}; "
+            + (f"time under {RESOLUTION_S:g} s: below the planner's resolution (its rates are sustained rates of "
+               "large matmuls and transfers; a model this small is dominated by fixed costs it does not model)" if small else
+               f"time {_hms(total)} (" + ", ".join(f"{k} {_hms(v)}" for k, v in self.seconds.items()) + ")"),
             f"  activations: {self.tokens} tokens in {str(s.dtype).removeprefix('torch.')} on {where}, "
             f"{s.micro_batch} samples per micro-batch; {self.expert_chunk} experts per chunk; "
-            f"shards {self.shard_bytes / GB:.2f} GB; disk {sum(self.disk.values()) / GB:.2f} GB "
-            f"(prefill {self.disk['prefill'] / GB:.2f}, decode {self.disk['decode'] / GB:.2f}, "
-            f"resume state {self.disk['resume_state'] / GB:.2f})",
+            f"shards up to {_sz(min(self.shard_bytes, max(self.disk['prefill'], self.disk['decode'])))}; disk {_sz(sum(self.disk.values()))} "
+            f"(prefill {_sz(self.disk['prefill'])}, decode {_sz(self.disk['decode'])}, "
+            f"resume state {_sz(self.disk['resume_state'])} at its peak)",
         ]
         if self.validate_seconds is not None:
-            lines.append(f"  validate: about {_hms(self.validate_seconds)}; the checkpoints' share{' per rank' if ranks else ''} "
-                         f"{self.validate_share / GB:.1f} GB as stored, {self.validate_kept / GB:.1f} GB of it kept in memory")
+            lines.append(f"  validate: {_about(self.validate_seconds)}; the checkpoints' share{' per rank' if ranks else ''} "
+                         f"{_sz(self.validate_share)} as stored, {_sz(self.validate_kept)} of it kept in memory")
         lines += [f"  note: {n}" for n in self.notes]
         if not self.fits:
             lines.append(f"  does not fit: {self.reason}")
         return "\n".join(lines)
+
+
+RESOLUTION_S = 10.0  # below this the time prediction means nothing (fixed costs dominate: imports, file opens)
+
+
+def _sz(n: float) -> str:
+    """Sizes in the unit that reads: GB from 0.1 GB, MB below, bytes below 1 MB (a tiny model's 5.6 MB
+    was "0.01 GB")."""
+    from quantkit.runtime.units import decimal_bytes
+
+    return decimal_bytes(n, digits=2, gb_from=1e8, bytes_below=1e6)
+
+
+def _about(s: float) -> str:
+    return f"under {RESOLUTION_S:g} s" if s < RESOLUTION_S else f"about {_hms(s)}"
 
 
 def _hms(s: float) -> str:
@@ -600,8 +618,8 @@ def _long_context_seconds(arch, x, validate, again: int, r: _Rates, notes: list[
     scores = windows * (arch.num_attention_heads + arch.index_n_heads) * n * n * 4
     seconds = again / r.disk + flops / r.flops
     notes.append(f"validate: long-context rows (DSA): {windows} windows of {n} tokens past index_topk {arch.index_topk}, "
-                 f"one more pass, about {_hms(seconds)}; its dense attention and indexer scores take "
-                 f"{scores / GB:.1f} GB per layer (`validate --long-context N` sets the length)")
+                 f"one more pass, {_about(seconds)}; its dense attention and indexer scores take "
+                 f"{_sz(scores)} per layer (`validate --long-context N` sets the length)")
     return seconds
 
 
@@ -699,7 +717,7 @@ def plan_convert(
                          "every expert quantized at both dampenings in one batched call (GPTQ's arithmetic x 2)")
     if calibrate and arch.num_mtp_layers:
         notes.append(f"mtp: the first MTP layer is calibrated on the last main layer's h and the next tokens' embeddings; "
-                     f"for that layer the embedding table ({arch.vocab_size * arch.hidden_size * 2 / GB:.2f} GB BF16) "
+                     f"for that layer the embedding table ({_sz(arch.vocab_size * arch.hidden_size * 2)} BF16) "
                      "is read into host memory, and the store becomes the MTP's (T - 1 positions, never a third array)")
     notes += _multi_rank_terms(seconds, m, r, N=N, store=store, nproc=nproc)
     every = _overlap_disk(seconds, x.layers, state_bytes, r.disk)

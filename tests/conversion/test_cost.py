@@ -222,3 +222,15 @@ def test_disk_overlaps_compute_and_decides_the_multi_gpu_time():
 def test_a_disk_bandwidth_must_be_positive():
     r = runner.invoke(app, ["plan", "glm-5.2", "--convert", "--disk-gbps", "0"])
     assert r.exit_code == 1 and "--disk-gbps 0" in r.output and "must be positive" in r.output
+
+
+def test_a_tiny_models_prediction_says_it_is_below_the_resolution_in_units_that_read():
+    """A 5.6 MB model was predicted "time 0m00s", "shards 1.29 GB", "disk 0.01 GB"."""
+    c = plan_convert_for("tiny:glm-5.2", gpu="cpu")
+    text = c.summary()
+    assert "0m00s" not in text and "below the planner's resolution" in text and "0.00 GB" not in text
+    assert " MB" in text
+    shards = text.split("shards up to ")[1].split(";")[0]
+    assert shards.endswith("MB"), shards
+    big = plan_convert_for("glm-5.2", gpu="h200", max_host_memory="200GB").summary()
+    assert "below the planner's resolution" not in big and "time 1h" in big
