@@ -273,7 +273,8 @@ def _measured(which: str, v: dict) -> list[str]:
     summary = ", ".join(f"`{name}` {gs[0]['bound']:g} (" + ", ".join(
         f"{g['row']} {'pass' if g['passed'] else 'FAIL'}" for g in gs) + ")" for name, gs in by_gate.items())
     out += ["", f"Gates ({v['gates_from']}): {summary or 'none on this checkpoint'}; {verdict}."]
-    out.append("Full numbers, per-layer curves and the figure: `../validation.json`, `../validation.md`, `../validation.png`.")
+    out.append("Full numbers, per-layer curves and the figure: `../validation.json`, `../validation.md`, `../validation.png`; "
+               "every routed expert's output error, layers x experts: `../validation-experts.png`.")
     return out
 
 

@@ -250,12 +250,13 @@ def _expert_histogram(ax, report: dict | None) -> None:
 
 
 # ---- the files ---------------------------------------------------------------------------------
+EXPERTS_PNG = "validation-experts.png"  # the per-expert map (quantkit.validation.expertmap)
 PENDING = RESULTS_PENDING  # the marker of validate's result files being made visible together
 
 
 def write_files(t: Target, data: dict) -> dict[str, Path]:
-    """Write validation.json, .md and .png into the target folder and, for a convert output, the model
-    cards; returns {what: path}.
+    """Write validation.json, .md and .png (and, for a convert output, the per-expert map
+    validation-experts.png and the model cards) into the target folder; returns {what: path}.
 
     All of them or none become visible: each is written whole under a staged name first, then
     quantkit.runtime.files.commit_renames renames them in a fixed order under a marker (PENDING),
@@ -264,6 +265,8 @@ def write_files(t: Target, data: dict) -> dict[str, Path]:
     from quantkit.runtime.files import atomic_write_text, commit_renames, finish_renames, staged
 
     files = {"json": t.out / "validation.json", "md": t.out / "validation.md", "png": t.out / "validation.png"}
+    if t.report is not None and t.report.get("experts"):
+        files["experts_png"] = t.out / EXPERTS_PNG
     finish_renames(t.out / PENDING)  # a crashed earlier write: completed before this one starts
     texts = {"json": (files["json"], json.dumps(data, indent=2) + "\n"), "md": (files["md"], render_markdown(data))}
     if t.pair and t.report is not None:
@@ -275,6 +278,12 @@ def write_files(t: Target, data: dict) -> dict[str, Path]:
     for path, text in texts.values():
         atomic_write_text(staged(path), text)
     plot(data, t.report, staged(files["png"]))
+    if "experts_png" in files:
+        from quantkit.validation.expertmap import input_width, plot_expert_map
+
+        config = t.models.get("decode", t.models.get("model")) / "config.json"
+        width = input_width(json.loads(config.read_text())) if config.is_file() else None
+        plot_expert_map(t.report, staged(files["experts_png"]), width, data["reference"]["spec"])
     faults.point("validate:staged")
     commit_renames(t.out / PENDING, list(files.values()))
     return files
