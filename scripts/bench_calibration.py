@@ -21,7 +21,7 @@ independent units; positions inside one are correlated). `z` = difference / SE.
     python scripts/bench_calibration.py --classes tiny-glm --no-llmc --variant damp0.1:gptq.dampening=0.1
     python scripts/bench_calibration.py --classes tiny-glm --no-llmc --base "" --variant ship:... --mix-reversed 0.25
     python scripts/bench_calibration.py --shipped glm-5.2 --base GPTQ,AWQ --llmc-rows llmc --num-samples 128 --seq-len 128
-                                                                 # issue 30's acceptance grid at one calibration size
+                                                                 # the acceptance grid at one calibration size
 
 --variant NAME:FIELD=VALUE[,FIELD=VALUE] adds a quantkit GPTQ run with recipe fields changed (an
 experiment, docs/benchmarks.md "Calibration experiments"); METHOD=awq in the list makes it an AWQ run.
@@ -437,7 +437,9 @@ def run_class(name: str, args, work: Path, env: dict, say) -> dict:
     for k, m in runs.items():
         row = {"wall_s": m["wall_s"], "cpu_s": m["cpu_s"], "peak_rss_bytes": m["peak_rss_bytes"]}
         for s in sets:
-            row[s] = {"kl": kl[s][k].mean().item(), "vs_rtn": vars(paired(kl[s][k], kl[s]["RTN"]))}
+            w = kl[s][k]  # per-window mean KL: the windows are the independent units
+            row[s] = {"kl": w.mean().item(), "kl_se": (w.std() / len(w) ** 0.5).item() if len(w) > 1 else None,
+                      "vs_rtn": vars(paired(w, kl[s]["RTN"]))}
             if "llmc" in kl[s]:
                 row[s]["vs_llmc"] = vars(paired(kl[s][k], kl[s]["llmc"]))
             if k.endswith(" mix") and k[: -len(" mix")] in kl[s]:  # the same method on one source, same tokens
@@ -562,7 +564,9 @@ def run_realshape(name: str, args, work: Path, env: dict, say) -> dict:
         row = {"wall_s": m["wall_s"], "cpu_s": m["cpu_s"], "peak_rss_bytes": m["peak_rss_bytes"],
                "calibration": m["calibration"]}
         for s in sets:
-            row[s] = {"kl": kl[s][k].mean().item(), "vs_rtn": vars(paired(kl[s][k], kl[s]["RTN"]))}
+            w = kl[s][k]  # per-window mean KL: the windows are the independent units
+            row[s] = {"kl": w.mean().item(), "kl_se": (w.std() / len(w) ** 0.5).item() if len(w) > 1 else None,
+                      "vs_rtn": vars(paired(w, kl[s]["RTN"]))}
         row["guard"] = guard_summary(m["experts"])
         table[k] = row
     return {"class": name, "source": str(src), "model_type": arch.model_type, "group_size": G,
@@ -583,7 +587,7 @@ def _d(p: dict | None) -> str:
 
 
 def acceptance(rows: dict, sets: list[str]) -> list[str]:
-    """Issue 30's bar for each calibrated row (GPTQ, AWQ): no worse than RTN beyond 1 SE on every
+    """The quality bar for each calibrated row (GPTQ, AWQ): no worse than RTN beyond 1 SE on every
     input set (z <= +1), better than RTN by 2 SE in distribution (z <= -2), and within 1 SE of
     llm-compressor's default in distribution (z <= +1; lower is better); every quantkit row but RTN's."""
     out = []

@@ -54,17 +54,32 @@ EVAL_SEED = 2000  # quantkit.synthetic.tiny corpus seeds >= 1000 are held out fr
 # Linux carries a process's RSS high-water mark across fork and exec, so a command forked straight
 # from this (large) benchmark process would report at least this process's RSS; spawned from the
 # launcher it inherits only the launcher's few MB.
+# While it waits, the launcher samples the child's resident set (VmRSS in /proc/PID/status) every
+# RSS_INTERVAL_S: `rss_samples`, [[seconds since start, bytes], ...], the curve plot_rss draws.
+RSS_INTERVAL_S = 0.1
 _LAUNCHER = """
 import json, os, sys, time
 out, cmd = sys.argv[1], sys.argv[2:]
 t0 = time.perf_counter()
 pid = os.posix_spawn(cmd[0], cmd, os.environ)
-_, status, ru = os.wait4(pid, 0)
+samples = []
+while True:
+    done, status, ru = os.wait4(pid, os.WNOHANG)
+    if done:
+        break
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        samples.append([round(time.perf_counter() - t0, 3), kb * 1024])
+    except (OSError, StopIteration, ValueError):
+        pass
+    time.sleep(%s)
 wall = time.perf_counter() - t0
 with open(out, "w") as f:
-    json.dump({"wall_s": wall, "cpu_s": ru.ru_utime + ru.ru_stime, "peak_rss_bytes": ru.ru_maxrss * 1024}, f)
+    json.dump({"wall_s": wall, "cpu_s": ru.ru_utime + ru.ru_stime, "peak_rss_bytes": ru.ru_maxrss * 1024,
+               "rss_samples": samples}, f)
 sys.exit(os.waitstatus_to_exitcode(status))
-"""
+""" % RSS_INTERVAL_S
 
 
 def measured(cmd: list[str], log: Path, *, env: dict | None = None) -> dict:
