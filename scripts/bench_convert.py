@@ -26,6 +26,7 @@ reference only in the routed experts (docs/benchmarks.md explains the choices).
 
     python scripts/bench_convert.py                       # tiny:glm-5.2, ~2 minutes on 2 cores
     python scripts/bench_convert.py --json > bench.json
+    python scripts/bench_convert.py --figure rss.png      # also each tool's resident memory over its run
     python scripts/bench_convert.py --model tiny:kimi-k2.6 --group-size 128 --no-depth
 
 This is a benchmark that prints a table, not a test: it asserts nothing about the targets.
@@ -297,6 +298,51 @@ def machine() -> dict:
             "date": datetime.datetime.now().isoformat(timespec="seconds"), "loadavg_start": os.getloadavg()}
 
 
+# ---- figure ----------------------------------------------------------------------------------------
+RSS_RUNS = ("qk-gptq", "qk-awq", "qk-rtn", "llmc", "llmc-routed")  # drawn when present, in this order
+
+
+def rss_curves(res: dict) -> dict:
+    """The memory figure's data: for each measured run that has RSS samples, {label: {"t": seconds,
+    "rss_mib": MiB, "peak_mib": the process's own peak (getrusage), "wall_s": ...}}."""
+    out = {}
+    for key in RSS_RUNS:
+        m = res["runs"].get(key)
+        if not m or not m.get("rss_samples"):
+            continue
+        t, rss = zip(*m["rss_samples"], strict=True)
+        out[res["labels"].get(key, key)] = {"t": list(t), "rss_mib": [b / 2**20 for b in rss],
+                                            "peak_mib": m["peak_rss_bytes"] / 2**20, "wall_s": m["wall_s"]}
+    return out
+
+
+def plot_rss(res: dict, path: Path) -> dict:
+    """rss.png: each tool's resident memory over its run (sampled by the launcher), its peak marked;
+    returns the plotted data (rss_curves')."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    curves = rss_curves(res)
+    fig, ax = plt.subplots(figsize=(9, 4.2), constrained_layout=True)
+    for label, c in curves.items():
+        (line,) = ax.plot(c["t"], c["rss_mib"], lw=1.6, label=f"{label}: peak {c['peak_mib']:.0f} MiB, {c['wall_s']:.0f} s")
+        ax.axhline(c["peak_mib"], color=line.get_color(), ls=":", lw=1)
+    floor = res["runs"].get("floor-torch")
+    if floor:
+        ax.axhline(floor["peak_rss_bytes"] / 2**20, color="grey", ls="--", lw=1, label="python -c 'import torch'")
+    ax.set_xlabel("seconds since the process started")
+    ax.set_ylabel("resident memory (MiB)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"{res['model']}; calibration {res['calibration']}", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return curves
+
+
 # ---- table -----------------------------------------------------------------------------------------
 def _mb(b: float) -> str:
     return f"{b / 2**20:.0f}"
@@ -379,7 +425,16 @@ def main(argv: list[str] | None = None) -> int:
                          "--model tiny:kimi-k2.6): a router near uniform, where few-token Hessians mislead")
     ap.add_argument("--out", type=Path, default=None, help="work folder, kept (default: a temporary one, removed)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
+    ap.add_argument("--figure", type=Path, default=None, metavar="PNG",
+                    help="also draw each tool's resident memory over its run (plot_rss) into PNG")
+    ap.add_argument("--plot", type=Path, default=None, metavar="RESULTS_JSON",
+                    help="draw --figure from an earlier run's results.json and exit (runs nothing)")
     args = ap.parse_args(argv)
+    if args.plot:
+        if not args.figure:
+            ap.error("--plot needs --figure PNG")
+        plot_rss(json.loads(args.plot.read_text()), args.figure)
+        return 0
 
     import torch
 
@@ -535,6 +590,8 @@ def main(argv: list[str] | None = None) -> int:
     res["machine"]["loadavg_end"] = os.getloadavg()
     res["table"] = render(res)
     (work / "results.json").write_text(json.dumps(res, indent=2, default=str) + "\n")
+    if args.figure:
+        plot_rss(res, args.figure)
     if args.json:
         print(json.dumps(res, indent=2, default=str))
     else:
