@@ -26,7 +26,7 @@ independent units; positions inside one are correlated). `z` = difference / SE.
                                                                  # KL against calibration size, from those runs
 
 --variant NAME:FIELD=VALUE[,FIELD=VALUE] adds a quantkit GPTQ run with recipe fields changed (an
-experiment, docs/benchmarks.md "Calibration experiments"); METHOD=awq in the list makes it an AWQ run.
+experiment, docs/benchmarks.md "Tried and dropped"); METHOD=awq in the list makes it an AWQ run.
 
 Classes (each built once, cached under $QUANTKIT_CACHE/bench-calibration):
   tiny-glm              the trained tiny GLM 5.2 (FP8 source, DSA), group 128

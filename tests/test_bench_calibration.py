@@ -1,5 +1,5 @@
 """scripts/bench_calibration.py: the pieces its verdicts rest on (fast). The whole suite takes
-tens of minutes and is run by hand (docs/benchmarks.md, "Calibration on a suite of model classes")."""
+tens of minutes and is run by hand (docs/benchmarks.md, "Quality against RTN and llm-compressor")."""
 
 from __future__ import annotations
 
