@@ -43,6 +43,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -335,7 +336,7 @@ def plot_rss(res: dict, path: Path) -> dict:
     ax.set_xlabel("seconds since the process started")
     ax.set_ylabel("resident memory (MiB)")
     ax.set_ylim(bottom=0)
-    ax.set_title(f"{res['model']}; calibration {res['calibration']}", fontsize=10)
+    ax.set_title(textwrap.fill(f"{res['model']}; calibration {res['calibration']}", 100), fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     fig.savefig(path, dpi=100)
