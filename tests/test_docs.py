@@ -168,3 +168,21 @@ def test_quickstart_card_rows_and_serve_commands_are_the_cards(tiny_pair):
     assert len(serve) >= 8
     for line in serve:
         assert line in card, f"the quickstart's serve command differs from the card's: {line}"
+
+
+def test_every_flag_a_page_gives_a_script_is_one_it_defines():
+    """`python scripts/X.py ... --flag` on a page: X.py defines that option (argparse, read statically:
+    some scripts start work when run)."""
+    script = re.compile(r"python (scripts/[\w-]+\.py)((?:[^`\n;|&#]|\\\n)*)")
+    bad, checked = [], 0
+    for doc in DOCS:
+        for m in script.finditer(doc.read_text()):
+            path = ROOT / m.group(1)
+            assert path.is_file(), f"{doc.name}: {m.group(1)} does not exist"
+            source = path.read_text()
+            for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", m.group(2)):
+                checked += 1
+                if f'"{flag}"' not in source and f"'{flag}'" not in source:
+                    bad.append(f"{doc.name}: {m.group(1)} {flag}")
+    assert checked > 15
+    assert not bad, "flags the script does not define:\n" + "\n".join(bad)
