@@ -137,9 +137,11 @@ def tiny_pair(tmp_path_factory, tiny_glm):
 
 
 def _rendered(table) -> str:
+    import io
+
     from rich.console import Console
 
-    console = Console(record=True, width=200, file=open("/dev/null", "w"))  # noqa: SIM115
+    console = Console(record=True, width=200, file=io.StringIO())
     console.print(table)
     return console.export_text()
 
