@@ -21,10 +21,12 @@ independent units; positions inside one are correlated). `z` = difference / SE.
     python scripts/bench_calibration.py --classes tiny-glm --no-llmc --variant damp0.1:gptq.dampening=0.1
     python scripts/bench_calibration.py --classes tiny-glm --no-llmc --base "" --variant ship:... --mix-reversed 0.25
     python scripts/bench_calibration.py --shipped glm-5.2 --base GPTQ,AWQ --llmc-rows llmc --num-samples 128 --seq-len 128
-                                                                 # issue 30's acceptance grid at one calibration size
+                                                                 # the acceptance grid at one calibration size
+    python scripts/bench_calibration.py --summarize OUT32 OUT128 OUT512 --plot kl.png --plot-class tiny-glm
+                                                                 # KL against calibration size, from those runs
 
 --variant NAME:FIELD=VALUE[,FIELD=VALUE] adds a quantkit GPTQ run with recipe fields changed (an
-experiment, docs/benchmarks.md "Calibration experiments"); METHOD=awq in the list makes it an AWQ run.
+experiment, docs/benchmarks.md "Tried and dropped"); METHOD=awq in the list makes it an AWQ run.
 
 Classes (each built once, cached under $QUANTKIT_CACHE/bench-calibration):
   tiny-glm              the trained tiny GLM 5.2 (FP8 source, DSA), group 128
@@ -437,7 +439,9 @@ def run_class(name: str, args, work: Path, env: dict, say) -> dict:
     for k, m in runs.items():
         row = {"wall_s": m["wall_s"], "cpu_s": m["cpu_s"], "peak_rss_bytes": m["peak_rss_bytes"]}
         for s in sets:
-            row[s] = {"kl": kl[s][k].mean().item(), "vs_rtn": vars(paired(kl[s][k], kl[s]["RTN"]))}
+            w = kl[s][k]  # per-window mean KL: the windows are the independent units
+            row[s] = {"kl": w.mean().item(), "kl_se": (w.std() / len(w) ** 0.5).item() if len(w) > 1 else None,
+                      "vs_rtn": vars(paired(w, kl[s]["RTN"]))}
             if "llmc" in kl[s]:
                 row[s]["vs_llmc"] = vars(paired(kl[s][k], kl[s]["llmc"]))
             if k.endswith(" mix") and k[: -len(" mix")] in kl[s]:  # the same method on one source, same tokens
@@ -562,7 +566,9 @@ def run_realshape(name: str, args, work: Path, env: dict, say) -> dict:
         row = {"wall_s": m["wall_s"], "cpu_s": m["cpu_s"], "peak_rss_bytes": m["peak_rss_bytes"],
                "calibration": m["calibration"]}
         for s in sets:
-            row[s] = {"kl": kl[s][k].mean().item(), "vs_rtn": vars(paired(kl[s][k], kl[s]["RTN"]))}
+            w = kl[s][k]  # per-window mean KL: the windows are the independent units
+            row[s] = {"kl": w.mean().item(), "kl_se": (w.std() / len(w) ** 0.5).item() if len(w) > 1 else None,
+                      "vs_rtn": vars(paired(w, kl[s]["RTN"]))}
         row["guard"] = guard_summary(m["experts"])
         table[k] = row
     return {"class": name, "source": str(src), "model_type": arch.model_type, "group_size": G,
@@ -583,7 +589,7 @@ def _d(p: dict | None) -> str:
 
 
 def acceptance(rows: dict, sets: list[str]) -> list[str]:
-    """Issue 30's bar for each calibrated row (GPTQ, AWQ): no worse than RTN beyond 1 SE on every
+    """The quality bar for each calibrated row (GPTQ, AWQ): no worse than RTN beyond 1 SE on every
     input set (z <= +1), better than RTN by 2 SE in distribution (z <= -2), and within 1 SE of
     llm-compressor's default in distribution (z <= +1; lower is better); every quantkit row but RTN's."""
     out = []
@@ -630,6 +636,62 @@ def summarize(folders: list[Path], pair: tuple[str, str] = ("GPTQ", "AWQ")) -> s
                          + (f"{wl} {zl[wl]:+.1f} | {rows[g]['wall_s'] / lm['wall_s']:.2f}" if lm else " | ")
                          + f" | {rss} |" + (f" {probe} |" if probed else ""))
     return "\n".join(lines)
+
+
+def calibration_curves(results: list[dict], cls: str, rows: tuple[str, ...] = ("RTN", "GPTQ mix", "GPTQ", "llmc")) -> dict:
+    """The calibration figure's data for class `cls`, from results.json entries of runs at several
+    calibration sizes: {set: {row: {"tokens": [...], "kl": [...], "se": [...]}}}, sorted by tokens.
+    `tokens` is the class's calibration (windows x length, the ids llm-compressor gets; a mix row adds
+    its random windows on top). A row without an SE (a results.json from before it was recorded)
+    gets None there."""
+    out: dict = {}
+    for r in sorted((r for r in results if r["class"] == cls), key=lambda r: _tokens(r["calibration"])):
+        for s in r["eval"]:
+            for k in rows:
+                if k not in r["rows"]:
+                    continue
+                c = out.setdefault(s, {}).setdefault(k, {"tokens": [], "kl": [], "se": []})
+                c["tokens"].append(_tokens(r["calibration"]))
+                c["kl"].append(r["rows"][k][s]["kl"])
+                c["se"].append(r["rows"][k][s].get("kl_se"))
+    return out
+
+
+def _tokens(calibration: str) -> int:
+    n, length = calibration.split()[-1].split("x")
+    return int(n) * int(length)
+
+
+PLOT_LABELS = {"RTN": "RTN (no calibration)", "GPTQ mix": "quantkit GPTQ, shipped settings", "GPTQ": "quantkit GPTQ",
+               "llmc": "llm-compressor GPTQ (its default)"}
+
+
+def plot_calibration(results: list[dict], cls: str, path: Path) -> dict:
+    """KL against calibration size, one panel per held-out set, RTN / quantkit / llm-compressor with
+    +-1 SE bars (over windows); returns the plotted data (calibration_curves')."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    curves = calibration_curves(results, cls)
+    fig, axes = plt.subplots(1, len(curves), figsize=(4.2 * max(len(curves), 1), 4), squeeze=False,
+                             constrained_layout=True)
+    for ax, (s, rows) in zip(axes[0], curves.items(), strict=True):
+        for k, c in rows.items():
+            se = [0.0 if v is None else v for v in c["se"]]
+            ax.errorbar(c["tokens"], c["kl"], yerr=se, marker="o", capsize=3, lw=1.5, label=PLOT_LABELS.get(k, k))
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"held out: {s}", fontsize=10)
+        ax.set_xlabel("calibration tokens")
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].set_ylabel("KL(source || quantized), nats/token")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"{cls}: routed experts' KL against calibration size (error bars: 1 SE over windows)", fontsize=11)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return curves
 
 
 def _probe_counts(folder: Path, cls: str, run: str) -> str | None:
@@ -723,9 +785,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="realshape-glm: reuse the finished conversions in --out's work folder (same names, same recipes)")
     ap.add_argument("--summarize", type=Path, nargs="+", default=None, metavar="OUT",
                     help="print one markdown table from earlier runs' --out folders (their results.json) and exit")
+    ap.add_argument("--plot", type=Path, default=None, metavar="PNG",
+                    help="with --summarize OUT...: draw KL against calibration size (--plot-class) into PNG and exit")
+    ap.add_argument("--plot-class", default="tiny-glm", help="the class --plot draws")
     ap.add_argument("--summarize-rows", default="GPTQ,AWQ", metavar="G,A",
                     help="--summarize these two rows of each run (e.g. 'GPTQ mix,AWQ mix' of a --mix-* run)")
     args = ap.parse_args(argv)
+    if args.plot:
+        if not args.summarize:
+            ap.error("--plot needs --summarize OUT... (the runs to draw)")
+        results = [r for folder in args.summarize for r in json.loads((folder / "results.json").read_text())]
+        curves = plot_calibration(results, args.plot_class, args.plot)
+        for s, rows in curves.items():
+            for k, c in rows.items():
+                print(f"{s:<11} {k:<9} " + "  ".join(f"{t}: {v:.3e}" + (f"±{e:.1e}" if e is not None else "")
+                                                   for t, v, e in zip(c["tokens"], c["kl"], c["se"], strict=True)))
+        return 0
     if args.summarize:
         print(summarize(args.summarize, tuple(args.summarize_rows.split(","))))
         return 0

@@ -7,7 +7,7 @@ GLM 5.2's widths (hidden 6144, expert width 2048: W [2, 4096, 6144]), one thread
     PYTHONPATH=/path/to/older/checkout python scripts/bench_clip_search.py   # another commit's code
 
 Before 676a5bb the search allocated a new W-sized tensor at every step of every candidate; the
-numbers in docs/benchmarks.md ("Round 3", real width) are this script on both sides of that commit.
+search's cost at real width was measured with this script on both sides of that commit.
 """
 
 from __future__ import annotations

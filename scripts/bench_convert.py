@@ -26,6 +26,7 @@ reference only in the routed experts (docs/benchmarks.md explains the choices).
 
     python scripts/bench_convert.py                       # tiny:glm-5.2, ~2 minutes on 2 cores
     python scripts/bench_convert.py --json > bench.json
+    python scripts/bench_convert.py --figure rss.png      # also each tool's resident memory over its run
     python scripts/bench_convert.py --model tiny:kimi-k2.6 --group-size 128 --no-depth
 
 This is a benchmark that prints a table, not a test: it asserts nothing about the targets.
@@ -42,6 +43,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,17 +56,32 @@ EVAL_SEED = 2000  # quantkit.synthetic.tiny corpus seeds >= 1000 are held out fr
 # Linux carries a process's RSS high-water mark across fork and exec, so a command forked straight
 # from this (large) benchmark process would report at least this process's RSS; spawned from the
 # launcher it inherits only the launcher's few MB.
+# While it waits, the launcher samples the child's resident set (VmRSS in /proc/PID/status) every
+# RSS_INTERVAL_S: `rss_samples`, [[seconds since start, bytes], ...], the curve plot_rss draws.
+RSS_INTERVAL_S = 0.1
 _LAUNCHER = """
 import json, os, sys, time
 out, cmd = sys.argv[1], sys.argv[2:]
 t0 = time.perf_counter()
 pid = os.posix_spawn(cmd[0], cmd, os.environ)
-_, status, ru = os.wait4(pid, 0)
+samples = []
+while True:
+    done, status, ru = os.wait4(pid, os.WNOHANG)
+    if done:
+        break
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        samples.append([round(time.perf_counter() - t0, 3), kb * 1024])
+    except (OSError, StopIteration, ValueError):
+        pass
+    time.sleep(%s)
 wall = time.perf_counter() - t0
 with open(out, "w") as f:
-    json.dump({"wall_s": wall, "cpu_s": ru.ru_utime + ru.ru_stime, "peak_rss_bytes": ru.ru_maxrss * 1024}, f)
+    json.dump({"wall_s": wall, "cpu_s": ru.ru_utime + ru.ru_stime, "peak_rss_bytes": ru.ru_maxrss * 1024,
+               "rss_samples": samples}, f)
 sys.exit(os.waitstatus_to_exitcode(status))
-"""
+""" % RSS_INTERVAL_S
 
 
 def measured(cmd: list[str], log: Path, *, env: dict | None = None) -> dict:
@@ -282,6 +299,51 @@ def machine() -> dict:
             "date": datetime.datetime.now().isoformat(timespec="seconds"), "loadavg_start": os.getloadavg()}
 
 
+# ---- figure ----------------------------------------------------------------------------------------
+RSS_RUNS = ("qk-gptq", "qk-awq", "qk-rtn", "llmc", "llmc-routed")  # drawn when present, in this order
+
+
+def rss_curves(res: dict) -> dict:
+    """The memory figure's data: for each measured run that has RSS samples, {label: {"t": seconds,
+    "rss_mib": MiB, "peak_mib": the process's own peak (getrusage), "wall_s": ...}}."""
+    out = {}
+    for key in RSS_RUNS:
+        m = res["runs"].get(key)
+        if not m or not m.get("rss_samples"):
+            continue
+        t, rss = zip(*m["rss_samples"], strict=True)
+        out[res["labels"].get(key, key)] = {"t": list(t), "rss_mib": [b / 2**20 for b in rss],
+                                            "peak_mib": m["peak_rss_bytes"] / 2**20, "wall_s": m["wall_s"]}
+    return out
+
+
+def plot_rss(res: dict, path: Path) -> dict:
+    """rss.png: each tool's resident memory over its run (sampled by the launcher), its peak marked;
+    returns the plotted data (rss_curves')."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    curves = rss_curves(res)
+    fig, ax = plt.subplots(figsize=(9, 4.2), constrained_layout=True)
+    for label, c in curves.items():
+        (line,) = ax.plot(c["t"], c["rss_mib"], lw=1.6, label=f"{label}: peak {c['peak_mib']:.0f} MiB, {c['wall_s']:.0f} s")
+        ax.axhline(c["peak_mib"], color=line.get_color(), ls=":", lw=1)
+    floor = res["runs"].get("floor-torch")
+    if floor:
+        ax.axhline(floor["peak_rss_bytes"] / 2**20, color="grey", ls="--", lw=1, label="python -c 'import torch'")
+    ax.set_xlabel("seconds since the process started")
+    ax.set_ylabel("resident memory (MiB)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(textwrap.fill(f"{res['model']}; calibration {res['calibration']}", 100), fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return curves
+
+
 # ---- table -----------------------------------------------------------------------------------------
 def _mb(b: float) -> str:
     return f"{b / 2**20:.0f}"
@@ -364,7 +426,16 @@ def main(argv: list[str] | None = None) -> int:
                          "--model tiny:kimi-k2.6): a router near uniform, where few-token Hessians mislead")
     ap.add_argument("--out", type=Path, default=None, help="work folder, kept (default: a temporary one, removed)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
+    ap.add_argument("--figure", type=Path, default=None, metavar="PNG",
+                    help="also draw each tool's resident memory over its run (plot_rss) into PNG")
+    ap.add_argument("--plot", type=Path, default=None, metavar="RESULTS_JSON",
+                    help="draw --figure from an earlier run's results.json and exit (runs nothing)")
     args = ap.parse_args(argv)
+    if args.plot:
+        if not args.figure:
+            ap.error("--plot needs --figure PNG")
+        plot_rss(json.loads(args.plot.read_text()), args.figure)
+        return 0
 
     import torch
 
@@ -520,6 +591,8 @@ def main(argv: list[str] | None = None) -> int:
     res["machine"]["loadavg_end"] = os.getloadavg()
     res["table"] = render(res)
     (work / "results.json").write_text(json.dumps(res, indent=2, default=str) + "\n")
+    if args.figure:
+        plot_rss(res, args.figure)
     if args.json:
         print(json.dumps(res, indent=2, default=str))
     else:

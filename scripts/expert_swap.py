@@ -10,7 +10,7 @@ act alone.
 
     python scripts/expert_swap.py RUN/two-domain-dsv3 "GPTQ mix" --other LLMC_RUN/two-domain-dsv3/llmc
 
-docs/benchmarks.md, "Dampening 0.01 with a quarter of random windows", gives its output on
+It found where the previous settings' gap to llm-compressor sat (docs/benchmarks.md, "Tried and dropped") on
 two-domain-dsv3 at 32x64.
 """
 

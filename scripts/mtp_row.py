@@ -13,7 +13,7 @@ KL to the source's MTP logits of:
 plus the main model's own KL, each as GPTQ - RTN paired over windows with its standard error
 (quantkit.validation.metrics.paired), and the MTP layer's experts as the guard judged them (held-out
 error of GPTQ / RTN per expert). Set QUANTKIT_TINY_SEED for another build of the tiny GLM (each CPU
-trains its own). docs/benchmarks.md "The MTP row" quotes its output.
+trains its own). docs/benchmarks.md "The MTP layer" quotes its output.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ stack and, per phase of a calibrated convert, the highest RSS seen in it:
     python scripts/profile_rss.py --json samples.json -- convert ...   # also every sample
 
 Phases are named by the function the main thread is in (`PHASES`, first match from the innermost
-frame). Linux only (reads /proc). docs/benchmarks.md (issue 30) has the breakdown it printed for the
-random DeepSeek-V3-layout benchmark. The sampler's own cost is a list of samples (a few MB).
+frame). Linux only (reads /proc). It found where the random DeepSeek-V3-layout benchmark's peak
+went (docs/benchmarks.md, "Peak memory"). The sampler's own cost is a list of samples (a few MB).
 """
 
 from __future__ import annotations

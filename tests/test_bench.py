@@ -107,3 +107,26 @@ def test_whole_benchmark_runs(bench, tmp_path, capsys):
                        "--no-scaled-calib", "--out", str(tmp_path / "w")]) == 0
     out = capsys.readouterr().out
     assert "llm-compressor GPTQ" in out and "quantkit GPTQ" in out
+
+
+def test_launcher_samples_the_childs_rss_over_its_run(bench, tmp_path):
+    """The memory figure's curve is the child's own: it rises to the allocation and stays at the peak
+    getrusage reports (within the two counters' rounding)."""
+    code = "import time; time.sleep(0.3); b = bytearray(200 * 2**20); b[::4096] = b'x' * len(b[::4096]); time.sleep(0.4)"
+    m = bench.measured([sys.executable, "-c", code], tmp_path / "rss.log")
+    t, rss = zip(*m["rss_samples"], strict=True)
+    assert len(t) >= 5 and list(t) == sorted(t) and t[-1] <= m["wall_s"]
+    assert min(rss) < 100 * 2**20 < 200 * 2**20 < max(rss) <= 1.01 * m["peak_rss_bytes"]  # VmRSS vs ru_maxrss: pages
+
+
+def test_rss_figure_plots_each_tools_samples(bench, tmp_path):
+    res = {"model": "m", "calibration": "synthetic:train 4x8", "labels": {"qk-gptq": "quantkit GPTQ", "llmc": "llmc"},
+           "runs": {"qk-gptq": {"rss_samples": [[0.1, 2**20], [0.2, 3 * 2**20]], "peak_rss_bytes": 3 * 2**20, "wall_s": 0.3},
+                    "llmc": {"rss_samples": [[0.1, 5 * 2**20]], "peak_rss_bytes": 6 * 2**20, "wall_s": 0.2},
+                    "qk-rtn": {"peak_rss_bytes": 2**20, "wall_s": 0.1},  # no samples: not drawn
+                    "floor-torch": {"peak_rss_bytes": 2**20, "wall_s": 0.1}}}
+    curves = bench.plot_rss(res, tmp_path / "rss.png")
+    assert list(curves) == ["quantkit GPTQ", "llmc"]
+    assert curves["quantkit GPTQ"] == {"t": [0.1, 0.2], "rss_mib": [1.0, 3.0], "peak_mib": 3.0, "wall_s": 0.3}
+    assert curves["llmc"]["rss_mib"] == [5.0] and curves["llmc"]["peak_mib"] == 6.0
+    assert (tmp_path / "rss.png").stat().st_size > 5_000

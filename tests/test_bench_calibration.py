@@ -1,5 +1,5 @@
 """scripts/bench_calibration.py: the pieces its verdicts rest on (fast). The whole suite takes
-tens of minutes and is run by hand (docs/benchmarks.md, "Calibration on a suite of model classes")."""
+tens of minutes and is run by hand (docs/benchmarks.md, "Quality against RTN and llm-compressor")."""
 
 from __future__ import annotations
 
@@ -210,3 +210,22 @@ def test_summarize_adds_the_probe_column_from_the_runs_reports(bench, tmp_path):
     table = bench.summarize([tmp_path]).splitlines()
     assert table[0].endswith("probe, GPTQ / AWQ: low admitted / judged, stored low |")
     assert table[2].endswith("| 60/64, 58 / - |")
+
+
+def test_calibration_figure_plots_kl_and_se_by_calibration_size(bench, tmp_path):
+    def run(size, kl):
+        rows = {k: {"in-dist": {"kl": v, "kl_se": v / 10}, "random-ids": {"kl": 2 * v}} for k, v in kl.items()}
+        return {"class": "tiny-glm", "calibration": f"synthetic:train {size}", "eval": {"in-dist": [4, 8], "random-ids": [2, 8]},
+                "rows": rows}
+
+    results = [run("128x128", {"RTN": 6e-3, "GPTQ mix": 2e-3, "llmc": 2.5e-3}), run("32x64", {"RTN": 6e-3, "GPTQ mix": 3e-3}),
+               {"class": "other", "calibration": "synthetic:train 8x8", "eval": {}, "rows": {}}]
+    curves = bench.plot_calibration(results, "tiny-glm", tmp_path / "kl.png")
+    assert list(curves) == ["in-dist", "random-ids"]
+    c = curves["in-dist"]
+    assert c["GPTQ mix"]["tokens"] == [2048, 16384] and c["GPTQ mix"]["kl"] == [3e-3, 2e-3]  # sorted by size
+    assert c["GPTQ mix"]["se"] == pytest.approx([3e-4, 2e-4])
+    assert c["llmc"]["tokens"] == [16384] and c["RTN"]["kl"] == [6e-3, 6e-3]
+    assert curves["random-ids"]["RTN"]["se"] == [None, None]  # not recorded: drawn without a bar
+    assert (tmp_path / "kl.png").stat().st_size > 5_000
+

@@ -114,7 +114,7 @@ def test_debug_env_shows_the_traceback(tmp_path, monkeypatch):
     assert r.exit_code != 0 and type(r.exception).__name__ == "ConfigError"
 
 
-# ---- what a new user tries first (issue 21, item 12) ----------------------------------------------------
+# ---- what a new user tries first: --version, short help ---------------------------------------------------
 def test_version_and_short_help():
     from quantkit import __version__
 

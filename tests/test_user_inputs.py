@@ -1,4 +1,4 @@
-"""Inputs as users have them (issue 21): a DeepSeek-V3 model saved by transformers' own
+"""Inputs as users have them: a DeepSeek-V3 model saved by transformers' own
 `save_pretrained` (its config declares an MTP layer the shards do not hold), converted and
 validated end to end."""
 

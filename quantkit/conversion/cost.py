@@ -123,14 +123,14 @@ CHUNK_MAX_GPU = 64
 # is capped at this many bytes whatever the budget: its FLOPs per token do not depend on the batch
 # beyond a few thousand rows, and every byte of it is peak RSS (the random DeepSeek-V3-layout
 # benchmark, 64 x 256 tokens at hidden 1024: one 64-sample micro-batch's attention took the peak
-# to 975 MB, eight samples at a time 8x less of it; docs/benchmarks.md, issue 30). The tiny
+# to 975 MB, eight samples at a time 8x less of it; docs/benchmarks.md, "Peak memory"). The tiny
 # recipes' 64 x 64 windows (66 MB) stay one micro-batch.
 MICRO_BATCH_CPU_BYTES = 128 * 2**20
 # On the CPU, AWQ's search rows gathered for one expert chunk (each expert's fit inputs, its float
 # outputs and down's inputs, `_awq_rows`) are capped at this many bytes whatever the budget, for the
 # same reason: an expert's search and GPTQ do not depend on which experts share its chunk (the bytes
 # are the same), and with the budget at the machine's free memory a 16-expert chunk at 512 x 512
-# calibration tokens gathered 6 GB at hidden 512 (docs/benchmarks.md, "Memory, round 2").
+# calibration tokens gathered 6 GB at hidden 512, two experts at a time 3.5 GB and the same bytes.
 AWQ_ROWS_CPU_BYTES = 2**30
 
 

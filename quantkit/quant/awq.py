@@ -148,7 +148,7 @@ def scale_grid(grid: int, duo_scaling: bool) -> list[tuple[float, bool]]:
 def candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor, alpha: float, duo: bool) -> torch.Tensor:
     """s (..., I) for one grid point: mean|x|^alpha [/ w_mean^(1-alpha)], normalized to sqrt(max min) = 1.
 
-    The normalization keeps s centred around 1 (the fold is exact for any s; this only keeps the
+    The normalization keeps s centred on 1 (the fold is exact for any s; this only keeps the
     numbers tame). Non-finite entries (dead channels at alpha < 0, overflow) become 1.
     """
     if duo:

@@ -27,7 +27,7 @@ One policy, in one place, for GPTQ (quantkit.conversion.pipeline) and AWQ (quant
 * Probe. Held-out tokens come from the calibration's own text, so they share its span: they
   cannot tell a low dampening that fits that span closely (what llm-compressor's 0.01 buys on
   trained models) from one that has moved error into directions other inputs excite (what it
-  costs on random-weight ones: docs/benchmarks.md, "The acceptance grid"). With
+  costs on random-weight ones: docs/benchmarks.md, "Tried and dropped"). With
   gptq.low_dampening set, convert also runs probe windows of token ids the calibration never
   contained through the same quantized layers (never fitted on, never judged in-distribution:
   quantkit.inputs.tokens.probe_ids), and each expert is quantized at both dampenings. The low one

@@ -32,8 +32,8 @@ def return_freed_memory() -> None:
     Why: glibc serves allocations under its mmap threshold from the heap and keeps their pages
     when they are freed, and every large free raises that threshold (up to 32 MiB), so after a
     phase's micro-batches and a chunk's Hessians are freed, their pages stay in the RSS and the
-    next phase's peak lands on top of them (docs/benchmarks.md, "Memory on the random
-    DeepSeek-V3-layout benchmark"). Called at phase boundaries (after a layer's attention, after
+    next phase's peak lands on top of them (docs/benchmarks.md,
+    "Speed and peak memory"). Called at phase boundaries (after a layer's attention, after
     each expert chunk), not per allocation, so the pages it returns fault back in once per phase
     rather than once per tensor. Returns nothing: what it freed is measured by the RSS, not here.
     """

@@ -443,7 +443,7 @@ def tiny_seed() -> int:
     Training is not bit-reproducible across CPUs (float32 summation order differs with the SIMD
     width, and top-k routing turns last-bit differences into different models within ~100 steps),
     so every machine builds its own honest variant of the same model. Tests must hold for any such
-    build; building with other seeds is how that is checked (docs/benchmarks.md, "tiny models")."""
+    build; building with other seeds is how that is checked (docs/recipes.md, "Gates for the tiny models")."""
     return int(os.environ.get("QUANTKIT_TINY_SEED", "0"))
 
 

@@ -278,7 +278,8 @@ def _measured(which: str, v: dict) -> list[str]:
         f"{g['row']} {'pass' if g['passed'] else 'FAIL'}" for g in gs) + ")" for name, gs in by_gate.items())
     out += ["", f"Gates ({v['gates_from']}): {summary or 'none on this checkpoint'}; {verdict}."]
     out += ["", "![per-layer error against the source, from validation.json](validation.png)", "",
-            "Full numbers and per-layer curves: [validation.md](validation.md) and [validation.json](validation.json), "
+            "Full numbers and per-layer curves: [validation.md](validation.md) and [validation.json](validation.json); "
+            "every routed expert's output error, layers x experts: [validation-experts.png](validation-experts.png); "
             "in this folder (copies of the convert output's, written with this card)."]
     return out
 

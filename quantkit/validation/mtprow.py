@@ -9,7 +9,7 @@ MTP layer has `{"layer": None, "note": ...}` and no row anywhere.
 
 The row's KL is mostly the main model's error, not the MTP layer's: the MTP reads the main model's
 last hidden state, and on the tiny GLM the decode main model's drift of h moves the MTP's logits
-about 100 times as much as the MTP's own INT4 experts do (docs/benchmarks.md, "The MTP row"). So
+about 100 times as much as the MTP's own INT4 experts do (docs/benchmarks.md, "The MTP layer"). So
 each row keeps its per-window KL and top-1 (`windows`) and the KL's standard error over windows:
 two checkpoints of one source, validated on the same windows, compare as a paired difference
 (quantkit.validation.metrics.paired), never as two point estimates.

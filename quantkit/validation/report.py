@@ -296,6 +296,7 @@ def _expert_histogram(ax, report: dict | None) -> None:
 
 
 # ---- the files ---------------------------------------------------------------------------------
+EXPERTS_PNG = "validation-experts.png"  # the per-expert map (quantkit.validation.expertmap)
 PENDING = RESULTS_PENDING  # the marker of validate's result files being made visible together
 
 
@@ -305,9 +306,9 @@ def _checkpoint_folders(t: Target) -> dict[str, Path]:
 
 
 def write_files(t: Target, data: dict) -> dict[str, Path]:
-    """Write validation.json, .md and .png into the target folder and, for a convert output, the model
-    cards and a copy of the three beside each card (a checkpoint folder uploaded alone renders its card
-    whole, figure included); returns {what: path}.
+    """Write validation.json, .md and .png into the target folder and, for a convert output, the per-expert
+    map validation-experts.png, the model cards and a copy of the results beside each card (a checkpoint
+    folder uploaded alone renders its card whole, figures included); returns {what: path}.
 
     All of them or none become visible: each is written whole under a staged name first, then
     quantkit.runtime.files.commit_renames renames them in a fixed order under a marker (PENDING),
@@ -316,6 +317,8 @@ def write_files(t: Target, data: dict) -> dict[str, Path]:
     from quantkit.runtime.files import atomic_write_text, commit_renames, finish_renames, staged
 
     files = {"json": t.out / "validation.json", "md": t.out / "validation.md", "png": t.out / "validation.png"}
+    if t.report is not None and t.report.get("experts"):
+        files["experts_png"] = t.out / EXPERTS_PNG
     finish_renames(t.out / PENDING)  # a crashed earlier write: completed before this one starts
     texts = {"json": (files["json"], json.dumps(data, indent=2) + "\n"), "md": (files["md"], render_markdown(data))}
     if t.pair and t.report is not None:
@@ -329,12 +332,20 @@ def write_files(t: Target, data: dict) -> dict[str, Path]:
                 files[f"{kind}_{which}"] = folder / files[kind].name
                 texts[f"{kind}_{which}"] = (files[f"{kind}_{which}"], texts[kind][1])
             files[f"png_{which}"] = folder / files["png"].name
+            if "experts_png" in files:
+                files[f"png_experts_{which}"] = folder / EXPERTS_PNG
     for path, text in texts.values():
         atomic_write_text(staged(path), text)
     plot(data, t.report, staged(files["png"]))
+    if "experts_png" in files:
+        from quantkit.validation.expertmap import input_width, plot_expert_map
+
+        config = t.models.get("decode", t.models.get("model")) / "config.json"
+        width = input_width(json.loads(config.read_text())) if config.is_file() else None
+        plot_expert_map(t.report, staged(files["experts_png"]), width, data["reference"]["spec"])
     for key, path in files.items():
         if key.startswith("png_"):
-            shutil.copyfile(staged(files["png"]), staged(path))
+            shutil.copyfile(staged(files["experts_png" if key.startswith("png_experts_") else "png"]), staged(path))
     faults.point("validate:staged")
     commit_renames(t.out / PENDING, list(files.values()))
     return files

@@ -512,7 +512,7 @@ def test_a_kept_int4_shape_stays_on_the_host(tiny_kimi):
 
 @pytest.mark.parametrize("with_scale", [False, True], ids=["weight renamed", "weight and scale renamed"])
 def test_a_renamed_fp8_expert_weight_names_the_missing_weight_and_the_unknown_name(tmp_path, with_scale):
-    """Issue 21 item 10: `experts.2.up_proj.weight` renamed `uq_proj` used to be reported as the
+    """A misspelt tensor name: `experts.2.up_proj.weight` renamed `uq_proj` used to be reported as the
     scale's shape contradicting config.json; the error must name the missing weight and the unknown one."""
     cfg = small_config("deepseek_v3")
     folder, _ = write_random(tmp_path / "src", cfg, experts="fp8")
@@ -537,7 +537,7 @@ def test_a_renamed_fp8_expert_weight_names_the_missing_weight_and_the_unknown_na
 
 @pytest.mark.parametrize("family", ["glm", "kimi_k25"])
 def test_declared_mtp_layers_the_shards_lack_are_dropped_from_the_arch_and_its_config(tmp_path, family):
-    """Issue 21 item 1 for the other families: GLM (its own model_type) and Kimi K2.6 (the field
+    """Declared MTP layers missing from the shards, for the other families: GLM (its own model_type) and Kimi K2.6 (the field
     inside text_config). The layer is dropped and the carried config says 0."""
     from quantkit.model.arch import without_mtp
 

@@ -58,7 +58,7 @@ def test_more_tokens_under_a_binding_budget_keep_the_peak():
 
 def test_cpu_micro_batch_work_is_capped_whatever_the_budget():
     """On the CPU a micro-batch's attention work stays under MICRO_BATCH_CPU_BYTES however roomy the
-    budget (issue 30: a 64-sample micro-batch took the random DeepSeek-V3-layout benchmark's peak to
+    budget (a 64-sample micro-batch took the random DeepSeek-V3-layout benchmark's peak to
     975 MB); on a GPU the budget alone decides. The tiny recipes' 64 x 64 windows stay one
     micro-batch, so their output bytes do not change."""
     from quantkit.conversion.cost import MICRO_BATCH_CPU_BYTES, _attention_bytes
@@ -80,7 +80,7 @@ def test_cpu_micro_batch_work_is_capped_whatever_the_budget():
 
 def test_cpu_awq_chunk_rows_are_capped_whatever_the_budget():
     """On the CPU an AWQ chunk's gathered search rows stay under AWQ_ROWS_CPU_BYTES however roomy the
-    budget (issue 30: 16 experts at 512 x 512 calibration tokens took a hidden-512 model's AWQ to
+    budget (16 experts at 512 x 512 calibration tokens took a hidden-512 model's AWQ to
     8.4 GB; 2 at a time, 3.5 GB and the same bytes); GPTQ's chunk and a GPU's are the budget's alone,
     and the tiny recipes' calibration keeps its 16-expert chunk (their bytes do not change)."""
     from quantkit.conversion.cost import AWQ_ROWS_CPU_BYTES, _awq_rows

@@ -385,7 +385,7 @@ def test_token_used_but_never_printed(env, monkeypatch, capsys, caplog):
     assert REPO in captured.out  # we did capture something
 
 
-# issue 21 item 2 -----------------------------------------------------------------------------------------------
+# an hf:// source found only in the local HF cache, offline -------------------------------------------------
 def test_hf_cache_snapshot_converts_offline_end_to_end(env, monkeypatch, tiny_glm):
     """An hf:// source found only in the HF cache (offline): every file, config.json included, is read
     from where it was found. config.json used to be looked for in quantkit's own cache folder ("not found")."""

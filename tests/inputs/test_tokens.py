@@ -272,7 +272,7 @@ def test_buffer_shuffle_is_a_seeded_permutation():
     assert out == list(calib._buffer_shuffle(iter(range(50)), 8, random.Random(0)))
 
 
-# ---- not text (issue 21 item 9) -----------------------------------------------------------------
+# ---- not text: binary junk, wrong encodings -----------------------------------------------------------------
 def test_binary_junk_is_refused_with_the_fraction_found(tmp_path, tiny_kimi):
     """300 KB of random bytes in a .txt used to calibrate with exit 0 (most experts starved)."""
     junk = np.random.default_rng(0).integers(0, 256, 300_000, dtype=np.uint8).tobytes()

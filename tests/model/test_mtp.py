@@ -20,9 +20,9 @@ TOL = 1e-4
 CALIB = {"num_samples": 8, "seq_len": 64}
 # Held-out windows the MTP comparisons are paired over. Each CPU trains its own tiny GLM (another
 # model), and the row is mostly the main model's drift, a heavy-tailed KL: on 8 windows two point
-# estimates swapped order on some builds (issue 33), on 32 the paired difference was only 1.3 SE on
+# estimates swapped order on some builds, on 32 the paired difference was only 1.3 SE on
 # one. On 128 windows of 48 tokens GPTQ's row is 4.0-4.5 SE below RTN's on the two hardest builds
-# seen (scripts/mtp_row.py; docs/benchmarks.md "The MTP row").
+# seen (scripts/mtp_row.py splits the row into the main model's drift and the MTP layer's own share).
 WINDOWS = {"num_samples": 128, "seq_len": 48}
 
 

@@ -189,7 +189,7 @@ def test_renderings_show_everything(kimi):
     assert "<table>" in page and "does not fit" in page
 
 
-# ----------------------------------------------------------------------------- group size (issue 21 item 7)
+# ----------------------------------------------------------------------------- group size: the recipe's, or --group-size
 
 
 def test_group_size_follows_the_models_recipe(kimi, glm):

@@ -144,7 +144,7 @@ def test_kimi_bf16_attention_stays_unquantized(reports):
 
 def _legacy_config(qc: dict) -> dict:
     """quantkit's decode config before this fix: top-level mixed-precision, INT4 group owning Linear,
-    FP8 group by exact-name patterns (what the findings in issue 11 were about)."""
+    FP8 group by exact-name patterns (which vLLM's compressed-tensors loader matched wrongly)."""
     int4 = next(g for g in qc["config_groups"].values() if g["weights"]["num_bits"] == 4)
     fp8 = next(g for g in qc["config_groups"].values() if g["weights"]["num_bits"] == 8)
     int4 = dict(int4, targets=["Linear", r"re:.*mlp\.experts\..*"])

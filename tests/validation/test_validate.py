@@ -200,6 +200,7 @@ def test_cli_writes_table_json_md_png_and_cards(cli_runs, pairs, name):
 
     img = matplotlib.image.imread(str(png))
     assert img.ndim == 3 and img.shape[1] > 1000 and img.std() > 0.05  # a real figure, not a blank canvas
+    assert (folder / "validation-experts.png").stat().st_size > 5_000  # the per-expert map (tests/validation/test_expertmap.py)
 
     report = json.loads((folder / "convert-report.json").read_text())
     for which in ("prefill", "decode"):
@@ -210,6 +211,7 @@ def test_cli_writes_table_json_md_png_and_cards(cli_runs, pairs, name):
         assert data["eval_data"]["sha256"] in card and "--kv-cache-dtype fp8_e4m3" in card
         assert "disable-shared-experts-fusion` is **not** needed" in card  # tiny: 16 routed experts, SGLang never fuses
         assert format(data["rows"][which]["metrics"]["kl"], ".4g") in card  # numbers come from the JSON
+        assert "validation-experts.png" in card
     assert format(data["rows"]["cross_phase"]["metrics"]["kl"], ".4g") in (folder / "decode" / "README.md").read_text()
     assert ("--trust-remote-code" in (folder / "decode" / "README.md").read_text()) == (name == "kimi")
 

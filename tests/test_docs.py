@@ -1,0 +1,190 @@
+"""The docs as a reader meets them: no tracker numbers anywhere, links and section references that
+resolve, every `quantkit CMD --flag` a page names accepted by that command, a benchmarks page a user
+reads in minutes, and a quickstart whose shown outputs are what a real tiny convert prints."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+TEXT_SUFFIXES = {".py", ".md", ".sh", ".yaml", ".yml", ".toml", ".json", ".txt", ".ipynb", ".cfg", ".ini"}
+# A tracker reference ("issue" or "round" followed by a number) means nothing to a reader; say the behaviour.
+TRACKER = re.compile(r"issue #?[0-9]+|round [0-9]", re.IGNORECASE)
+
+
+def _text_files():
+    for top in ("docs", "quantkit", "tests", "scripts", "recipes"):
+        for p in sorted((ROOT / top).rglob("*")):
+            if p.is_file() and p.suffix in TEXT_SUFFIXES and "__pycache__" not in p.parts:
+                yield p
+    yield ROOT / "README.md"
+
+
+def test_no_tracker_numbers_in_docs_code_tests_or_scripts():
+    found = [f"{p.relative_to(ROOT)}:{n}: {line.strip()[:100]}"
+             for p in _text_files() for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+             if TRACKER.search(line)]
+    assert not found, "tracker numbers (write the behaviour they protect instead):\n" + "\n".join(found)
+
+
+def test_tracker_pattern_catches_what_the_merge_grep_catches():
+    n = "3"  # built here, so that this file holds no tracker number itself
+    assert TRACKER.search("see Issue " + n) and TRACKER.search("issue #" + n) and TRACKER.search("Round " + n)
+    assert TRACKER.search("centred a" + "round " + n)  # the merge grep has no word boundary either
+    assert not TRACKER.search("rounded to even") and not TRACKER.search("the issue's acceptance")
+
+
+def test_benchmarks_page_is_a_user_page():
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert len(text.splitlines()) <= 350
+    assert not re.search(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", text)  # no dated journal entries
+    for image in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text):
+        assert (ROOT / "docs" / image).is_file(), image
+
+
+# ---- links and section references ----------------------------------------------------------------
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation but '-' and '_' dropped, spaces to '-'."""
+    h = re.sub(r"[`*]", "", heading.strip().lower())
+    h = re.sub(r"[^\w\- ]", "", h)
+    return h.replace(" ", "-")
+
+
+def headings(path: Path) -> list[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)  # a '#' inside a code block is no heading
+    return [m.group(1) for m in re.finditer(r"^#{1,6} +(.+?) *$", text, flags=re.M)]
+
+
+def test_slug_matches_github():
+    assert slug("5. `quantkit validate`") == "5-quantkit-validate"
+    assert slug("6. `--decode-rest bf16`: Kimi's official layout") == "6---decode-rest-bf16-kimis-official-layout"
+    assert slug("Why dampening 0.01") == "why-dampening-001"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_relative_links_resolve_to_a_file_and_a_heading(doc):
+    text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+    bad = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+://|mailto:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (doc.parent / path).resolve() if path else doc
+        if not dest.exists():
+            bad.append(f"{target}: no such file")
+        elif anchor and dest.suffix == ".md" and anchor not in {slug(h) for h in headings(dest)}:
+            bad.append(f"{target}: no heading with that anchor in {dest.name}")
+    assert not bad, f"{doc.name}:\n" + "\n".join(bad)
+
+
+SECTION_REF = re.compile(r"(?:docs/)?\b(\w+)\.md[,:]? \(?\"([^\"]{3,80})\"")
+
+
+def test_quoted_section_references_name_an_existing_heading():
+    """`docs/recipes.md, "The random share"` in a comment or a page must still find that section."""
+    bad = []
+    for p in [*DOCS, *_text_files()]:
+        for m in SECTION_REF.finditer(p.read_text(errors="replace")):
+            target = ROOT / "docs" / f"{m.group(1)}.md"
+            if not target.is_file():
+                continue
+            want = " ".join(m.group(2).strip("`").lower().split())
+            if not any(want in re.sub(r"`", "", h).lower() for h in headings(target)):
+                bad.append(f"{p.relative_to(ROOT)}: {m.group(0)}")
+    assert not bad, "section references without such a heading:\n" + "\n".join(sorted(set(bad)))
+
+
+# ---- the commands the pages show ------------------------------------------------------------------
+def _command_options() -> dict[str, set[str]]:
+    import typer
+
+    from quantkit.cli import app
+
+    group = typer.main.get_command(app)
+    return {name: {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)} | {"--help"}
+            for name, cmd in group.commands.items()}
+
+
+def test_every_flag_a_page_names_is_accepted_by_its_command():
+    """Each `quantkit CMD ... --flag` on a page (code blocks and inline code, up to the end of the
+    command) names an option `quantkit CMD --help` lists."""
+    options = _command_options()
+    command = re.compile(r"quantkit\s+([a-z][a-z-]*)((?:[^`\n;|&#]|\\\n)*)")
+    bad, checked = [], 0
+    for doc in DOCS:
+        text = doc.read_text()
+        for m in command.finditer(text):
+            if m.group(1) not in options:
+                continue
+            for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", m.group(2)):
+                checked += 1
+                if flag not in options[m.group(1)]:
+                    bad.append(f"{doc.name}:{text[:m.start()].count(chr(10)) + 1}: quantkit {m.group(1)} {flag}")
+    assert checked > 60  # the pattern still finds the commands
+    assert not bad, "flags the command does not take:\n" + "\n".join(bad)
+
+
+# ---- the quickstart against a real convert --------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory, tiny_glm):
+    import quantkit as qk
+
+    return qk.convert("tiny:glm-5.2", tmp_path_factory.mktemp("quickstart") / "glm", progress=False)
+
+
+def _rendered(table) -> str:
+    import io
+
+    from rich.console import Console
+
+    console = Console(record=True, width=200, file=io.StringIO())
+    console.print(table)
+    return console.export_text()
+
+
+def test_quickstart_shows_what_a_real_tiny_convert_prints(tiny_pair):
+    quick = (ROOT / "docs" / "quickstart.md").read_text()
+    assert "quantkit convert tiny:glm-5.2 --out out/glm" in quick
+    caption = " ".join(_rendered(tiny_pair.table()).split())
+    counts = re.search(r"\d+ routed experts: [^;]+", caption).group(0)  # "80 routed experts: 80 GPTQ"
+    assert counts + ";" in quick, f"the quickstart's expert counts are stale: a real convert prints {counts!r}"
+    gates = re.search(r"(PASSED|FAILED): \d+/\d+ gate checks", _rendered(tiny_pair.validation.table())).group(0)
+    assert gates in quick, f"the quickstart's gate line is stale: a real convert prints {gates!r}"
+    for name in ("prefill", "decode", "convert-report.json", "validation.json", "validation.md", "validation.png",
+                 "validation-experts.png"):
+        assert (tiny_pair.out / name).exists() and name.split(".")[0] in quick
+
+
+def test_quickstart_card_rows_and_serve_commands_are_the_cards(tiny_pair):
+    quick = (ROOT / "docs" / "quickstart.md").read_text()
+    card = (tiny_pair.decode / "README.md").read_text()
+    for row in re.findall(r"^\| ([a-zA-Z][^|]+?) \|", quick, flags=re.M):
+        if row not in ("path", "tensor class"):
+            assert f"| {row} |" in card, f"the quickstart shows a card row the card does not have: {row}"
+    serve = [ln for block in re.findall(r"```bash\n(.*?)```", quick, flags=re.S) for ln in block.splitlines()
+             if ln.startswith(("python -m sglang", "vllm serve", "  --"))]
+    assert len(serve) >= 8
+    for line in serve:
+        assert line in card, f"the quickstart's serve command differs from the card's: {line}"
+
+
+def test_every_flag_a_page_gives_a_script_is_one_it_defines():
+    """`python scripts/X.py ... --flag` on a page: X.py defines that option (argparse, read statically:
+    some scripts start work when run)."""
+    script = re.compile(r"python (scripts/[\w-]+\.py)((?:[^`\n;|&#]|\\\n)*)")
+    bad, checked = [], 0
+    for doc in DOCS:
+        for m in script.finditer(doc.read_text()):
+            path = ROOT / m.group(1)
+            assert path.is_file(), f"{doc.name}: {m.group(1)} does not exist"
+            source = path.read_text()
+            for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", m.group(2)):
+                checked += 1
+                if f'"{flag}"' not in source and f"'{flag}'" not in source:
+                    bad.append(f"{doc.name}: {m.group(1)} {flag}")
+    assert checked > 15
+    assert not bad, "flags the script does not define:\n" + "\n".join(bad)
