@@ -39,7 +39,7 @@ FORMAT = "quantkit-manifest/1"
 REPORT = "convert-report.json"
 # the card and the validation results each checkpoint folder carries (and their staged next versions,
 # quantkit.runtime.files.staged) are rewritten by validate; the card states the manifest's digest
-CARD_FILES = ("README.md", "validation.json", "validation.md", "validation.png")
+CARD_FILES = ("README.md", "validation.json", "validation.md", "validation.png", "validation-experts.png")
 UNCOVERED = {MANIFEST, *CARD_FILES, *(f".{Path(n).stem}.staged{Path(n).suffix}" for n in CARD_FILES)}
 _CHUNK = 16 << 20
 
