@@ -25,7 +25,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, create_model, field_validator, model_validator
 
 from quantkit.errors import ConfigError
-from quantkit.quant.methods import METHODS, Settings, unknown_method
+from quantkit.quant.methods import METHODS, Method, Settings, unknown_method
 
 __all__ = ["Recipe", "load_recipe", "recipe_file", "default_recipe", "recipe_overrides", "resolve_recipe", "recipe_dirs", "available_recipes"]
 
@@ -215,6 +215,12 @@ with warnings.catch_warnings():
         def to_dict(self) -> dict[str, Any]:
             """Plain dict with YAML field names (for reports and round trips)."""
             return self.model_dump()
+
+        @property
+        def resolved_method(self) -> Method:
+            """The registered method `method` names: the object every stage asks (quantkit.quant.methods).
+            The field's validator refused any other name, so this lookup cannot miss."""
+            return METHODS[self.method]
 
     # The methods' sections come from the registry (each method declares its own, quantkit.quant.methods):
     # a new method adds its section without touching this file. Field order is the YAML's.

@@ -43,9 +43,9 @@ import torch
 
 from quantkit.errors import OutputError
 from quantkit.model.moe import swiglu
-from quantkit.quant.gptq import HessianError, QuantizedWeight, gptq, quantize_rtn
+from quantkit.quant.gptq import HessianError, QuantizedWeight, gptq, quantize_rtn  # QuantizedWeight: every method's result
 
-__all__ = ["PROJS", "HOLDOUT", "ExpertRecord", "expert_weights", "is_heldout", "is_heldout_window", "split_heldout", "starved",
+__all__ = ["PROJS", "HOLDOUT", "ExpertRecord", "QuantizedWeight", "expert_weights", "is_heldout", "is_heldout_window", "split_heldout", "starved",
            "calibration_inputs",
            "expert_dampening", "prior_of", "heldout_inputs", "probe_inputs", "rtn_expert", "run_gptq", "low_dampening",
            "guard_against_rtn", "guard_experts", "LOW"]
