@@ -52,8 +52,8 @@ def attention_pass(store: ActivationStore, w: dict, ctx, layer: int, topks: list
     """The attention half (and a dense layer's MLP, or a MoE layer's shared expert), per micro-batch.
 
     With several ranks (`group`), each computes only its own micro-batches (Group.owns_batch), then
-    x, the routing and the DSA selections are given to every rank (the experts' Hessians need all
-    tokens), and the KV-cache maxima combined. h stays split until the end of the layer (the
+    x, the routing and the DSA selections are given to every rank (a method may read every
+    token), and the KV-cache maxima combined. h stays split until the end of the layer (the
     routed-expert outputs are added by the same owners; conversion shares h then). Every token's
     arithmetic is a single process's, so the bytes are too."""
     a = ctx.arch

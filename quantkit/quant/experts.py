@@ -2,7 +2,7 @@
 what a starved expert gets, and the guard that keeps an expert's INT4 weights never worse than
 plain round-to-nearest.
 
-One policy, in one place, for GPTQ (quantkit.conversion.pipeline) and AWQ (quantkit.quant.awq):
+One policy, in one place, for GPTQ (quantkit.quant.methods.gptq) and AWQ (quantkit.quant.awq):
 
 * Held-out tokens. Every HOLDOUT-th calibration token of a layer (by position in the layer's
   token list) is kept out of every Hessian and every AWQ statistic. Those tokens exist only to
@@ -83,7 +83,7 @@ def expert_weights(w: dict[str, torch.Tensor], e: int) -> tuple[torch.Tensor, to
 
 def is_heldout(pos: torch.Tensor) -> torch.Tensor:
     """The policy itself, for positions (n,) in an expert's routed-token list (or the layer's token
-    list): True where held out. The streamed path (quantkit.conversion.layerpass), which sees an expert's
+    list): True where held out. The streamed path (quantkit.quant.methods.gptq), which sees an expert's
     tokens one micro-batch at a time, applies it to running positions; `split_heldout` is the same
     rule for a whole list at once."""
     return pos % HOLDOUT == HOLDOUT - 1

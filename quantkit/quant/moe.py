@@ -24,8 +24,8 @@ def quantize_experts_gptq(
     """GPTQ for the given routed experts of one layer, batched across experts, from the layer's MoE
     inputs held whole in memory (quantkit.quant.methods.GPTQ.quantize).
 
-    convert's GPTQ streams its Hessians instead (quantkit.conversion.layerpass.gptq_experts, the same policy
-    and arithmetic; tests/conversion/test_layerpass.py holds the two equal); this whole-layer form is
+    convert's GPTQ streams its Hessians instead (quantkit.quant.methods.gptq.gptq_experts, the same policy
+    and arithmetic; tests/quant/methods/test_gptq.py holds the two equal); this whole-layer form is
     the oracle of that test, and what tests/runtime/test_device.py runs on a fake device.
 
     x: (N, D) the MoE input of every calibration token; tokens[e]: indices of the tokens routed to e.
