@@ -47,7 +47,7 @@ from quantkit.quant.gptq import HessianError, QuantizedWeight, gptq, quantize_rt
 
 __all__ = ["PROJS", "HOLDOUT", "ExpertRecord", "QuantizedWeight", "expert_weights", "is_heldout", "is_heldout_window", "split_heldout", "starved",
            "calibration_inputs",
-           "expert_dampening", "prior_of", "heldout_inputs", "probe_inputs", "rtn_expert", "run_gptq", "low_dampening",
+           "expert_dampening", "prior_of", "heldout_inputs", "probe_inputs", "rtn_expert", "run_gptq",
            "guard_against_rtn", "guard_experts", "LOW"]
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -165,20 +165,13 @@ def prior_of(g, fit_tokens: int, width: int) -> float | None:
     return round(c * width / max(fit_tokens, 1), 6) if c else None
 
 
-def low_dampening(g):
-    """The recipe's gptq section with gptq.low_dampening as its dampening (the probe's candidate),
-    or None when the recipe sets none."""
-    low = getattr(g, "low_dampening", None)
-    return None if low is None else g.model_copy(update={"dampening": low})
-
-
 def run_gptq(W: torch.Tensor, H: torch.Tensor, group_size: int, g, layer: int, experts,
              consume: bool = False, fit_tokens: list[int] | None = None, low=None):
     """`quantkit.quant.gptq.gptq` with the recipe's settings; a broken Hessian becomes a one-line error.
     consume=True lets GPTQ factor H in place and free it (the caller must hold no other reference).
     fit_tokens: each expert's (W's first batch dim) fit-token count, for gptq.width_prior.
 
-    low: a gptq section at another dampening (`low_dampening`): then both are quantized in one
+    low: a gptq section at another dampening (quantkit.quant.methods.gptq.low_settings): then both are quantized in one
     batched call (W and H stacked twice along the experts, one dampening per copy; on a GPU the
     column loop's launches are the same as for one) and (at g's dampening, at low's) is returned.
     An expert's bytes do not depend on its batch (tests/runtime/test_distributed.py), so the first

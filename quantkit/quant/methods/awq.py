@@ -29,7 +29,8 @@ class AWQ(Method):
     def quantize(self, w, experts, recipe, group_size, layer, *, x=None, tokens=None, alternatives=None, probe=False):
         from quantkit.quant.awq import quantize_experts_awq
 
-        return quantize_experts_awq(x, w, tokens, experts, recipe, group_size, layer, alternatives=alternatives, low=probe)
+        g_low = gptq.low_settings(recipe.gptq) if probe else None  # its GPTQ step at gptq.low_dampening too
+        return quantize_experts_awq(x, w, tokens, experts, recipe, group_size, layer, alternatives=alternatives, g_low=g_low)
 
     def probe_windows(self, recipe) -> int:
         return gptq.probe_windows(recipe)

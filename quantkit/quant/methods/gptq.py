@@ -152,6 +152,12 @@ def probe_report(recipe, windows: int, seq_len: int) -> dict:
                    "(quantkit.inputs.tokens.probe_ids); never fitted on, judged only"}
 
 
+def low_settings(g: GPTQSettings) -> GPTQSettings | None:
+    """The gptq section with gptq.low_dampening as its dampening (the candidate the probe judges), or
+    None when the recipe sets none."""
+    return None if g.low_dampening is None else g.model_copy(update={"dampening": g.low_dampening})
+
+
 def kept_words(guard: str | None) -> str:
     return "" if guard is None else " (stored: gptq.low_dampening's result, lower on them)"
 
@@ -326,7 +332,6 @@ def gptq_experts(rows: LayerRows, ew: dict[str, torch.Tensor], experts: list[int
     from quantkit.quant.experts import (
         ExpertRecord,
         guard_against_rtn,
-        low_dampening,
         prior_of,
         probe_inputs,
         rtn_expert,
@@ -354,7 +359,7 @@ def gptq_experts(rows: LayerRows, ew: dict[str, torch.Tensor], experts: list[int
                             weighting=g.hessian_weighting, fit_rows=n_fit)
         Wgu = torch.stack([torch.cat([ew[f"mlp.experts.{e}.gate_proj.weight"],
                                       ew[f"mlp.experts.{e}.up_proj.weight"]]) for e in run]).float()
-        low = low_dampening(g) if rows.probe is not None else None
+        low = low_settings(g) if rows.probe is not None else None
         box = [H]
         del H
         if low is not None:  # both dampenings in one call (run_gptq stacks them)
