@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from quantkit.quant.rows import Batch, LayerRows
+from quantkit.quant.rows import Batch
 
 STORE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # numpy has no bfloat16: its bits are kept as uint16 and viewed back by torch
@@ -177,7 +177,7 @@ class LayerRouting:
 
 
 class StoreRows:
-    """A MoE layer's calibration rows as a method sees them (quantkit.quant.rows.LayerRows): the
+    """A MoE layer's calibration rows as a method sees them (a quantkit.quant.rows.LayerRows): the
     store's x and the layer's routing, and the probe windows' (their own store and routing) when
     the method asked for them. Reads only; the layer pass owns both."""
 
@@ -205,7 +205,7 @@ class StoreRows:
         return self.routing.counts
 
     @property
-    def probe(self) -> LayerRows | None:
+    def probe(self) -> StoreRows | None:
         return self._probe
 
     def batches(self) -> Iterator[Batch]:

@@ -428,8 +428,8 @@ def _memory_table(m: _Memory, B: int, C: int, location: str, store_b: int) -> tu
               "attention": _attention_bytes(m.x, B, m.T) if m.calibrate else 0,
               "experts": m.experts_phase(B, C) - m.w_moe, "work": work, "received": int(m.received)}
     if m.on_gpu:
-        peak_device = (store_b if location == "device" else 0) + m.routing + work + m.received
-        peak_host = m.host_fixed + (store_b if location == "host" else 0) + m.transient
+        peak_device: float | None = (store_b if location == "device" else 0) + m.routing + work + m.received
+        peak_host: float = m.host_fixed + (store_b if location == "host" else 0) + m.transient
     else:
         peak_device = None
         peak_host = m.host_fixed + store_b + m.routing + work + m.received
@@ -574,7 +574,7 @@ def _validate_estimate(arch, m: _Memory, r: _Rates, validate, *, device: str, gp
     vflops = vt * 2 * (x.attn_params + 3 * x.topk * x.expert_width * x.hidden / nproc) * x.layers * streams
     seconds = (three + (passes - 1) * again) / r.disk + vflops / r.flops
     seconds += x.calibrated_moe_layers * exchange * (nproc - 1) / nproc / r.link
-    notes = []
+    notes: list[str] = []
     long_s = _long_context_seconds(arch, x, validate, again, r, notes)
     seconds += long_s
     if validate.gen_tokens and again:

@@ -27,7 +27,7 @@ micro-batch's selection is kept for the next (IndexShare) layers, as (B, T, k) i
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -60,7 +60,8 @@ def attention_pass(store: ActivationStore, w: dict, ctx, layer: int, topks: list
     eps = a.rms_norm_eps
     x_arr = store.open_x() if moe else None
     n_batches = sum(1 for _ in store.slices())
-    idx, wt = [None] * n_batches, [None] * n_batches
+    idx: list[Any] = [None] * n_batches  # each micro-batch's (B*T, k) routing, filled below
+    wt: list[Any] = [None] * n_batches
     small = torch.int16 if a.n_routed_experts < 2**15 else torch.int32
     if moe:  # the whole layer's routing, allocated before the loop: (N*T, k) each
         # per-micro-batch tensors kept to the end would sit between the freed temporaries of every
@@ -119,7 +120,7 @@ def _share_attention(group: Group, store: ActivationStore, ctx, layer: int, topk
         distributed.max_kv(group, ctx.kv, layer)
 
 
-def _tokens(idx_b: torch.Tensor, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _tokens(idx_b: torch.Tensor, e: int) -> tuple[torch.Tensor, ...]:
     """(token rows, top-k slot) of the micro-batch's tokens routed to expert e."""
     return (idx_b == e).nonzero(as_tuple=True)
 

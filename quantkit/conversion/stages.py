@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -72,7 +72,8 @@ def start_calibration(job: Job, tokens) -> Calibration:
     group = job.group
     work = job.state_dir if group.leader else job.state_dir / f"rank-{group.rank}"  # a disk-backed store's files
     work.mkdir(exist_ok=True)
-    store = ActivationStore(*ids.shape, arch.hidden_size, job.cost.store, job.dev, work)
+    N, T = ids.shape
+    store = ActivationStore(N, T, arch.hidden_size, job.cost.store, job.dev, work)
     # several ranks: each runs the per-token work (attention, expert outputs) on its own micro-batches
     split = group if group.distributed else None
     mtp_table = embed_name(arch, arch.num_hidden_layers, job.ckpt.tensors)
@@ -96,7 +97,8 @@ def _probe(job: Job, tokens, work) -> Calibration | None:
                      source={"kind": "probe", "from": "vocabulary ids the calibration never contains"})
     ctx = Context.build(arch, ids.shape[1], job.dev, job.dtype)
     ctx.dsa_dense = arch.has_dsa and ids.shape[1] <= arch.index_topk
-    store = ActivationStore(*ids.shape, arch.hidden_size, job.cost.store, job.dev, work, tag="probe-")
+    N, T = ids.shape
+    store = ActivationStore(N, T, arch.hidden_size, job.cost.store, job.dev, work, tag="probe-")
     return Calibration(data, store, ctx, [None] * len(list(store.slices())))
 
 
@@ -139,7 +141,8 @@ def convert_layer(job: Job, pair: PairWriter, calib: Calibration, bar, layer: in
         if calib.probe is not None:  # the probe windows through the same layer, on every rank
             probe = calib.probe
             probe_routing = attention_pass(probe.store, w, probe.ctx, layer, probe.topks, arch.is_moe(layer))
-        kv_stats = write_kv_scales(pair, arch.layer_prefix(layer), calib.ctx.kv, layer, arch.definition.attention)
+        kv = cast(KVAbsmax, calib.ctx.kv)  # start_calibration's: the maxima it measured
+        kv_stats = write_kv_scales(pair, arch.layer_prefix(layer), kv, layer, arch.definition.attention)
         return_freed_memory()  # the attention's micro-batch buffers, before the experts' Hessians
     t_attention = time.time() - t0
     shares: dict = {}  # multi-rank: each rank's part of this layer's experts
