@@ -22,7 +22,7 @@ def quantize_experts_gptq(
     layer: int,
 ) -> tuple[dict[int, dict[str, QuantizedWeight]], list[ExpertRecord]]:
     """GPTQ for the given routed experts of one layer, batched across experts, from the layer's MoE
-    inputs held whole in memory (quantkit.quant.methods.GPTQ.quantize).
+    inputs held whole in memory (quantkit.quant.methods.gptq.GPTQ.quantize).
 
     convert's GPTQ streams its Hessians instead (quantkit.quant.methods.gptq.gptq_experts, the same policy
     and arithmetic; tests/quant/methods/test_gptq.py holds the two equal); this whole-layer form is

@@ -272,6 +272,8 @@ def expert_hessians(rows: LayerRows, run: list[int], all_tokens: set[int], input
                 xa = inputs(j, xa) if inputs is not None else xa
                 H[j].addmm_(xa.T, xa, alpha=w_all)
         del xb
+    if H is None:
+        raise ValueError("expert_hessians: the layer's rows have no micro-batch")
     for j, e in enumerate(run):
         H[j] *= 2.0 / max(float(n[j]) + (prior if e not in all_tokens else 0), 1.0)
     if held is not None:
@@ -359,7 +361,8 @@ def gptq_experts(rows: LayerRows, ew: dict[str, torch.Tensor], experts: list[int
                             weighting=g.hessian_weighting, fit_rows=n_fit)
         Wgu = torch.stack([torch.cat([ew[f"mlp.experts.{e}.gate_proj.weight"],
                                       ew[f"mlp.experts.{e}.up_proj.weight"]]) for e in run]).float()
-        low = low_settings(g) if rows.probe is not None else None
+        probe = rows.probe
+        low = low_settings(g) if probe is not None else None
         box = [H]
         del H
         if low is not None:  # both dampenings in one call (run_gptq stacks them)
@@ -380,10 +383,11 @@ def gptq_experts(rows: LayerRows, ew: dict[str, torch.Tensor], experts: list[int
         del Hd
         if low is not None:
             qd, qd_low = run_gptq(Wd, box.pop(), group_size, g, layer, run, fit_tokens=n_fit, low=low)
-            x_probe, probe_tokens = rows.probe.gather(), rows.probe.routed(run)  # (P T, D), e -> its probe rows
         else:
             qd = run_gptq(Wd, box.pop(), group_size, g, layer, run, consume=True, fit_tokens=n_fit)
         del Wd
+        # the probe's MoE inputs (P T, D) and each expert's probe rows: what the low dampening is judged on
+        x_probe, probe_tokens = (probe.gather(), probe.routed(run)) if probe is not None else (None, {})
         layer_held = None
         for j, e in enumerate(run):
             q = _expert_q(qgu, qd, j, I)
