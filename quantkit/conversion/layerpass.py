@@ -177,6 +177,7 @@ def convert_experts(ckpt, pair, decisions, layer: int, rows: StoreRows | None, r
     by_expert, int4 = layer_experts(ckpt, decisions, layer)
     experts = sorted(by_expert)
     method = method if rows is not None else method.data_free()
+    options = method.options(recipe)  # its own settings: all a method reads of the recipe
     counts = rows.counts.tolist() if rows is not None else [0] * (max(experts, default=-1) + 1)
 
     def load(part):  # the experts' source weights, dequantized, on the compute device
@@ -185,7 +186,7 @@ def convert_experts(ckpt, pair, decisions, layer: int, rows: StoreRows | None, r
     done: dict = {}  # expert -> quantized weights, from the ranks' shares of the work
     records: list = []
     if group is not None and group.distributed and rows is not None and int4:
-        done = _quantize_share(group, rows, load, sorted(int4), counts, recipe, group_size, method, layer,
+        done = _quantize_share(group, rows, load, sorted(int4), counts, options, group_size, method, layer,
                                dev, bar, chunk, records, shares, len(experts), ckpt.arch)
 
     for start in range(0, len(experts), chunk):
@@ -198,7 +199,7 @@ def convert_experts(ckpt, pair, decisions, layer: int, rows: StoreRows | None, r
             ew = load([e for e in part if e not in quantized])
         if need:
             bar.update(note=f"layer {layer}: quantizing experts {need[0]}-{need[-1]} of {len(experts)}")
-            q, recs = method.solve(rows, ew, need, recipe, group_size, layer)
+            q, recs = method.solve(rows, ew, need, options, group_size, layer)
             quantized.update(q)
             records += recs
         records += [ExpertRecord(layer, e, counts[e], "reused") for e in part if e not in int4]
@@ -219,7 +220,7 @@ def convert_experts(ckpt, pair, decisions, layer: int, rows: StoreRows | None, r
     return sorted(records, key=lambda r: r.expert)
 
 
-def _quantize_share(group: Group, rows: StoreRows, load, int4: list[int], counts: list[int], recipe: Recipe,
+def _quantize_share(group: Group, rows: StoreRows, load, int4: list[int], counts: list[int], options: Any,
                     group_size: int, method: Method, layer: int, dev, bar, chunk: int, records: list,
                     shares: dict | None, n_experts: int, arch) -> dict:
     """Multi-rank: quantize this rank's part of the layer's INT4 experts (quantkit.runtime.distributed.partition
@@ -238,7 +239,7 @@ def _quantize_share(group: Group, rows: StoreRows, load, int4: list[int], counts
         part = mine[start:start + chunk]
         bar.update(note=f"layer {layer}: quantizing {len(mine)} of {n_experts} experts on rank {group.rank}")
         ew = load(part)
-        q, recs = method.solve(rows, ew, part, recipe, group_size, layer)
+        q, recs = method.solve(rows, ew, part, options, group_size, layer)
         for r in recs:
             r.rank = group.rank
         quantized.update(q)

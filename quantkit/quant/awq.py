@@ -323,7 +323,7 @@ def quantize_experts_awq(
     w: dict[str, torch.Tensor],
     tokens: dict[int, torch.Tensor],
     experts: list[int],
-    recipe,
+    options,
     group_size: int,
     layer: int,
     *,
@@ -335,7 +335,8 @@ def quantize_experts_awq(
 
     x: (N, D) the MoE input of every calibration token (after post_attention_layernorm);
     tokens[e]: indices of the tokens routed to expert e; w: the layer's weights, read only (the
-    router, norm and shared expert are never touched, so routing is unchanged).
+    router, norm and shared expert are never touched, so routing is unchanged); options: the awq and
+    gptq sections as `.awq` and `.gptq` (quantkit.quant.methods.awq.AWQOptions; a recipe has both too).
     Returns ({expert: {proj: QuantizedWeight}}, [ExpertRecord] with method "awq"). The stored up
     and down are the *smoothed* up / s and down * s; dequantized, the expert computes the source's
     function up to INT4 error.
@@ -365,7 +366,7 @@ def quantize_experts_awq(
     GPTQ. ExpertRecord.loss is the final mean squared expert-output error per fit token vs the
     float expert (not GPTQ's units).
     """
-    g, a = recipe.gptq, recipe.awq
+    g, a = options.gptq, options.awq
     records, quantized, inputs, fallback = [], {}, {}, {}
     for e in experts:  # quantkit.quant.experts' one policy: held-out tokens never fitted, starved experts' fallback
         inputs[e], fallback[e] = calibration_inputs(x, tokens[e], g)

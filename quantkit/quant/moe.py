@@ -17,7 +17,7 @@ def quantize_experts_gptq(
     w: dict[str, torch.Tensor],
     tokens: dict[int, torch.Tensor],
     experts: list[int],
-    recipe,
+    g,
     group_size: int,
     layer: int,
 ) -> tuple[dict[int, dict[str, QuantizedWeight]], list[ExpertRecord]]:
@@ -28,12 +28,12 @@ def quantize_experts_gptq(
     and arithmetic; tests/quant/methods/test_gptq.py holds the two equal); this whole-layer form is
     the oracle of that test, and what tests/runtime/test_device.py runs on a fake device.
 
-    x: (N, D) the MoE input of every calibration token; tokens[e]: indices of the tokens routed to e.
+    x: (N, D) the MoE input of every calibration token; tokens[e]: indices of the tokens routed to e;
+    g: the recipe's gptq section.
     Which tokens an expert is fitted on, and what a starved one gets, is quantkit.quant.experts' one
     policy (held-out tokens never enter a Hessian). GPTQ: gate and up share the Hessian of their
     input; down's Hessian comes from the *quantized* gate/up output on the same tokens.
     """
-    g = recipe.gptq
     records, quantized, inputs, fallback = [], {}, {}, {}
     for e in experts:
         inputs[e], fallback[e] = calibration_inputs(x, tokens[e], g)

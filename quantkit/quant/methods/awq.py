@@ -7,6 +7,8 @@ takes GPTQ's probe for gptq.low_dampening too (quantkit.quant.methods.gptq).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pydantic import Field
 
 from quantkit.quant.methods import gptq
@@ -18,6 +20,14 @@ class AWQSettings(Settings):  # method: awq (quantkit.quant.awq)
     duo_scaling: bool = True
 
 
+@dataclass(frozen=True)
+class AWQOptions:
+    """What AWQ runs with: its own section, and GPTQ's for its second step."""
+
+    awq: AWQSettings
+    gptq: gptq.GPTQSettings
+
+
 @register
 class AWQ(Method):
     name, display, help = "awq", "AWQ", "calibrated: activation-aware smoothing, then GPTQ"
@@ -26,11 +36,15 @@ class AWQ(Method):
     cost_note = ("awq: the search gathers the layer's MoE inputs and each expert's routed rows (budgeted); "
                  "time as GPTQ x 1.3")
 
-    def quantize(self, w, experts, recipe, group_size, layer, *, x=None, tokens=None, alternatives=None, probe=False):
+    def options(self, recipe) -> AWQOptions:
+        return AWQOptions(awq=recipe.awq, gptq=recipe.gptq)
+
+    def quantize(self, w, experts, options: AWQOptions, group_size, layer, *, x=None, tokens=None, alternatives=None,
+                 probe=False):
         from quantkit.quant.awq import quantize_experts_awq
 
-        g_low = gptq.low_settings(recipe.gptq) if probe else None  # its GPTQ step at gptq.low_dampening too
-        return quantize_experts_awq(x, w, tokens, experts, recipe, group_size, layer, alternatives=alternatives, g_low=g_low)
+        g_low = gptq.low_settings(options.gptq) if probe else None  # its GPTQ step at gptq.low_dampening too
+        return quantize_experts_awq(x, w, tokens, experts, options, group_size, layer, alternatives=alternatives, g_low=g_low)
 
     def probe_windows(self, recipe) -> int:
         return gptq.probe_windows(recipe)

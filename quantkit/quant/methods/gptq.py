@@ -74,13 +74,17 @@ class GPTQ(Method):
     name, display, help = "gptq", "GPTQ", "calibrated: per-expert Hessians, streamed"
     inputs, section, settings = Inputs.STREAMED, "gptq", GPTQSettings
 
-    def quantize(self, w, experts, recipe, group_size, layer, *, x=None, tokens=None, alternatives=None, probe=False):
+    def options(self, recipe) -> GPTQSettings:
+        return recipe.gptq
+
+    def quantize(self, w, experts, options: GPTQSettings, group_size, layer, *, x=None, tokens=None, alternatives=None,
+                 probe=False):
         from quantkit.quant.moe import quantize_experts_gptq
 
-        return quantize_experts_gptq(x, w, tokens, experts, recipe, group_size, layer)
+        return quantize_experts_gptq(x, w, tokens, experts, options, group_size, layer)
 
-    def solve(self, rows, w, experts, recipe, group_size, layer):
-        return gptq_experts(rows, w, experts, recipe, group_size, layer)
+    def solve(self, rows, w, experts, options: GPTQSettings, group_size, layer):
+        return gptq_experts(rows, w, experts, options, group_size, layer)
 
     def probe_windows(self, recipe) -> int:
         return probe_windows(recipe)
@@ -321,10 +325,11 @@ def _hungry(rows: LayerRows, experts: list[int], g) -> set[int]:
     return {e for e in experts if int(fit_counts[e]) < max(g.min_tokens, 1)}
 
 
-def gptq_experts(rows: LayerRows, ew: dict[str, torch.Tensor], experts: list[int], recipe, group_size: int, layer: int):
+def gptq_experts(rows: LayerRows, ew: dict[str, torch.Tensor], experts: list[int], g: GPTQSettings, group_size: int,
+                 layer: int):
     """GPTQ for a chunk of routed experts from streamed Hessians, with quantkit.quant.experts' policy:
     fit on the non-held-out tokens, starved experts take gptq.fallback, and each expert is kept
-    only if its held-out output error beats RTN's (guard_against_rtn). Same contract as
+    only if its held-out output error beats RTN's (guard_against_rtn); g: the recipe's gptq section. Same contract as
     `GPTQ.quantize` followed by the guard. With probe rows (rows.probe: gptq.low_dampening) each
     expert is also quantized at the low dampening, on the same Hessians (down's from the gate/up at
     gptq.dampening), and the guard admits it by its probe error."""
@@ -341,7 +346,6 @@ def gptq_experts(rows: LayerRows, ew: dict[str, torch.Tensor], experts: list[int
     )
     from quantkit.quant.gptq import QuantizedWeight
 
-    g = recipe.gptq
     counts = rows.counts
     window = rows.seq_len if g.holdout == "window" else 0
     hungry = _hungry(rows, experts, g)

@@ -8,7 +8,8 @@ convert and the other stages need from any method:
   layer gathered whole (AWQ's search);
 * how it solves a chunk of one layer's routed experts: `solve` in convert (from the rows, guarded
   against RTN on held-out rows), `quantize` in its whole-layer form (tensors in, the oracle of the
-  streamed form in the tests);
+  streamed form in the tests); both take its own typed settings (`options`: its recipe section, not
+  the whole recipe);
 * the extra windows it wants run through the quantized layers beside the calibration
   (`probe_windows`: GPTQ's probe for gptq.low_dampening), and what they cost (`probe_cost`);
 * its cost for the planner (quantkit.conversion.cost: `time_factor`, `cost_note`,
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -97,38 +98,44 @@ class Method:
         """Whether it needs calibration data (then convert runs the calibration pass)."""
         return self.inputs is not Inputs.NONE
 
+    def options(self, recipe) -> Any:
+        """Its own typed settings, from a recipe (quantkit.recipe.Recipe): what `solve` and `quantize`
+        take. None for a method without settings."""
+        return None
+
     def data_free(self) -> Method:
         """What it stores where there is no calibration path (an uncalibrated MTP layer): itself
         when it needs no data, else RTN."""
         return self if not self.calibrated else METHODS["rtn"]
 
-    def quantize(self, w: dict[str, torch.Tensor], experts: list[int], recipe, group_size: int, layer: int, *,
+    def quantize(self, w: dict[str, torch.Tensor], experts: list[int], options: Any, group_size: int, layer: int, *,
                  x: torch.Tensor | None = None, tokens: dict[int, torch.Tensor] | None = None,
                  alternatives: dict | None = None, probe: bool = False) -> tuple[dict[int, dict[str, QuantizedWeight]], list[ExpertRecord]]:
         """({expert: {proj: QuantizedWeight}}, [ExpertRecord]) for `experts` of one layer, the whole-layer form.
 
-        w: the layer's expert weights (mlp.experts.{e}.{proj}.weight), read only. A calibrated
+        w: the layer's expert weights (mlp.experts.{e}.{proj}.weight), read only; options: its own
+        settings (`options`). A calibrated
         method also takes x (N, D), the layer's MoE inputs held whole, and tokens[e], the indices of
         the tokens routed to e. `alternatives`, when a dict, receives other candidates per expert for
         the held-out guard; with probe=True (probe windows are there: `probe_windows`) also those the
         guard judges on the probe first, named quantkit.quant.experts.LOW."""
         raise NotImplementedError
 
-    def solve(self, rows: LayerRows | None, w: dict[str, torch.Tensor], experts: list[int], recipe, group_size: int,
+    def solve(self, rows: LayerRows | None, w: dict[str, torch.Tensor], experts: list[int], options: Any, group_size: int,
               layer: int) -> tuple[dict[int, dict[str, QuantizedWeight]], list[ExpertRecord]]:
         """convert's form: `experts` of one layer (their source weights in `w`) from the layer's
         calibration rows (None for a data-free method), every calibrated expert guarded against RTN
         on rows it was not fitted on (quantkit.quant.experts). This default gathers the rows
         (Inputs.LAYER, budgeted by the planner) and runs the whole-layer `quantize`."""
         if rows is None:
-            return self.quantize(w, experts, recipe, group_size, layer)
+            return self.quantize(w, experts, options, group_size, layer)
         from quantkit.quant.experts import guard_experts
 
         x = rows.gather()  # (N T, D)
         tokens = rows.routed(experts)
         alternatives: dict = {}
         probe = rows.probe
-        quantized, records = self.quantize(w, experts, recipe, group_size, layer, x=x, tokens=tokens,
+        quantized, records = self.quantize(w, experts, options, group_size, layer, x=x, tokens=tokens,
                                            alternatives=alternatives, probe=probe is not None)
         guard_experts(records, quantized, x, tokens, w, group_size, alternatives,
                       (probe.gather(), probe.routed(experts)) if probe is not None else None)
@@ -200,5 +207,5 @@ def quantize_experts(x: torch.Tensor, w: dict[str, torch.Tensor], tokens: dict[i
     """`method`'s whole-layer form for the given routed experts of one layer (`Method.quantize`), from
     the layer's MoE inputs held whole: the oracle of convert's streamed GPTQ
     (tests/quant/methods/test_gptq.py) and what tests/runtime/test_device.py runs on a fake device."""
-    return method_for(method).quantize(w, experts, recipe, group_size, layer, x=x, tokens=tokens,
-                                       alternatives=alternatives)
+    m = method_for(method)
+    return m.quantize(w, experts, m.options(recipe), group_size, layer, x=x, tokens=tokens, alternatives=alternatives)

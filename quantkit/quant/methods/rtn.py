@@ -14,7 +14,7 @@ class RTN(Method):
     name, display, help = "rtn", "RTN", "data-free baseline: round to nearest, min-max group scales"
     inputs = Inputs.NONE
 
-    def quantize(self, w, experts, recipe, group_size, layer, *, x=None, tokens=None, alternatives=None, probe=False):
+    def quantize(self, w, experts, options, group_size, layer, *, x=None, tokens=None, alternatives=None, probe=False):
         from quantkit.quant.experts import ExpertRecord, rtn_expert
 
         return ({e: rtn_expert(w, e, group_size) for e in experts},

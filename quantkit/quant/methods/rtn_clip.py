@@ -23,11 +23,15 @@ class RTNClip(Method):
     inputs, section, settings = Inputs.NONE, "rtn_clip", RTNClipSettings
     flops_per_weight = 20.0 * 20  # RTN's work for each of the search's candidate ranges (grid x max_shrink)
 
-    def quantize(self, w, experts, recipe, group_size, layer, *, x=None, tokens=None, alternatives=None, probe=False):
+    def options(self, recipe) -> RTNClipSettings:
+        return recipe.rtn_clip
+
+    def quantize(self, w, experts, options: RTNClipSettings, group_size, layer, *, x=None, tokens=None, alternatives=None,
+                 probe=False):
         from quantkit.quant.experts import PROJS, ExpertRecord, expert_weights
         from quantkit.quant.gptq import quantize_rtn_clip
 
-        c = recipe.rtn_clip
+        c = options
         return ({e: {p: quantize_rtn_clip(t, group_size, grid=c.grid, max_shrink=c.max_shrink, norm=c.norm)
                      for p, t in zip(PROJS, expert_weights(w, e))} for e in experts},
                 [ExpertRecord(layer, e, len(tokens[e]) if tokens is not None else 0, self.name) for e in experts])

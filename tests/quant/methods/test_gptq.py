@@ -52,7 +52,7 @@ def test_streamed_gptq_equals_whole_layer_gptq(micro_batch, width_prior):
     rec.gptq.width_prior = width_prior  # the thin-calibration prior: the same fit-token counts on both paths
     rows = _streamed(x, idx, weight, N, T, micro_batch)
     experts = list(range(E))
-    q_s, rec_s = METHODS["gptq"].solve(rows, w, experts, rec, 32, 1)  # what convert runs
+    q_s, rec_s = METHODS["gptq"].solve(rows, w, experts, rec.gptq, 32, 1)  # what convert runs
 
     tokens = {e: (idx == e).any(-1).nonzero(as_tuple=True)[0] for e in experts}
     q_m, rec_m = quantize_experts(x, w, tokens, experts, rec, 32, "gptq", 1)
@@ -143,7 +143,7 @@ def test_window_holdout_fits_on_other_windows_and_judges_on_whole_windows(micro_
     rec = load_recipe("tiny-glm-5.2")
     rec.gptq.holdout = "window"
     w = _layer()[0]
-    _, recs = gptq_experts(rows, w, [0, 1, 2], rec, 32, layer=1)
+    _, recs = gptq_experts(rows, w, [0, 1, 2], rec.gptq, 32, layer=1)
     assert [r.heldout for r in recs] == [int(((idx == e).any(-1) & out).sum()) for e in (0, 1, 2)]
 
 
