@@ -130,7 +130,11 @@ class ActivationStore:
         self.x: TokenArray | None = None
 
     def _array(self, name: str) -> TokenArray:
-        path = self.folder / f"{self.tag}{name}.work" if self.plan.backing == "disk" else None
+        path = None
+        if self.plan.backing == "disk":
+            if self.folder is None:
+                raise ValueError("a disk-backed activation store needs a folder for its files")
+            path = self.folder / f"{self.tag}{name}.work"
         device = self.compute if self.plan.location == "device" else torch.device("cpu")
         return TokenArray(self.shape, self.plan.dtype, self.plan.backing, device, self.compute, path)
 
@@ -143,6 +147,12 @@ class ActivationStore:
     def open_x(self) -> TokenArray:
         if self.x is None:
             self.x = self._array("x")
+        return self.x
+
+    def moe_inputs(self) -> TokenArray:
+        """x, which the MoE layer's attention pass opened (`open_x`)."""
+        if self.x is None:
+            raise RuntimeError("the activation store holds no MoE inputs: the layer's attention pass opens them")
         return self.x
 
     def close_x(self) -> None:
@@ -212,11 +222,12 @@ class StoreRows:
         D = self.store.shape[-1]
         for i, sl in enumerate(self.store.slices()):
             idx_b, wt_b = self.routing.batch(i)
-            yield Batch(self.routing.starts[i], self.store.x.read(sl).reshape(-1, D), idx_b, wt_b)
+            yield Batch(self.routing.starts[i], self.store.moe_inputs().read(sl).reshape(-1, D), idx_b, wt_b)
 
     def gather(self) -> torch.Tensor:
         D = self.store.shape[-1]
-        return torch.cat([self.store.x.read(sl).reshape(-1, D) for sl in self.store.slices()])
+        x = self.store.moe_inputs()
+        return torch.cat([x.read(sl).reshape(-1, D) for sl in self.store.slices()])
 
     def routed(self, experts: list[int]) -> dict[int, torch.Tensor]:
         idx = self.routing.idx

@@ -81,7 +81,7 @@ def attention_pass(store: ActivationStore, w: dict, ctx, layer: int, topks: list
                 fresh = torch.empty((store.shape[0], *ctx.topk.shape[1:]), dtype=ctx.topk.dtype, device=ctx.topk.device)
             topks[i] = fresh[sl].copy_(ctx.topk)
         xb = rms_norm(hb, w["post_attention_layernorm.weight"], eps)
-        if moe:
+        if x_arr is not None:  # a MoE layer
             x_arr.write(sl, xb)
             ti, tw = route(xb.reshape(-1, xb.shape[-1]), w, a)  # (B*T, k)
             rows = slice(sl.start * store.shape[1], sl.stop * store.shape[1])
@@ -94,7 +94,7 @@ def attention_pass(store: ActivationStore, w: dict, ctx, layer: int, topks: list
         store.h.write(sl, hb)
         del hb, xb
     split = group is not None and group.distributed
-    if split:  # the other ranks' micro-batches arrive as their own tensors
+    if group is not None and group.distributed:  # the other ranks' micro-batches arrive as their own tensors
         _share_attention(group, store, ctx, layer, topks, idx, wt, moe)
     if not moe:
         return None
@@ -133,7 +133,7 @@ def _passes(store: ActivationStore, routing: LayerRouting, group: Group | None =
         if group is not None and not group.owns_batch(i):
             continue
         idx_b, wt_b = routing.batch(i)
-        yield i, sl, store.x.read(sl).reshape(-1, D), idx_b, wt_b
+        yield i, sl, store.moe_inputs().read(sl).reshape(-1, D), idx_b, wt_b
 
 
 def add_expert_outputs(store: ActivationStore, routing: LayerRouting, weights: dict[int, tuple], group: Group | None = None) -> None:
