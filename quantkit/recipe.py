@@ -18,14 +18,15 @@ import difflib
 import math
 import re
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, create_model, field_validator, model_validator
 
 from quantkit.errors import ConfigError
-from quantkit.quant.methods import METHODS, Settings, unknown_method
+from quantkit.quant.methods import METHODS, Method, Settings, unknown_method
 
 __all__ = ["Recipe", "load_recipe", "recipe_file", "default_recipe", "recipe_overrides", "resolve_recipe", "recipe_dirs", "available_recipes"]
 
@@ -185,7 +186,11 @@ with warnings.catch_warnings():
         name: str = Field(min_length=1)
         method: str = "gptq"  # a registered method (quantkit.quant.methods.METHODS)
         group_size: Literal[32, 64, 128] = 128  # Marlin MoE kernels accept these
-        calibration: Calibration = Field(default_factory=Calibration)
+        calibration: Calibration = Field(default_factory=Calibration)  # type: ignore[arg-type]  # pydantic's stub
+        if TYPE_CHECKING:  # the phases' sections, declared after the methods' in `Recipe` below (the YAML's order)
+            prefill: PrefillSettings
+            decode: DecodeSettings
+            validate: ValidateSettings  # type: ignore[assignment]  # the field, not BaseModel's deprecated classmethod
 
         @field_validator("method")
         @classmethod
@@ -195,7 +200,7 @@ with warnings.catch_warnings():
             return name
 
         @model_validator(mode="after")
-        def _consistent(self) -> "Recipe":
+        def _consistent(self) -> _RecipeBase:
             problems = self.calibration.problems()
             sources = [] if problems else self.calibration.sources()
             if METHODS[self.method].calibrated and not (sources or problems):
@@ -216,14 +221,30 @@ with warnings.catch_warnings():
             """Plain dict with YAML field names (for reports and round trips)."""
             return self.model_dump()
 
-    # The methods' sections come from the registry (each method declares its own, quantkit.quant.methods):
-    # a new method adds its section without touching this file. Field order is the YAML's.
-    _sections = {m.section: m.settings for m in METHODS.values() if m.settings is not None}
-    Recipe = create_model("Recipe", __base__=_RecipeBase, **{k: (v, Field(default_factory=v)) for k, v in _sections.items()},
-                          prefill=(PrefillSettings, Field(default_factory=PrefillSettings)),
-                          decode=(DecodeSettings, Field(default_factory=DecodeSettings)),
-                          validate=(ValidateSettings, Field(default_factory=ValidateSettings)))
-    Recipe.__doc__ = "A validated recipe: the sections above, each method's own (quantkit.quant.methods), and the phases'."
+        @property
+        def resolved_method(self) -> Method:
+            """The registered method `method` names: the object every stage asks (quantkit.quant.methods).
+            The field's validator refused any other name, so this lookup cannot miss."""
+            return METHODS[self.method]
+
+    if TYPE_CHECKING:
+        class Recipe(_RecipeBase):
+            """What a type checker sees of the Recipe built below: every field but the methods' own
+            sections, which only their method reads (quantkit.quant.methods, below this module in the
+            layers, where a recipe is untyped), reached here as Any."""
+
+            def __getattr__(self, section: str) -> Any: ...
+    else:
+        # The methods' sections come from the registry (each method declares its own, quantkit.quant.methods):
+        # a new method adds its section without touching this file. Field order is the YAML's.
+        _sections = {m.section: m.settings for m in METHODS.values() if m.settings is not None}
+        Recipe = create_model("Recipe", __base__=_RecipeBase,
+                              **{k: (v, Field(default_factory=v)) for k, v in _sections.items()},
+                              prefill=(PrefillSettings, Field(default_factory=PrefillSettings)),
+                              decode=(DecodeSettings, Field(default_factory=DecodeSettings)),
+                              validate=(ValidateSettings, Field(default_factory=ValidateSettings)))
+        Recipe.__doc__ = ("A validated recipe: the sections above, each method's own (quantkit.quant.methods), "
+                          "and the phases'.")
 
 
 def _same_data(spec: str | None) -> str | None:
@@ -360,7 +381,7 @@ def _validate(data: dict, where: str, options: dict[tuple, str] | None = None) -
         raise ConfigError("\n".join(lines)) from None
 
 
-def _describe(err: dict, where: str, options: dict[tuple, str]) -> list[str]:
+def _describe(err: Mapping[str, Any], where: str, options: dict[tuple, str]) -> list[str]:
     """One line per problem: `<file>: <field path>: <what is wrong>; <fix>`."""
     loc = tuple(err["loc"])
     field = options.get(loc) or _field_name(loc)

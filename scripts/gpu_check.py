@@ -176,9 +176,10 @@ class PhaseTimer:
 # the layout before the conversion/validation split (quantkit 0.1, 2026-11) did.
 CONVERT_PHASES = {
     "attention": ["quantkit.conversion.stages:attention_pass", "quantkit.conversion.pipeline:attention_pass"],
-    "hessians": ["quantkit.conversion.layerpass:expert_hessians"],
-    "gptq": ["quantkit.conversion.layerpass:run_gptq"],
-    "guard": ["quantkit.quant.experts:guard_against_rtn"],  # imported inside layerpass.gptq_experts at each call
+    "hessians": ["quantkit.quant.methods.gptq:expert_hessians", "quantkit.conversion.layerpass:expert_hessians"],
+    # imported inside quant.methods.gptq.gptq_experts at each call (before: by name into conversion.layerpass)
+    "gptq": ["quantkit.quant.experts:run_gptq", "quantkit.conversion.layerpass:run_gptq"],
+    "guard": ["quantkit.quant.experts:guard_against_rtn"],  # imported inside quant.methods.gptq.gptq_experts at each call
     "experts_out": ["quantkit.conversion.layerpass:add_expert_outputs"],
     "fp8": ["quantkit.formats.fp8:quantize"],
     "pack": ["quantkit.formats.int4:store"],

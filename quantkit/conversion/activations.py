@@ -24,11 +24,14 @@ mantissa between layers (docs/benchmarks.md measures the KL this costs on the ti
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from quantkit.quant.rows import Batch
 
 STORE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # numpy has no bfloat16: its bits are kept as uint16 and viewed back by torch
@@ -127,7 +130,11 @@ class ActivationStore:
         self.x: TokenArray | None = None
 
     def _array(self, name: str) -> TokenArray:
-        path = self.folder / f"{self.tag}{name}.work" if self.plan.backing == "disk" else None
+        path = None
+        if self.plan.backing == "disk":
+            if self.folder is None:
+                raise ValueError("a disk-backed activation store needs a folder for its files")
+            path = self.folder / f"{self.tag}{name}.work"
         device = self.compute if self.plan.location == "device" else torch.device("cpu")
         return TokenArray(self.shape, self.plan.dtype, self.plan.backing, device, self.compute, path)
 
@@ -142,6 +149,12 @@ class ActivationStore:
             self.x = self._array("x")
         return self.x
 
+    def moe_inputs(self) -> TokenArray:
+        """x, which the MoE layer's attention pass opened (`open_x`)."""
+        if self.x is None:
+            raise RuntimeError("the activation store holds no MoE inputs: the layer's attention pass opens them")
+        return self.x
+
     def close_x(self) -> None:
         if self.x is not None:
             self.x.close()
@@ -154,3 +167,68 @@ class ActivationStore:
     @property
     def tokens(self) -> int:
         return self.shape[0] * self.shape[1]
+
+
+class LayerRouting:
+    """Top-k expert ids (int16) and weights (float32) of every calibration token, (N*T, k)."""
+
+    def __init__(self, idx: list[torch.Tensor], weight: list[torch.Tensor], tokens_per_batch: list[int], n_experts: int):
+        self.idx = idx[0] if len(idx) == 1 else torch.cat(idx)  # one list entry: the layer's whole buffer, no copy
+        self.weight = weight[0] if len(weight) == 1 else torch.cat(weight)
+        self.starts = [0]
+        for n in tokens_per_batch:
+            self.starts.append(self.starts[-1] + n)
+        flat = self.idx.flatten().long()  # counts without a data-dependent shape (bincount's is)
+        self.counts = torch.zeros(n_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+    def batch(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = self.starts[i], self.starts[i + 1]
+        return self.idx[a:b], self.weight[a:b]
+
+
+class StoreRows:
+    """A MoE layer's calibration rows as a method sees them (a quantkit.quant.rows.LayerRows): the
+    store's x and the layer's routing, and the probe windows' (their own store and routing) when
+    the method asked for them. Reads only; the layer pass owns both."""
+
+    def __init__(self, store: ActivationStore, routing: LayerRouting, probe: StoreRows | None = None):
+        self.store, self.routing, self._probe = store, routing, probe
+
+    @property
+    def tokens(self) -> int:
+        return self.routing.starts[-1]
+
+    @property
+    def seq_len(self) -> int:
+        return self.store.shape[1]
+
+    @property
+    def idx(self) -> torch.Tensor:
+        return self.routing.idx
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.routing.weight
+
+    @property
+    def counts(self) -> torch.Tensor:
+        return self.routing.counts
+
+    @property
+    def probe(self) -> StoreRows | None:
+        return self._probe
+
+    def batches(self) -> Iterator[Batch]:
+        D = self.store.shape[-1]
+        for i, sl in enumerate(self.store.slices()):
+            idx_b, wt_b = self.routing.batch(i)
+            yield Batch(self.routing.starts[i], self.store.moe_inputs().read(sl).reshape(-1, D), idx_b, wt_b)
+
+    def gather(self) -> torch.Tensor:
+        D = self.store.shape[-1]
+        x = self.store.moe_inputs()
+        return torch.cat([x.read(sl).reshape(-1, D) for sl in self.store.slices()])
+
+    def routed(self, experts: list[int]) -> dict[int, torch.Tensor]:
+        idx = self.routing.idx
+        return {e: (idx == e).any(-1).nonzero(as_tuple=True)[0] for e in experts}

@@ -100,14 +100,14 @@ from quantkit.planner.budgets import (
     validate_exchange,
     validate_room,
 )
-from quantkit.quant.experts import HOLDOUT
-from quantkit.quant.methods import Inputs, method_for
+from quantkit.quant.methods import Inputs
 from quantkit.runtime.machine import available_host_memory, peak_rss  # noqa: F401
 from quantkit.runtime.units import GB, GiB
 
 if TYPE_CHECKING:
     from quantkit.checkpoint.reader import Checkpoint
     from quantkit.model.arch import ModelArch
+    from quantkit.quant.methods import Method
     from quantkit.recipe import Recipe
 
 
@@ -159,7 +159,7 @@ class ConvertCost:
     fits: bool = True
     reason: str = ""
     nproc: int = 1  # ranks (quantkit.runtime.distributed); memory and time are per rank, all ranks in parallel
-    probe: int = 0  # gptq.low_dampening's probe windows (probe_windows), counted in tokens
+    probe: int = 0  # the method's probe windows (Method.probe_windows), counted in tokens
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -325,7 +325,7 @@ class _Memory:
         return self.w_moe + C * self.per_expert + _expert_mb_bytes(x, B, self.T) + gathered
 
 
-def _memory_terms(x: LayerShapes, *, method: str, group_size: int, calibrate: bool, N: int, T: int, on_gpu: bool,
+def _memory_terms(x: LayerShapes, *, method: Method, group_size: int, calibrate: bool, N: int, T: int, on_gpu: bool,
                   host: int, gpu_mem: int | None, output_bytes: tuple[int, int], max_shard_bytes: int, quantized: float,
                   nproc: int) -> _Memory:
     tokens = N * T
@@ -341,9 +341,9 @@ def _memory_terms(x: LayerShapes, *, method: str, group_size: int, calibrate: bo
     # from the exchange to the end of the h update; taken from the room before the chunk is sized
     # (an expert's GPTQ bytes do not depend on its chunk, so the output stays the single-process one)
     E4 = round(quantized * x.experts)
-    shared_work = nproc > 1 and calibrate and method_for(method).calibrated and E4 > 0
+    shared_work = nproc > 1 and calibrate and method.calibrated and E4 > 0
     received = E4 * 3 * x.expert_width * x.hidden * (1 + 2 / group_size) if shared_work else 0
-    awq = calibrate and method_for(method).inputs is Inputs.LAYER  # the search's gathered inputs (AWQ)
+    awq = calibrate and method.inputs is Inputs.LAYER  # the method gathers the layer's inputs (AWQ's search)
     return _Memory(
         x=x, calibrate=calibrate, awq=awq, T=T, tokens=tokens, on_gpu=on_gpu, host=host, budget=budget,
         chunk_max=CHUNK_MAX_GPU if on_gpu else CHUNK_MAX, w_dense=x.dense_layer_params * F32,
@@ -446,8 +446,8 @@ def _memory_table(m: _Memory, B: int, C: int, location: str, store_b: int) -> tu
               "attention": _attention_bytes(m.x, B, m.T) if m.calibrate else 0,
               "experts": m.experts_phase(B, C) - m.w_moe, "work": work, "received": int(m.received)}
     if m.on_gpu:
-        peak_device = (store_b if location == "device" else 0) + m.routing + work + m.received
-        peak_host = m.host_fixed + (store_b if location == "host" else 0) + m.transient
+        peak_device: float | None = (store_b if location == "device" else 0) + m.routing + work + m.received
+        peak_host: float = m.host_fixed + (store_b if location == "host" else 0) + m.transient
     else:
         peak_device = None
         peak_host = m.host_fixed + store_b + m.routing + work + m.received
@@ -488,27 +488,27 @@ def _device_rates(on_gpu: bool, gpu: str | None, rates: dict[str, float]) -> _Ra
                   link=NVLINK_BYTES if on_gpu else GLOO_BYTES)
 
 
-def _phase_seconds(m: _Memory, r: _Rates, *, method: str, C: int, source_bytes: int, output_bytes: tuple[int, int],
-                   quantized: float, nproc: int, probe: bool = False) -> dict[str, float]:
+def _phase_seconds(m: _Memory, r: _Rates, *, method: Method, C: int, source_bytes: int, output_bytes: tuple[int, int],
+                   quantized: float, nproc: int, probe_work: float = 1.0) -> dict[str, float]:
     """Seconds per phase of one rank's run, before the split by micro-batches and the disk overlap.
-    probe (gptq.low_dampening): every expert quantized at two dampenings in one batched call, so
-    GPTQ's arithmetic twice and its launches once."""
+    probe_work: the quantizing arithmetic's multiple with the method's probe (ProbeCost.work: GPTQ at
+    two dampenings in one batched call, so its arithmetic twice and its launches once)."""
     x, tokens, T = m.x, m.tokens, m.T
     D, I = x.hidden, x.expert_width
     L, Lm = x.calibrated_layers, x.calibrated_moe_layers  # the calibration pass: every main layer and the first MTP
     attn_flops = tokens * (2 * x.attn_params + 2 * 2 * x.heads * T * (x.qk_head + x.v_head)) * L
     attn_flops += tokens * 2 * 3 * D * (x.dense_width * (L - Lm) + x.shared_width * Lm)  # dense MLP / shared expert
     routed = tokens * x.topk  # token-expert pairs per MoE layer
-    gptq_on = m.calibrate and method_for(method).calibrated
+    gptq_on = m.calibrate and method.calibrated
     # the experts that get Hessians and GPTQ (not the reused source INT4 ones), this rank's part of them
     share = quantized / (nproc if m.shared_work else 1)
     per_token_hess, per_expert_gptq = expert_flops(D, I)
     hess_flops = share * routed * per_token_hess * Lm if gptq_on else 0
     out_flops = routed * 2 * 3 * I * D * Lm if m.calibrate else 0
-    gptq_flops = share * x.experts * Lm * per_expert_gptq * (2 if probe else 1) if gptq_on else 0
+    gptq_flops = share * x.experts * Lm * per_expert_gptq * probe_work if gptq_on else 0
     chunks = Lm * math.ceil(share * x.experts / C)
     gptq_launch = chunks * (D + I) * LAUNCHES_PER_COLUMN * r.launch if gptq_on else 0.0
-    data_free = method_for(method).data_free().flops_per_weight  # its data-free form's experts (MTP, or all)
+    data_free = method.data_free().flops_per_weight  # its data-free form's experts (MTP, or all)
     rtn_flops = x.experts * (x.moe_layers - (Lm if gptq_on else 0)) * 3 * I * D * data_free
     return {
         "read": source_bytes / r.disk,
@@ -592,7 +592,7 @@ def _validate_estimate(arch, m: _Memory, r: _Rates, validate, *, device: str, gp
     vflops = vt * 2 * (x.attn_params + 3 * x.topk * x.expert_width * x.hidden / nproc) * x.layers * streams
     seconds = (three + (passes - 1) * again) / r.disk + vflops / r.flops
     seconds += x.calibrated_moe_layers * exchange * (nproc - 1) / nproc / r.link
-    notes = []
+    notes: list[str] = []
     long_s = _long_context_seconds(arch, x, validate, again, r, notes)
     seconds += long_s
     if validate.gen_tokens and again:
@@ -629,7 +629,7 @@ def _long_context_seconds(arch, x, validate, again: int, r: _Rates, notes: list[
 def plan_convert(
     arch,
     *,
-    method: str,
+    method: Method,
     group_size: int,
     num_samples: int,
     seq_len: int,
@@ -651,8 +651,10 @@ def plan_convert(
 ) -> ConvertCost:
     """Settings and predicted cost of converting `arch` (see the module docstring for the terms).
 
-    probe: gptq.low_dampening's probe windows (probe_windows, below): stored and
-    run through every layer like calibration windows, and every expert quantized a second time.
+    method: the registered method (quantkit.quant.methods: its inputs, cost terms and probe cost).
+    probe: the method's probe windows (Method.probe_windows; GPTQ's for gptq.low_dampening): stored and
+    run through every layer like calibration windows, never fitted on; what else they cost is the
+    method's (Method.probe_cost: GPTQ quantizes every expert a second time).
 
     quantized: the fraction of the calibrated layers' routed experts that decode stores as new INT4
     (Hessians and GPTQ run only for those; 0 when every expert is the source's reused INT4).
@@ -676,10 +678,11 @@ def plan_convert(
     m = _memory_terms(x, method=method, group_size=group_size, calibrate=calibrate, N=N, T=T, on_gpu=on_gpu, host=host,
                       gpu_mem=gpu_mem, output_bytes=output_bytes, max_shard_bytes=max_shard_bytes, quantized=quantized,
                       nproc=nproc)
-    if calibrate and probe:  # GPTQ at both dampenings in one call: W and H stacked twice (gate/up's and down's)
-        m.per_expert += (x.hidden * x.hidden + x.expert_width * x.expert_width + 3 * x.expert_width * x.hidden) * F32
-        if not on_gpu:  # on the CPU batching buys no launches: half the chunk, one chunk's usual GPTQ work space
-            m.chunk_max = max(1, m.chunk_max // 2)
+    probed = method.probe_cost(probe, x.hidden, x.expert_width) if calibrate and probe else None
+    if probed is not None:  # what the method's probe adds per expert of a chunk (GPTQ: W and H stacked twice)
+        m.per_expert += probed.expert_bytes
+        if not on_gpu:  # on the CPU batching buys no launches (GPTQ: half the chunk, its usual work space)
+            m.chunk_max = max(1, int(m.chunk_max * probed.cpu_chunk))
 
     B, choice = _choose_settings(m, N, activation_dtype)
     fits, reason = True, ""
@@ -704,17 +707,15 @@ def plan_convert(
 
     r = _device_rates(on_gpu, gpu, rates)
     seconds = _phase_seconds(m, r, method=method, C=C, source_bytes=source_bytes, output_bytes=output_bytes,
-                             quantized=quantized, nproc=nproc, probe=bool(probe))
-    quantizer = method_for(method)
-    if probe and calibrate:  # the probe's tokens run attention and the expert outputs, but enter no Hessian
+                             quantized=quantized, nproc=nproc, probe_work=probed.work if probed is not None else 1.0)
+    if probe and calibrate:  # the probe's tokens run attention and the expert outputs, but are never fitted on
         seconds["hessians"] *= num_samples / (num_samples + probe)
-    if quantizer.calibrated and calibrate:
-        seconds["gptq"] *= quantizer.time_factor  # e.g. AWQ's scale search on top of GPTQ
-        if quantizer.cost_note:
-            notes.append(quantizer.cost_note)
-        if probe:
-            notes.append(f"gptq.low_dampening: {probe} probe windows run beside the calibration's (no Hessian), and "
-                         "every expert quantized at both dampenings in one batched call (GPTQ's arithmetic x 2)")
+    if method.calibrated and calibrate:
+        seconds["gptq"] *= method.time_factor  # e.g. AWQ's scale search on top of GPTQ
+        if method.cost_note:
+            notes.append(method.cost_note)
+        if probed is not None:
+            notes.append(probed.note)
     if calibrate and arch.num_mtp_layers:
         notes.append(f"mtp: the first MTP layer is calibrated on the last main layer's h and the next tokens' embeddings; "
                      f"for that layer the embedding table ({_sz(arch.vocab_size * arch.hidden_size * 2)} BF16) "
@@ -811,28 +812,14 @@ def plan_convert_for(
                          seq_len=seq_len)
     source_bytes, out, expert_bytes, quantized = _preset_sizes(model, arch, rec) if ckpt is None else _checkpoint_sizes(ckpt, rec)
     calibrate = needs_calibration(rec)  # as convert: the KV scales need the pass even when experts are reused
-    return plan_convert(arch, method=rec.method, group_size=rec.group_size, num_samples=rec.calibration.windows(),
+    quantizer = rec.resolved_method
+    return plan_convert(arch, method=quantizer, group_size=rec.group_size, num_samples=rec.calibration.windows(),
                         seq_len=rec.calibration.seq_len, calibrate=calibrate, device="cpu" if gpu == "cpu" else "cuda",
                         gpu=None if gpu == "cpu" else gpu, max_host_memory=max_host_memory,
                         max_gpu_memory=max_gpu_memory, source_bytes=source_bytes, output_bytes=out,
                         validate=rec.validate if validate else None, quantized=quantized, nproc=nproc,
-                        probe=probe_windows(rec) if calibrate and quantized else 0,
+                        probe=quantizer.probe_windows(rec) if calibrate and quantized else 0,
                         expert_bytes=expert_bytes, rates=rates)
-
-
-PROBE_TOKENS = 32768  # at most this many probe tokens: ~1000 per expert at full scale (top-8 of 256)
-
-
-def probe_windows(rec: Recipe) -> int:
-    """The probe windows a run makes (quantkit.conversion.stages.Calibration.probe): with
-    gptq.low_dampening set and a calibrated method, as many as the held-out share of the
-    calibration windows (one in HOLDOUT), at least one, and no more than PROBE_TOKENS tokens' worth
-    (judging needs tokens per expert, not a share of the calibration: at 512 x 2048 that is 16
-    windows, 3% more attention work rather than 12%); else 0."""
-    if getattr(rec.gptq, "low_dampening", None) is None or not method_for(rec.method).calibrated:
-        return 0
-    c = rec.calibration
-    return max(1, min(-(-c.windows() // HOLDOUT), PROBE_TOKENS // c.seq_len))
 
 
 def quantized_fraction(ckpt, decisions) -> float:

@@ -7,7 +7,7 @@ layer); the steps read them from one object instead of a dozen arguments each.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,14 +20,15 @@ from quantkit.conversion.resume import State
 if TYPE_CHECKING:
     from quantkit.conversion.cost import ConvertCost
     from quantkit.model.arch import ModelArch
+    from quantkit.quant.methods import Method
     from quantkit.recipe import Recipe
     from quantkit.runtime.distributed import Group
 
 
 @dataclass
 class Job:
-    """The source and every tensor's decision, the recipe, where the work runs (device, ranks),
-    the plan (set once quantkit.conversion.cost has sized the run), and the progress."""
+    """The source and every tensor's decision, the recipe and its method, where the work runs (device,
+    ranks), the plan (set once quantkit.conversion.cost has sized the run), and the progress."""
 
     ckpt: Checkpoint
     rec: Recipe  # overrides applied
@@ -38,6 +39,10 @@ class Job:
     state: State
     state_dir: Path
     cost: ConvertCost | None = None  # set by the pipeline once quantkit.conversion.cost has sized the run
+    method: Method = field(init=False)  # the recipe's method, resolved once: every stage asks this object
+
+    def __post_init__(self) -> None:
+        self.method = self.rec.resolved_method
 
     @property
     def arch(self) -> ModelArch:

@@ -60,8 +60,9 @@ class PairWriter:
             return {"weight": self.ckpt.get(name, torch.bfloat16)}
         raise ValueError(action)
 
-    def write_shared(self, name: str, d: Decision) -> torch.Tensor | None:
-        """A tensor both outputs hold identically; returns its dequantized value for compute."""
+    def write_shared(self, name: str, d: Decision) -> dict[str, torch.Tensor]:
+        """A tensor both outputs hold identically; returns its stored parts (`compute_weight` makes them
+        the value compute runs with)."""
         base = name.rpartition(".")[0] + "." if name.endswith(".weight") else None
         if d.decode != d.prefill and stored_as(d.decode, self.ckpt.tensors[name]) != stored_as(d.prefill, self.ckpt.tensors[name]):
             # decode.rest: bf16: each output its own bytes; the decode model's are what calibration computes with

@@ -38,7 +38,6 @@ import torch
 from quantkit.checkpoint.finish import finish_pair, journal
 from quantkit.checkpoint.reader import Checkpoint
 from quantkit.checkpoint.unfinished import record_command
-from quantkit.conversion.cost import probe_windows
 from quantkit.conversion.job import Job
 from quantkit.conversion.outputs import (
     PairWriter,
@@ -407,14 +406,14 @@ def _plan(job: Job, calibrate: bool, progress: bool, *, validate: bool, max_host
     from quantkit.conversion.cost import plan_convert, quantized_fraction  # looked up per run: tests replace it
 
     ckpt, rec, decisions = job.ckpt, job.rec, job.decisions
-    cost = plan_convert(ckpt.arch, method=rec.method, group_size=job.G, num_samples=rec.calibration.windows(),
+    cost = plan_convert(ckpt.arch, method=job.method, group_size=job.G, num_samples=rec.calibration.windows(),
                         seq_len=rec.calibration.seq_len, calibrate=calibrate, device=job.dev.type,
                         max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory,
                         source_bytes=sum(ckpt.storage_bytes(n) for n in ckpt.tensors),
                         output_bytes=predicted_bytes(ckpt, decisions, job.G), max_shard_bytes=max_shard_bytes,
                         validate=rec.validate if validate else None, activation_dtype=activation_dtype,
                         quantized=quantized_fraction(ckpt, decisions), nproc=job.group.world,
-                        probe=probe_windows(rec) if calibrate and quantized_fraction(ckpt, decisions) else 0)
+                        probe=job.method.probe_windows(rec) if calibrate and quantized_fraction(ckpt, decisions) else 0)
     if mb := os.environ.get("QUANTKIT_MICRO_BATCH"):
         # debug knob: fewer samples per micro-batch than the budget allows, so that a small test run has
         # several micro-batches (the ranks' token split, docs/distributed.md); changes the float sums' order

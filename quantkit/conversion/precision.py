@@ -31,7 +31,6 @@ from quantkit.errors import ConfigError
 from quantkit.formats import fp8, int4
 from quantkit.model.arch import ModelArch
 from quantkit.model.tensors import TensorClass
-from quantkit.quant.methods import method_for
 
 if TYPE_CHECKING:
     from quantkit.recipe import Recipe
@@ -344,4 +343,4 @@ def needs_calibration(rec: Recipe) -> bool:
     need the tokens, and the FP8 KV cache's scales are measured on them too (quantkit.model.kvcache),
     so a source whose experts are all reused (Kimi's INT4) still gets its pass. A data-free convert
     (RTN) reads no data and carries no KV scales (engines then run the cache at 1.0)."""
-    return method_for(rec.method).calibrated
+    return rec.resolved_method.calibrated

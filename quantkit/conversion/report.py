@@ -15,13 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 from quantkit import __version__
 from quantkit.checkpoint.reader import Checkpoint
-from quantkit.conversion.cost import probe_windows
 from quantkit.conversion.job import Job
 from quantkit.conversion.kvscales import kv_cache_report
 from quantkit.conversion.precision import PASS, precision_summary
 from quantkit.conversion.resume import State
-from quantkit.quant.experts import HOLDOUT, LOW, ExpertRecord
-from quantkit.quant.methods import METHODS, Inputs, method_for
+from quantkit.quant.experts import LOW, ExpertRecord
+from quantkit.quant.methods import METHODS
 from quantkit.runtime.files import file_sha256
 from quantkit.runtime.machine import peak_rss
 from quantkit.runtime.progress import rich_html
@@ -127,11 +126,11 @@ def decision(e: dict) -> tuple[str, str]:
         return "fallback", starved + f"fitted on every calibration token of the layer{judged}{probe}"
     if e.get("fallback"):
         return "fallback", e["fallback"]
-    if not METHODS.get(e["method"]) or not METHODS[e["method"]].calibrated:
+    method = METHODS.get(e["method"])
+    if method is None or not method.calibrated:
         return "data-free", f"method {e['method']}"
     if e.get("err") is not None and e.get("err_rtn") is not None:
-        kept = {None: "", LOW: " (stored: gptq.low_dampening's result, lower on them)"}.get(
-            e.get("guard"), f" (stored: AWQ's s = 1 result, {e.get('guard')})")
+        kept = method.kept_words(e.get("guard"))  # the method's words for an alternative it stored
         return "calibrated", f"output error {e['err']:.4g} < RTN's {e['err_rtn']:.4g} {held}{kept}{probe}"
     return "calibrated", "not judged (no held-out tokens)"
 
@@ -277,19 +276,15 @@ def _pair_report(model, job: Job, tokens, source_files: dict[str, str], out: Pat
             "tokens": int(tokens.ids.numel()), "sha256": tokens.sha256, "source": tokens.source,
             **({"sources": [{k: x[k] for k in ("spec", "windows", "tokens")} for x in tokens.source["sources"]]}
                if tokens.source.get("kind") == "mix" else {}),  # a mix's per-source counts (quantkit.inputs.mix)
-            **({"probe": {"windows": n, "seq_len": int(tokens.ids.shape[1]), "low_dampening": rec.gptq.low_dampening,
-                          "ids": "drawn uniformly from the vocabulary ids the calibration never contains "
-                                 "(quantkit.inputs.tokens.probe_ids); never fitted on, judged only"}}
-               if (n := probe_windows(rec)) else {}),
+            **({"probe": job.method.probe_report(rec, n, int(tokens.ids.shape[1]))}
+               if (n := job.method.probe_windows(rec)) else {}),  # the windows the method asked for
         },
         "calibration_choice": "each layer calibrated on the hidden states of the quantized decode model (sequential)",
         "layers": state.layers,
         "experts": experts,
         "experts_summary": _experts_summary(experts),
-        "guard": "each calibrated expert is compared with RTN on its held-out routed tokens (" + (
-                 f"every token of every {HOLDOUT}th calibration window" if rec.gptq.holdout == "window" and
-                 method_for(rec.method).inputs is Inputs.HESSIANS else f"every {HOLDOUT}th calibration token") +
-                 ", never fitted on); the lower output error is stored",
+        "guard": f"each calibrated expert is compared with RTN on its held-out routed tokens ({job.method.guard_words(rec)}, "
+                 "never fitted on); the lower output error is stored",
         "outputs": {
             "prefill": {"path": "prefill", "bytes": sizes["prefill"], "manifest_sha256": (manifests or {}).get("prefill"),
                         "precision": precision_summary(ckpt, decisions, "prefill", G, block)},

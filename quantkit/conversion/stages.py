@@ -10,14 +10,13 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 
 from quantkit.checkpoint.reader import Checkpoint
-from quantkit.conversion.activations import ActivationStore
-from quantkit.conversion.cost import probe_windows
+from quantkit.conversion.activations import ActivationStore, StoreRows
 from quantkit.conversion.job import Job
 from quantkit.conversion.kvscales import write_kv_scales
 from quantkit.conversion.layerpass import LayerRouting, attention_pass, convert_experts
@@ -28,7 +27,6 @@ from quantkit.model.mtp import embed_name, mtp_input, shifted
 from quantkit.model.reference import Context
 from quantkit.model.tensors import TensorClass
 from quantkit.quant.experts import ExpertRecord
-from quantkit.quant.methods import method_for
 from quantkit.runtime import distributed, faults
 from quantkit.runtime.machine import return_freed_memory
 
@@ -49,8 +47,8 @@ class Calibration:
     ctx: Context | None = None
     topks: list = field(default_factory=list)
     split: Group | None = None
-    # gptq.low_dampening: the probe windows, run through the same quantized layers beside the
-    # calibration tokens but never fitted on (a Calibration of their own: store, context, DSA
+    # the method's probe windows (Method.probe_windows), run through the same quantized layers beside
+    # the calibration tokens but never fitted on (a Calibration of their own: store, context, DSA
     # selections; every rank runs all of them, and their context measures no KV cache)
     probe: Calibration | None = None
 
@@ -74,7 +72,8 @@ def start_calibration(job: Job, tokens) -> Calibration:
     group = job.group
     work = job.state_dir if group.leader else job.state_dir / f"rank-{group.rank}"  # a disk-backed store's files
     work.mkdir(exist_ok=True)
-    store = ActivationStore(*ids.shape, arch.hidden_size, job.cost.store, job.dev, work)
+    N, T = ids.shape
+    store = ActivationStore(N, T, arch.hidden_size, job.cost.store, job.dev, work)
     # several ranks: each runs the per-token work (attention, expert outputs) on its own micro-batches
     split = group if group.distributed else None
     mtp_table = embed_name(arch, arch.num_hidden_layers, job.ckpt.tensors)
@@ -84,12 +83,12 @@ def start_calibration(job: Job, tokens) -> Calibration:
 
 
 def _probe(job: Job, tokens, work) -> Calibration | None:
-    """The probe's side (Calibration.probe): its windows (quantkit.inputs.tokens.probe_ids, seeded by the
-    calibration's seed), a store like the calibration's and a context without KV-cache measurement,
-    so the prefill's KV scales are the calibration tokens' alone."""
+    """The probe's side (Calibration.probe): the windows the method asks for (Method.probe_windows;
+    quantkit.inputs.tokens.probe_ids, seeded by the calibration's seed), a store like the calibration's
+    and a context without KV-cache measurement, so the prefill's KV scales are the calibration tokens' alone."""
     from quantkit.inputs.tokens import TokenData, probe_ids
 
-    n = probe_windows(job.rec)
+    n = job.method.probe_windows(job.rec)
     if not n or job.cost.probe == 0:  # no expert to quantize (Kimi's reused INT4): nothing to judge
         return None
     arch = job.arch
@@ -98,7 +97,8 @@ def _probe(job: Job, tokens, work) -> Calibration | None:
                      source={"kind": "probe", "from": "vocabulary ids the calibration never contains"})
     ctx = Context.build(arch, ids.shape[1], job.dev, job.dtype)
     ctx.dsa_dense = arch.has_dsa and ids.shape[1] <= arch.index_topk
-    store = ActivationStore(*ids.shape, arch.hidden_size, job.cost.store, job.dev, work, tag="probe-")
+    N, T = ids.shape
+    store = ActivationStore(N, T, arch.hidden_size, job.cost.store, job.dev, work, tag="probe-")
     return Calibration(data, store, ctx, [None] * len(list(store.slices())))
 
 
@@ -141,7 +141,8 @@ def convert_layer(job: Job, pair: PairWriter, calib: Calibration, bar, layer: in
         if calib.probe is not None:  # the probe windows through the same layer, on every rank
             probe = calib.probe
             probe_routing = attention_pass(probe.store, w, probe.ctx, layer, probe.topks, arch.is_moe(layer))
-        kv_stats = write_kv_scales(pair, arch.layer_prefix(layer), calib.ctx.kv, layer, arch.definition.attention)
+        kv = cast(KVAbsmax, calib.ctx.kv)  # start_calibration's: the maxima it measured
+        kv_stats = write_kv_scales(pair, arch.layer_prefix(layer), kv, layer, arch.definition.attention)
         return_freed_memory()  # the attention's micro-batch buffers, before the experts' Hessians
     t_attention = time.time() - t0
     shares: dict = {}  # multi-rank: each rank's part of this layer's experts
@@ -188,7 +189,7 @@ def mtp_inputs(job: Job, calib: Calibration, w: dict[str, torch.Tensor], layer: 
         del h, e
     del table
     old.close()
-    if calib.probe is not None:  # the MTP layer has no probe: it keeps gptq.dampening (docs/recipes.md)
+    if calib.probe is not None:  # the MTP layer has no probe (its method runs without one: docs/recipes.md)
         calib.probe.close()
         calib.probe = None
     calib.store = new
@@ -218,13 +219,13 @@ def _routed_experts(job: Job, pair: PairWriter, calib: Calibration, bar, layer: 
     after the first, which has no calibration path)."""
     rec = job.rec
     if calibrate:  # h += routed experts under the decode weights
-        probe = (calib.probe.store, probe_routing) if probe_routing is not None else None
-        return convert_experts(job.ckpt, pair, job.decisions, layer, calib.store, routing, rec, job.G, rec.method,
-                               job.dtype, job.dev, bar, job.cost.expert_chunk, job.group, shares, probe)
-    records = convert_experts(job.ckpt, pair, job.decisions, layer, None, None, rec, job.G, rec.method, job.dtype,
+        probe = StoreRows(calib.probe.store, probe_routing) if probe_routing is not None else None
+        return convert_experts(job.ckpt, pair, job.decisions, layer, StoreRows(calib.store, routing, probe), rec, job.G,
+                               job.method, job.dtype, job.dev, bar, job.cost.expert_chunk, job.group, shares)
+    records = convert_experts(job.ckpt, pair, job.decisions, layer, None, rec, job.G, job.method, job.dtype,
                               job.dev, bar, job.cost.expert_chunk)
     if mtp:
-        made = method_for(rec.method).data_free().display
+        made = job.method.data_free().display
         for r in records:
             if r.method != "reused":
                 r.fallback = (f"mtp: only the first MTP layer is calibrated ({made})" if calib.store is not None

@@ -92,6 +92,6 @@ def cannot_run(shape: tuple[int, ...], block: int = BLOCK) -> str | None:
     return None
 
 
-def can_block(shape: tuple[int, int], block: int = BLOCK) -> bool:
+def can_block(shape: tuple[int, ...], block: int = BLOCK) -> bool:
     """Whether engines can run this projection with whole blocks (both dims multiples of `block`)."""
     return shape[0] % block == 0 and shape[1] % block == 0

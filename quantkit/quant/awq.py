@@ -78,7 +78,6 @@ from quantkit.quant.experts import (
     ExpertRecord,
     calibration_inputs,
     expert_weights,
-    low_dampening,
     prior_of,
     rtn_expert,
     run_gptq,
@@ -324,19 +323,20 @@ def quantize_experts_awq(
     w: dict[str, torch.Tensor],
     tokens: dict[int, torch.Tensor],
     experts: list[int],
-    recipe,
+    options,
     group_size: int,
     layer: int,
     *,
     quantizer: Literal["gptq", "rtn"] = "gptq",
     alternatives: dict | None = None,
-    low: bool = False,
+    g_low=None,
 ):
     """AWQ for the given routed experts of one layer; the contract of `quantkit.quant.methods.Method.quantize`.
 
     x: (N, D) the MoE input of every calibration token (after post_attention_layernorm);
     tokens[e]: indices of the tokens routed to expert e; w: the layer's weights, read only (the
-    router, norm and shared expert are never touched, so routing is unchanged).
+    router, norm and shared expert are never touched, so routing is unchanged); options: the awq and
+    gptq sections as `.awq` and `.gptq` (quantkit.quant.methods.awq.AWQOptions; a recipe has both too).
     Returns ({expert: {proj: QuantizedWeight}}, [ExpertRecord] with method "awq"). The stored up
     and down are the *smoothed* up / s and down * s; dequantized, the expert computes the source's
     function up to INT4 error.
@@ -358,14 +358,15 @@ def quantize_experts_awq(
       4. with `alternatives` (a dict, filled per expert), the s = 1 result too ("awq-s1"): the
          caller's held-out guard keeps whichever of AWQ, AWQ with s = 1 and RTN has the lowest
          error on tokens neither was fitted on, since the search's RTN proxy can disagree with GPTQ;
-         with low=True and the quantizer GPTQ, also the searched s at gptq.low_dampening (LOW),
-         which the guard admits by its error on the probe (quantkit.quant.experts, "Probe").
+         with g_low (a gptq section at gptq.low_dampening: quantkit.quant.methods.gptq.low_settings)
+         and the quantizer GPTQ, also the searched s quantized with it (LOW), which the guard admits
+         by its error on the probe (quantkit.quant.experts, "Probe").
 
     Which tokens are fitted and what starved experts get is quantkit.quant.experts' policy, shared with
     GPTQ. ExpertRecord.loss is the final mean squared expert-output error per fit token vs the
     float expert (not GPTQ's units).
     """
-    g, a = recipe.gptq, recipe.awq
+    g, a = options.gptq, options.awq
     records, quantized, inputs, fallback = [], {}, {}, {}
     for e in experts:  # quantkit.quant.experts' one policy: held-out tokens never fitted, starved experts' fallback
         inputs[e], fallback[e] = calibration_inputs(x, tokens[e], g)
@@ -393,14 +394,14 @@ def quantize_experts_awq(
         qgu, qd, err = _quantize_smoothed(X, Wg, Wu, Wd, s, Y, group_size, quantizer, g, a, layer, chunk)
         if alternatives is not None:
             qgu1, qd1, _ = _quantize_smoothed(X, Wg, Wu, Wd, torch.ones_like(s), Y, group_size, quantizer, g, a, layer, chunk)
-        g_low = low_dampening(g) if low and alternatives is not None and quantizer == "gptq" else None
-        if g_low is not None:
-            qgul, qdl, _ = _quantize_smoothed(X, Wg, Wu, Wd, s, Y, group_size, quantizer, g_low, a, layer, chunk)
+        low = g_low if alternatives is not None and quantizer == "gptq" else None
+        if low is not None:
+            qgul, qdl, _ = _quantize_smoothed(X, Wg, Wu, Wd, s, Y, group_size, quantizer, low, a, layer, chunk)
         for i, e in enumerate(chunk):
             quantized[e] = _expert(qgu, qd, i)
             if alternatives is not None:
                 alternatives[e] = {"awq-s1": _expert(qgu1, qd1, i)}
-                if g_low is not None:
+                if low is not None:
                     alternatives[e][LOW] = _expert(qgul, qdl, i)
             records.append(ExpertRecord(layer, e, len(tokens[e]), "awq", fallback[e], err[i].item(),
                                         prior=prior_of(g, len(X[i]), X[i].shape[-1])))

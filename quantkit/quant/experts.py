@@ -2,7 +2,7 @@
 what a starved expert gets, and the guard that keeps an expert's INT4 weights never worse than
 plain round-to-nearest.
 
-One policy, in one place, for GPTQ (quantkit.conversion.pipeline) and AWQ (quantkit.quant.awq):
+One policy, in one place, for GPTQ (quantkit.quant.methods.gptq) and AWQ (quantkit.quant.awq):
 
 * Held-out tokens. Every HOLDOUT-th calibration token of a layer (by position in the layer's
   token list) is kept out of every Hessian and every AWQ statistic. Those tokens exist only to
@@ -43,11 +43,11 @@ import torch
 
 from quantkit.errors import OutputError
 from quantkit.model.moe import swiglu
-from quantkit.quant.gptq import HessianError, QuantizedWeight, gptq, quantize_rtn
+from quantkit.quant.gptq import HessianError, QuantizedWeight, gptq, quantize_rtn  # QuantizedWeight: every method's result
 
-__all__ = ["PROJS", "HOLDOUT", "ExpertRecord", "expert_weights", "is_heldout", "is_heldout_window", "split_heldout", "starved",
+__all__ = ["PROJS", "HOLDOUT", "ExpertRecord", "QuantizedWeight", "expert_weights", "is_heldout", "is_heldout_window", "split_heldout", "starved",
            "calibration_inputs",
-           "expert_dampening", "prior_of", "heldout_inputs", "probe_inputs", "rtn_expert", "run_gptq", "low_dampening",
+           "expert_dampening", "prior_of", "heldout_inputs", "probe_inputs", "rtn_expert", "run_gptq",
            "guard_against_rtn", "guard_experts", "LOW"]
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -83,7 +83,7 @@ def expert_weights(w: dict[str, torch.Tensor], e: int) -> tuple[torch.Tensor, to
 
 def is_heldout(pos: torch.Tensor) -> torch.Tensor:
     """The policy itself, for positions (n,) in an expert's routed-token list (or the layer's token
-    list): True where held out. The streamed path (quantkit.conversion.layerpass), which sees an expert's
+    list): True where held out. The streamed path (quantkit.quant.methods.gptq), which sees an expert's
     tokens one micro-batch at a time, applies it to running positions; `split_heldout` is the same
     rule for a whole list at once."""
     return pos % HOLDOUT == HOLDOUT - 1
@@ -165,20 +165,13 @@ def prior_of(g, fit_tokens: int, width: int) -> float | None:
     return round(c * width / max(fit_tokens, 1), 6) if c else None
 
 
-def low_dampening(g):
-    """The recipe's gptq section with gptq.low_dampening as its dampening (the probe's candidate),
-    or None when the recipe sets none."""
-    low = getattr(g, "low_dampening", None)
-    return None if low is None else g.model_copy(update={"dampening": low})
-
-
 def run_gptq(W: torch.Tensor, H: torch.Tensor, group_size: int, g, layer: int, experts,
              consume: bool = False, fit_tokens: list[int] | None = None, low=None):
     """`quantkit.quant.gptq.gptq` with the recipe's settings; a broken Hessian becomes a one-line error.
     consume=True lets GPTQ factor H in place and free it (the caller must hold no other reference).
     fit_tokens: each expert's (W's first batch dim) fit-token count, for gptq.width_prior.
 
-    low: a gptq section at another dampening (`low_dampening`): then both are quantized in one
+    low: a gptq section at another dampening (quantkit.quant.methods.gptq.low_settings): then both are quantized in one
     batched call (W and H stacked twice along the experts, one dampening per copy; on a GPU the
     column loop's launches are the same as for one) and (at g's dampening, at low's) is returned.
     An expert's bytes do not depend on its batch (tests/runtime/test_distributed.py), so the first

@@ -126,18 +126,18 @@ def mse_group_scales(
     amax = Wg.abs().amax(dim=-1)  # [..., out, G]
     half = (2.0 ** num_bits - 1) / 2  # 7.5 for 4 bits, as group_scales
     finfo = torch.finfo(scale_dtype)
-    best = best_err = None
-    for i in range(max(1, int(max_shrink * grid))):
+
+    def candidate(i: int) -> tuple[torch.Tensor, torch.Tensor]:  # clip ratio 1 - i / grid: (scale, error)
         s = (amax * (1 - i / grid) / half).clamp(finfo.min, finfo.max).to(scale_dtype)
         s = torch.where(s == 0, torch.tensor(finfo.eps, dtype=scale_dtype, device=W.device), s)
         sf = s.float().unsqueeze(-1)
         e = _round(Wg, sf, num_bits).mul_(sf).sub_(Wg)  # Q(w) - w, in place: at real width each temporary is W's size
         e = e.square_() if norm == 2 else e.abs_().pow_(norm)
-        err = (e if weight is None else e.mul_(weight)).sum(-1)  # [..., out, G]
-        del e
-        if best is None:
-            best, best_err = s, err
-            continue
+        return s, (e if weight is None else e.mul_(weight)).sum(-1)  # [..., out, G]
+
+    best, best_err = candidate(0)
+    for i in range(1, max(1, int(max_shrink * grid))):
+        s, err = candidate(i)
         better = err < best_err
         best, best_err = torch.where(better, s, best), torch.where(better, err, best_err)
     return best
@@ -325,7 +325,7 @@ def gptq_shared_h(Ws: list[torch.Tensor], H: torch.Tensor, group_size: int, **op
     q = gptq(torch.cat(Ws, dim=-2), box.pop(), group_size, **options)  # [..., sum(out_i), in]
     qs, scales = q.q.split(rows, dim=-2), q.scale.split(rows, dim=-2)
     # loss: per weight it would need per-row losses; report the total on the first, 0 on the rest
-    losses = [q.loss] + [torch.zeros_like(q.loss)] * (len(Ws) - 1)
+    losses = [q.loss] + [None if q.loss is None else torch.zeros_like(q.loss)] * (len(Ws) - 1)
     return [QuantizedWeight(a, b, l) for a, b, l in zip(qs, scales, losses)]
 
 

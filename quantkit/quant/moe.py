@@ -17,23 +17,23 @@ def quantize_experts_gptq(
     w: dict[str, torch.Tensor],
     tokens: dict[int, torch.Tensor],
     experts: list[int],
-    recipe,
+    g,
     group_size: int,
     layer: int,
 ) -> tuple[dict[int, dict[str, QuantizedWeight]], list[ExpertRecord]]:
     """GPTQ for the given routed experts of one layer, batched across experts, from the layer's MoE
-    inputs held whole in memory (quantkit.quant.methods.GPTQ.quantize).
+    inputs held whole in memory (quantkit.quant.methods.gptq.GPTQ.quantize).
 
-    convert's GPTQ streams its Hessians instead (quantkit.conversion.layerpass.gptq_experts, the same policy
-    and arithmetic; tests/conversion/test_layerpass.py holds the two equal); this whole-layer form is
+    convert's GPTQ streams its Hessians instead (quantkit.quant.methods.gptq.gptq_experts, the same policy
+    and arithmetic; tests/quant/methods/test_gptq.py holds the two equal); this whole-layer form is
     the oracle of that test, and what tests/runtime/test_device.py runs on a fake device.
 
-    x: (N, D) the MoE input of every calibration token; tokens[e]: indices of the tokens routed to e.
+    x: (N, D) the MoE input of every calibration token; tokens[e]: indices of the tokens routed to e;
+    g: the recipe's gptq section.
     Which tokens an expert is fitted on, and what a starved one gets, is quantkit.quant.experts' one
     policy (held-out tokens never enter a Hessian). GPTQ: gate and up share the Hessian of their
     input; down's Hessian comes from the *quantized* gate/up output on the same tokens.
     """
-    g = recipe.gptq
     records, quantized, inputs, fallback = [], {}, {}, {}
     for e in experts:
         inputs[e], fallback[e] = calibration_inputs(x, tokens[e], g)

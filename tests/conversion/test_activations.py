@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantkit.conversion.activations import ActivationStore, StorePlan
+from quantkit.conversion.activations import ActivationStore, LayerRouting, StorePlan, StoreRows
 
 
 @pytest.mark.parametrize("backing", ["memory", "disk"])
@@ -46,3 +46,31 @@ def test_resume_state_is_one_copy_in_stored_dtype(tmp_path, dtype):
     assert torch.equal(b.h.read(slice(0, 3)), a.h.read(slice(0, 3)))
     a.close()
     b.close()
+
+
+@pytest.mark.parametrize("backing", ["memory", "disk"])
+def test_store_rows_are_the_layers_rows_in_token_order(tmp_path, backing):
+    """StoreRows, what a method sees of a layer (quantkit.quant.rows.LayerRows): its micro-batches are the
+    store's x and the routing's slices, starting at their first token; gathered, the whole x; routed,
+    each expert's token indices."""
+    n, t, d, k, e = 5, 3, 4, 2, 4
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, t, d, generator=g)
+    idx = torch.stack([torch.arange(n * t) % e, (torch.arange(n * t) + 1) % e], -1)  # (n t, k)
+    wt = torch.rand(n * t, k, generator=g)
+    store = ActivationStore(n, t, d, StorePlan(backing=backing, micro_batch=2), "cpu", tmp_path)
+    for sl in store.slices():
+        store.open_x().write(sl, x[sl])
+    cuts = [0, 2 * t, 4 * t, n * t]  # the micro-batches' tokens
+    routing = LayerRouting([idx[a:b] for a, b in zip(cuts, cuts[1:])], [wt[a:b] for a, b in zip(cuts, cuts[1:])],
+                           [b - a for a, b in zip(cuts, cuts[1:])], e)
+    rows = StoreRows(store, routing)
+    assert (rows.tokens, rows.seq_len, rows.probe) == (n * t, t, None)
+    assert rows.counts.tolist() == [int((idx == j).sum()) for j in range(e)]
+    batches = list(rows.batches())
+    assert [b.start for b in batches] == cuts[:-1]
+    assert torch.equal(torch.cat([b.x for b in batches]), x.reshape(-1, d)) and torch.equal(rows.gather(), x.reshape(-1, d))
+    assert torch.equal(torch.cat([b.idx for b in batches]), idx) and torch.equal(torch.cat([b.weight for b in batches]), wt)
+    routed = rows.routed([1, 3])
+    assert routed[1].tolist() == [i for i in range(n * t) if 1 in idx[i].tolist()] and set(routed) == {1, 3}
+    store.close()

@@ -14,6 +14,7 @@ from quantkit.conversion.cost import plan_convert, plan_convert_for
 from quantkit.errors import ConfigError
 from quantkit.model.arch import arch_from_config, load_preset
 from quantkit.planner.budgets import parse_bytes
+from quantkit.quant.methods import METHODS
 from quantkit.runtime.units import GB
 
 runner = CliRunner()
@@ -21,7 +22,7 @@ runner = CliRunner()
 
 def _glm(**kw):
     a = arch_from_config(load_preset("glm-5.2"))
-    args = dict(method="gptq", group_size=128, num_samples=512, seq_len=2048, calibrate=True, device="cpu",
+    args = dict(method=METHODS["gptq"], group_size=128, num_samples=512, seq_len=2048, calibrate=True, device="cpu",
                 source_bytes=755 * GB, output_bytes=(755 * GB, 400 * GB))
     return plan_convert(a, **(args | kw))
 
@@ -72,7 +73,7 @@ def test_cpu_micro_batch_work_is_capped_whatever_the_budget():
     gpu = _glm(num_samples=64, seq_len=64, device="cuda", max_gpu_memory="141GB", max_host_memory="400GB")
     assert gpu.store.micro_batch > B
     for name in ("glm-5.2", "kimi-k2.6"):
-        tiny = plan_convert(arch_from_config(tiny_config(name)), method="gptq", group_size=128, num_samples=64,
+        tiny = plan_convert(arch_from_config(tiny_config(name)), method=METHODS["gptq"], group_size=128, num_samples=64,
                             seq_len=64, calibrate=True, max_host_memory="400GB", source_bytes=10**7,
                             output_bytes=(10**7, 10**7))
         assert tiny.store.micro_batch == 64, name
@@ -88,13 +89,13 @@ def test_cpu_awq_chunk_rows_are_capped_whatever_the_budget():
     from quantkit.synthetic.tiny import tiny_config
 
     x = layer_shapes(arch_from_config(load_preset("glm-5.2")))
-    awq = _glm(method="awq", num_samples=128, seq_len=512, max_host_memory="400GB")
+    awq = _glm(method=METHODS["awq"], num_samples=128, seq_len=512, max_host_memory="400GB")
     assert awq.expert_chunk * _awq_rows(x, awq.tokens) <= AWQ_ROWS_CPU_BYTES < (awq.expert_chunk + 1) * _awq_rows(x, awq.tokens)
-    assert _glm(method="gptq", num_samples=128, seq_len=512, max_host_memory="400GB").expert_chunk > awq.expert_chunk
-    gpu = _glm(method="awq", num_samples=128, seq_len=512, device="cuda", max_gpu_memory="141GB", max_host_memory="400GB")
+    assert _glm(method=METHODS["gptq"], num_samples=128, seq_len=512, max_host_memory="400GB").expert_chunk > awq.expert_chunk
+    gpu = _glm(method=METHODS["awq"], num_samples=128, seq_len=512, device="cuda", max_gpu_memory="141GB", max_host_memory="400GB")
     assert gpu.expert_chunk > awq.expert_chunk
     for name in ("glm-5.2", "kimi-k2.6"):
-        tiny = plan_convert(arch_from_config(tiny_config(name)), method="awq", group_size=128, num_samples=64,
+        tiny = plan_convert(arch_from_config(tiny_config(name)), method=METHODS["awq"], group_size=128, num_samples=64,
                             seq_len=64, calibrate=True, max_host_memory="400GB", source_bytes=10**7,
                             output_bytes=(10**7, 10**7))
         assert tiny.expert_chunk == 16, name
@@ -108,7 +109,7 @@ def test_refuses_and_names_the_knob():
 
 
 def test_rtn_and_reused_experts_need_no_activations():
-    c = _glm(method="rtn", calibrate=False)
+    c = _glm(method=METHODS["rtn"], calibrate=False)
     assert c.tokens == 0 and c.memory["store"] == 0 and c.seconds["hessians"] == 0
 
 
@@ -164,10 +165,11 @@ def test_convert_reports_the_same_prediction_as_plan(tiny_glm, tmp_path):
 
 
 def test_a_probe_is_counted_as_tokens_gptq_twice_and_the_copies_it_keeps():
-    """gptq.low_dampening's probe windows (quantkit.conversion.cost.probe_windows): stored and run like
+    """gptq.low_dampening's probe windows (quantkit.quant.methods.gptq.probe_windows): stored and run like
     calibration windows but enter no Hessian; every expert quantized twice in one batched call
     (arithmetic x 2, the same launches), with W and H stacked twice."""
-    base, probed = _glm(num_samples=64, seq_len=512), _glm(num_samples=64, seq_len=512, probe=8)
+    # a budget that leaves the chunk at its cap (the machine's free memory would make it room-bound)
+    base, probed = (_glm(num_samples=64, seq_len=512, max_host_memory="400GB", probe=p) for p in (0, 8))
     assert probed.tokens == base.tokens + 8 * 512
     assert probed.seconds["hessians"] == pytest.approx(base.seconds["hessians"], rel=0.01)
     assert base.seconds["gptq"] < probed.seconds["gptq"] < 2 * base.seconds["gptq"]

@@ -34,7 +34,7 @@ What is left, because it needs values on the host, which a fake run does not hav
   - moe.moe's expert loop, `torch.unique(topk_idx).tolist()`: the test runs each of its
     parts (above), with the loop over all experts instead.
   - calibrate.gptq_experts (the streamed Hessians select each micro-batch's routed rows with
-    nonzero: a data-dependent shape; tests/conversion/test_layerpass.py holds it equal to the whole-layer
+    nonzero: a data-dependent shape; tests/quant/methods/test_gptq.py holds it equal to the whole-layer
     quantize_experts run here), calibrate.convert_experts and convert(), forward.step
     (forward.run, validation): they read checkpoint
     bytes (and convert writes shards), which fake tensors do not have. Their device steps are

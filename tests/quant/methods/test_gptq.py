@@ -1,17 +1,18 @@
-"""quantkit.conversion.layerpass's streamed GPTQ against the whole-layer form: the same policy (held-out
-tokens, starved experts, the guard) and the same arithmetic, only the tokens arrive one
-micro-batch at a time. convert runs the streamed form; the whole-layer one (conversion.
-quantize_experts + experts.guard_experts) is its oracle here."""
+"""GPTQ's method module (quantkit.quant.methods.gptq): the streamed form against the whole-layer form, the
+same policy (held-out tokens, starved experts, the guard) and the same arithmetic, only the tokens
+arrive one micro-batch at a time from the layer's rows (here convert's own: the activation store and
+routing as conversion.activations.StoreRows). convert runs the streamed form (GPTQ.solve); the
+whole-layer one (methods.quantize_experts + experts.guard_experts) is its oracle here."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from quantkit.conversion.activations import ActivationStore, StorePlan
-from quantkit.conversion.layerpass import LayerRouting, gptq_experts
+from quantkit.conversion.activations import ActivationStore, LayerRouting, StorePlan, StoreRows
 from quantkit.quant.experts import PROJS, guard_experts
-from quantkit.quant.methods import quantize_experts
+from quantkit.quant.methods import METHODS, quantize_experts
+from quantkit.quant.methods.gptq import expert_hessians, gptq_experts
 from quantkit.recipe import load_recipe
 
 N, T, D, I, E, K = 4, 40, 64, 32, 4, 2  # samples, tokens per sample, hidden, expert width, experts, top-k
@@ -41,7 +42,7 @@ def _streamed(x, idx, weight, n, t, micro_batch):
     routing = LayerRouting([idx[i * per:(i + 1) * per] for i in range(n_b)],
                            [weight[i * per:(i + 1) * per] for i in range(n_b)],
                            [min(per, n * t - i * per) for i in range(n_b)], E)
-    return store, routing
+    return StoreRows(store, routing)
 
 
 @pytest.mark.parametrize(("micro_batch", "width_prior"), [(N, 0.0), (1, 0.0), (N, 0.5)])
@@ -49,9 +50,9 @@ def test_streamed_gptq_equals_whole_layer_gptq(micro_batch, width_prior):
     w, x, idx, weight = _layer()
     rec = load_recipe("tiny-glm-5.2")
     rec.gptq.width_prior = width_prior  # the thin-calibration prior: the same fit-token counts on both paths
-    store, routing = _streamed(x, idx, weight, N, T, micro_batch)
+    rows = _streamed(x, idx, weight, N, T, micro_batch)
     experts = list(range(E))
-    q_s, rec_s = gptq_experts(store, routing, w, experts, rec, 32, layer=1)
+    q_s, rec_s = METHODS["gptq"].solve(rows, w, experts, rec.gptq, 32, 1)  # what convert runs
 
     tokens = {e: (idx == e).any(-1).nonzero(as_tuple=True)[0] for e in experts}
     q_m, rec_m = quantize_experts(x, w, tokens, experts, rec, 32, "gptq", 1)
@@ -75,13 +76,12 @@ def test_streamed_gptq_equals_whole_layer_gptq(micro_batch, width_prior):
 @pytest.mark.parametrize("micro_batch", [N, 1])
 def test_all_token_prior_mixes_the_layer_hessian_by_token_counts(micro_batch):
     """gptq.prior_tokens = p: H_e = (n_e H_e + p H_all) / (n_e + p) over fit tokens, streamed."""
-    from quantkit.conversion.layerpass import expert_hessians
     from quantkit.quant.experts import split_heldout
 
     w, x, idx, weight = _layer()
-    store, routing = _streamed(x, idx, weight, N, T, micro_batch)
+    rows = _streamed(x, idx, weight, N, T, micro_batch)
     p = 50
-    H = expert_hessians(store, routing, [0, 1], set(), prior=p)
+    H = expert_hessians(rows, [0, 1], set(), prior=p)
     x_all = x[split_heldout(torch.arange(N * T))[0]]
     H_all = 2 * x_all.T @ x_all / len(x_all)
     for j, e in enumerate([0, 1]):
@@ -97,13 +97,12 @@ def test_all_token_prior_mixes_the_layer_hessian_by_token_counts(micro_batch):
 def test_gate_weighted_hessian_weights_each_routed_token_by_its_router_weight(micro_batch, weighting):
     """gptq.hessian_weighting: H_e = 2 sum c_t x_t x_t^T / sum c_t over the fit tokens, c_t the token's
     router weight for e (gate) or its square (gate2), divided by the expert's mean of it."""
-    from quantkit.conversion.layerpass import expert_hessians
     from quantkit.quant.experts import split_heldout
 
     _, x, idx, weight = _layer()
-    store, routing = _streamed(x, idx, weight, N, T, micro_batch)
-    H = expert_hessians(store, routing, [0, 1], set(), weighting=weighting)
-    H0 = expert_hessians(store, routing, [0, 1], set())
+    rows = _streamed(x, idx, weight, N, T, micro_batch)
+    H = expert_hessians(rows, [0, 1], set(), weighting=weighting)
+    H0 = expert_hessians(rows, [0, 1], set())
     for j, e in enumerate([0, 1]):
         tok = (idx == e).any(-1).nonzero(as_tuple=True)[0]
         fit = split_heldout(tok)[0]
@@ -120,7 +119,6 @@ def test_gate_weighted_hessian_weights_each_routed_token_by_its_router_weight(mi
 def test_window_holdout_fits_on_other_windows_and_judges_on_whole_windows(micro_batch):
     """gptq.holdout: window: every token of every 8th calibration window is held out (of the Hessian,
     kept for the guard), instead of every 8th routed token; the starved check counts fit windows."""
-    from quantkit.conversion.layerpass import expert_hessians
     from quantkit.quant.experts import HOLDOUT
 
     n, t = 16, 10  # two held-out windows: 7 and 15
@@ -129,9 +127,9 @@ def test_window_holdout_fits_on_other_windows_and_judges_on_whole_windows(micro_
     first = torch.randint(0, 3, (n * t,), generator=g)
     idx = torch.stack([first, (first + 1) % 3], -1)
     weight = torch.rand(n * t, K, generator=g)
-    store, routing = _streamed(x, idx, weight, n, t, micro_batch)
+    rows = _streamed(x, idx, weight, n, t, micro_batch)
     held: dict = {}
-    H = expert_hessians(store, routing, [0, 1], set(), held=held, window=t)
+    H = expert_hessians(rows, [0, 1], set(), held=held, window=t)
     win = torch.arange(n * t) // t
     out = win % HOLDOUT == HOLDOUT - 1
     assert int(out.sum()) == 2 * t
@@ -145,7 +143,7 @@ def test_window_holdout_fits_on_other_windows_and_judges_on_whole_windows(micro_
     rec = load_recipe("tiny-glm-5.2")
     rec.gptq.holdout = "window"
     w = _layer()[0]
-    _, recs = gptq_experts(store, routing, w, [0, 1, 2], rec, 32, layer=1)
+    _, recs = gptq_experts(rows, w, [0, 1, 2], rec.gptq, 32, layer=1)
     assert [r.heldout for r in recs] == [int(((idx == e).any(-1) & out).sum()) for e in (0, 1, 2)]
 
 
