@@ -123,7 +123,7 @@ def identical_rows(report: dict | None) -> set[str]:
     return {r for w in same for r in (w, f"long_context_{w}")}
 
 
-def check_gates(gates: dict[str, float], rows: dict[str, dict], identical: set[str] = frozenset()) -> list[dict]:
+def check_gates(gates: dict[str, float], rows: dict[str, dict], identical: "set[str] | frozenset[str]" = frozenset()) -> list[dict]:
     """One entry per (gate, row it applies to); `passed` None where no row measured the metric, or
     where the row is `identical` to the source by construction (its value kept, with a note)."""
     results = []
