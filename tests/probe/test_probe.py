@@ -169,6 +169,36 @@ def test_transformers_serve_source_and_decode_are_told_apart(pair, tmp_path):
     assert not r_src["warnings"], r_src["warnings"]  # dense under DSA: no tie-breaking caveat
 
 
+ALLOWED = {"decode": {"decode"}, "source": {"source", "prefill"}, "fp32 source": {"source"}}  # None (cannot tell) too
+
+
+def test_transformers_serve_as_stored_is_named_or_cannot_tell(pair, tmp_path):
+    """`transformers serve` (CPU, fp32) serving decode/ as stored, the source as stored (native FP8: dequantized
+    on load with the block transformers infers from the scale grid) and an fp32 dequantized copy of the source:
+    the default probe (candidates in every numerics) names decode/, source (or prefill/, its bytes on GLM) and
+    source, or says it cannot tell; never another checkpoint. The served computations are the candidates'
+    decode@engine, source@transformers and source@weights, so each is named by that variant."""
+    out, _, source = pair
+    prompts = _parting_prompts(out, source, tmp_path, want=6)
+    copy = _fp32_copy(source, tmp_path / "source-fp32")
+    served = {"decode": out / "decode", "source": source, "fp32 source": copy}
+    with TransformersServe(tmp_path, *served.values()) as srv:
+        got = {k: probe(srv.url, out, model=str(f), prompts=prompts, kv_cache_dtype="bf16", device="cpu", concurrency=2).data
+               for k, f in served.items()}
+    for k, d in got.items():
+        v = d["verdict"]
+        print(k, "->", v["line"])
+        assert v["match"] in ALLOWED[k] or (v["match"] is None and set(v.get("candidates") or []) & ALLOWED[k]), (k, v)
+    assert got["decode"]["verdict"]["best_variant"] == "decode@engine"
+    assert got["source"]["verdict"]["best_variant"] == "source@transformers"
+    assert got["fp32 source"]["verdict"]["best_variant"] == "source@weights"
+    # prefill/ holds the source's FP8 bytes: their dequantized copies are one computation, which no endpoint
+    # can tell apart; the verdict says so rather than picking one
+    assert "prefill" in got["fp32 source"]["verdict"]["ties"]
+    for k, d in got.items():  # and the evidence never sides with a wrong checkpoint
+        assert all(c["wins"] >= c["losses"] for c in d["verdict"]["contest"]), (k, d["verdict"]["contest"])
+
+
 def test_transformers_cpu_fp8_reads_partial_blocks_wrong(tiny_glm):
     """Why the serve test above serves fp32 copies: transformers (5.17) dequantizes FP8 on CPU with the
     block inferred from the scale grid (rows // grid rows), so the tiny GLM's 160-row kv_a_proj_with_mqa
@@ -318,15 +348,22 @@ def test_logprobs_path_names_decode_with_topk_kl(pair, tmp_path):
 
 
 def test_logprobs_path_names_decode_served_as_stored(pair):
-    """transformers running decode/ as stored (compressed-tensors: FP8 layers W8A8) is named decode/ by the
-    default engine numerics, with a top-k KL as small as the dequantized copy's under weight numerics."""
+    """transformers running decode/ as stored (compressed-tensors: FP8 layers W8A8) is named decode/, by its
+    engine-numerics variant (the default computes every candidate in each numerics that computes it
+    differently), with a top-k KL as small as the dequantized copy's under weight numerics; the weights
+    variant of decode/ fits worse."""
     out, prompts, _ = pair
     with LogprobServer(out / "decode", as_stored=True) as srv:
-        d = probe(srv.url, out, prompts=prompts, kv_cache_dtype="bf16", device="cpu").data
-    assert d["numerics"]["mode"] == "engine"
-    assert d["verdict"]["match"] == "decode", d["verdict"]
-    dec = d["candidates"]["decode"]
-    assert dec["prompts_exact"] == 3 and dec["topk_kl"] < 1e-3 and dec["topk_kl"] < d["candidates"]["source"]["topk_kl"]
+        r = probe(srv.url, out, prompts=prompts, kv_cache_dtype="bf16", device="cpu")
+    d = r.data
+    print("\n".join(r.lines()))
+    assert d["numerics"]["mode"] == "auto"
+    assert d["verdict"]["match"] == "decode" and d["verdict"]["best_variant"] == "decode@engine", d["verdict"]
+    assert set(d["groups"]["decode"]) == {"decode@engine", "decode@weights"}  # transformers computes it as engine does
+    assert set(d["groups"]["source"]) == {"source@engine", "source@transformers", "source@weights"}
+    dec = d["candidates"]["decode@engine"]
+    assert dec["prompts_exact"] == 3 and dec["topk_kl"] < 1e-3 and dec["topk_kl"] < d["candidates"]["source@engine"]["topk_kl"]
+    assert dec["topk_kl"] < d["candidates"]["decode@weights"]["topk_kl"]
 
 
 def _kv_lora_64(dst: Path, tiny_glm: Path, rank: int = 64) -> Path:
