@@ -99,31 +99,59 @@ def differs(x, y) -> int:
     return sum(a.tokens != b.tokens for a, b in zip(x, y))
 
 
+def step_kl(x, y) -> tuple[float, int]:
+    """(mean top-k KL(x || y), steps) over the steps both continuations reach from the same context, on the
+    token ids recorded for both (the server's top-k where it returned logprobs): how far apart the two
+    candidates' next-token distributions are where a logprobs vote is taken."""
+    kls = []
+    for a, b in zip(x, y):
+        for k in range(min(matched_prefix(a.tokens, b.tokens) + 1, len(a.logprobs), len(b.logprobs))):
+            kl = topk_kl(a.logprobs[k], b.logprobs[k])
+            if kl is not None:
+                kls.append(kl)
+    return (sum(kls) / len(kls) if kls else 0.0), len(kls)
+
+
 def power(conts: dict[str, list], groups: dict[str, list[str]], labels: dict[str, str], max_tokens: int,
           alpha: float = ALPHA) -> dict:
     """How far this prompt set can tell the candidate checkpoints apart, from the reference side alone (no
-    endpoint needed): for each pair of checkpoints, the prompts whose greedy continuations differ in the
-    numerics where they differ least (the evidence a server computing that way would give), against the
-    noise, the prompts a change of numerics alone moves for one checkpoint (a correct server computing
-    differently). Greedy evidence is one vote per prompt, so a pair needs `need` differing prompts for a
-    clean sweep to reach the sign test's `alpha`; `tokens_for` sizes max_tokens (--tokens) from the
-    per-token rate at which the pair's continuations part (None: more tokens cannot get there; add prompts)."""
+    endpoint needed). For each pair of checkpoints, in the numerics where they differ least (the evidence a
+    server computing that way would give): the prompts whose greedy continuations differ, and the mean top-k
+    KL between their next-token distributions at shared-context steps (what a server's logprobs can show);
+    against the noise, the same two numbers between two numerics of one checkpoint (a correct server that
+    computes a little differently moves that much). Greedy evidence is one vote per prompt, so a pair needs
+    `votes_needed` differing prompts for a clean sweep to reach the sign test's `alpha`; with logprobs every
+    shared step votes, and a pair separates where its KL is over twice the noise's. `tokens_for` sizes
+    max_tokens (--tokens) for the greedy evidence from the per-token rate at which the pair's continuations
+    part (None: more tokens cannot get there at this rate; add prompts)."""
     need = next(n for n in range(1, 64) if sign_p(n, 0) <= alpha)
     keys = list(groups)
     prompts = len(next(iter(conts.values())))
-    noise = {k: max([differs(conts[a], conts[b]) for i, a in enumerate(groups[k]) for b in groups[k][i + 1:]] or [0])
-             for k in keys}
-    pairs = []
+
+    def within(k):
+        vs = groups[k]
+        pairs = [(a, b) for i, a in enumerate(vs) for b in vs[i + 1:]]
+        return (max([differs(conts[a], conts[b]) for a, b in pairs] or [0]),
+                max([step_kl(conts[a], conts[b])[0] for a, b in pairs] or [0.0]))
+
+    noise = {k: within(k) for k in keys}
+    out = []
     for i, a in enumerate(keys):
         for b in keys[i + 1:]:
             common = [(va, vb) for va in groups[a] for vb in groups[b] if va.partition("@")[2] == vb.partition("@")[2]]
-            d = min(differs(conts[va], conts[vb]) for va, vb in common) if common else 0
-            n = max(noise[a], noise[b])
-            pairs.append({"a": a, "b": b, "differ": d, "noise": n, "separable": d >= need and d > 2 * n,
-                          "tokens_for": _tokens_for(d, prompts, max_tokens, need),
-                          "line": f"{labels[a]} vs {labels[b]}: continuations differ on {d}/{prompts} prompts "
-                                  f"(numerics alone move {n}/{prompts})"})
-    return {"prompts": prompts, "max_tokens": max_tokens, "votes_needed": need, "alpha": alpha, "pairs": pairs}
+            d = min((differs(conts[va], conts[vb]) for va, vb in common), default=0)
+            kl, steps = min((step_kl(conts[va], conts[vb]) for va, vb in common), default=(0.0, 0))
+            nd, nkl = max(noise[a][0], noise[b][0]), max(noise[a][1], noise[b][1])
+            greedy_ok = d >= need and d > 2 * nd
+            logprobs_ok = steps >= need and kl > 2 * nkl and kl > 0
+            out.append({"a": a, "b": b, "differ": d, "noise": nd, "kl": kl, "noise_kl": nkl, "steps": steps,
+                        "separable_greedy": greedy_ok, "separable_logprobs": logprobs_ok,
+                        "separable": greedy_ok or logprobs_ok,
+                        "tokens_for": _tokens_for(d, prompts, max_tokens, need),
+                        "line": f"{labels[a]} vs {labels[b]}: greedy continuations differ on {d}/{prompts} prompts "
+                                f"(numerics alone move {nd}); next-token top-k KL {kl:.2g} over {steps} steps "
+                                f"(numerics alone {nkl:.2g})"})
+    return {"prompts": prompts, "max_tokens": max_tokens, "votes_needed": need, "alpha": alpha, "pairs": out}
 
 
 def _tokens_for(d: int, prompts: int, max_tokens: int, need: int) -> int | None:
@@ -178,8 +206,19 @@ def verdict(scores: dict[str, dict], labels: dict[str, str], min_agree: float, k
         w = [votes(o, a, c) for o, a, c in zip(observed, x, y)]
         wins, losses = sum(v[0] for v in w), sum(v[1] for v in w)
         p = sign_p(wins, losses)
-        contest.append({"against": g, "wins": wins, "losses": losses, "p": p})
-        if p > alpha:
+        apart = step_kl(x, y)[0]
+        # logprob votes count only where the endpoint sits nearer the best fit than the two candidates sit to
+        # each other: a server computing differently from every variant (other kernels, bf16) leaves a residual
+        # KL, and within it which candidate is nearer is that noise's choice
+        near = b["topk_kl"] is None or b["topk_kl"] < 0.5 * apart or not b["kl_steps"]
+        greedy_wins = sum(int(matched_prefix(o.tokens, a.tokens) > matched_prefix(o.tokens, c.tokens))
+                          for o, a, c in zip(observed, x, y) if a.tokens != c.tokens)
+        greedy_losses = sum(int(matched_prefix(o.tokens, c.tokens) > matched_prefix(o.tokens, a.tokens))
+                            for o, a, c in zip(observed, x, y) if a.tokens != c.tokens)
+        ok = p <= alpha and (near or sign_p(greedy_wins, greedy_losses) <= alpha)
+        contest.append({"against": g, "wins": wins, "losses": losses, "p": p, "apart_kl": apart,
+                        "residual_kl": b["topk_kl"], "separated": ok})
+        if not ok:
             open_.append(g)
     numerics = best_of[best].partition("@")[2]
     how = f" [{numerics} numerics]" if numerics and len(groups[best]) > 1 else ""

@@ -36,12 +36,13 @@ class ProbeResult:
         out += [f"warning: {w}" for w in d["warnings"]]
         pw = d.get("power")
         if pw:
-            out.append(f"power ({pw['prompts']} prompts x {pw['max_tokens']} tokens; one greedy vote per prompt, "
-                       f"{pw['votes_needed']} decisive votes to name one at p <= {pw['alpha']:g}):")
+            out.append(f"power ({pw['prompts']} prompts x {pw['max_tokens']} tokens; {pw['votes_needed']} decisive votes "
+                       f"name one at p <= {pw['alpha']:g}: one per prompt from greedy tokens, one per step from logprobs):")
             for x in pw["pairs"]:
-                more = ("" if x["separable"] else "  <- not separable" + (
-                    f"; --tokens {x['tokens_for']} would part {pw['votes_needed']} prompts at this rate" if x["tokens_for"]
-                    else "; more prompts needed"))
+                ok = x["separable_logprobs"] if d["logprobs"] else x["separable_greedy"]
+                more = "" if ok else "  <- not separable" + (
+                    "" if d["logprobs"] else f"; --tokens {x['tokens_for']} would part {pw['votes_needed']} prompts at this rate"
+                    if x["tokens_for"] else "; more prompts (or a server returning logprobs) needed")
                 out.append(f"  {x['line']}{more}")
         out.append(f"verdict: {d['verdict']['line']}")
         return out + tool_lines(d.get("tool_calls"))

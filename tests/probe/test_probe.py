@@ -225,13 +225,15 @@ def _hf_model(folder: Path, as_stored: bool = False):
     """transformers' model of `folder`: `as_stored`, as compressed-tensors runs it (FP8 layers W8A8, INT4
     experts dequantized: quantkit's engine numerics), else on its dequantized weights (weights numerics)."""
     from compressed_tensors.quantization import disable_quantization
-    from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, CompressedTensorsConfig
 
+    # Kimi keeps its kimi_k25 wrapper: transformers' Kimi_K25ForConditionalGeneration (tests/conversion/test_convert.py)
+    auto = AutoModelForImageTextToText if json.loads((folder / "config.json").read_text())["model_type"] == "kimi_k25" \
+        else AutoModelForCausalLM
     if as_stored:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        model = auto.from_pretrained(folder, dtype=torch.float32)
     else:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                                     quantization_config=CompressedTensorsConfig(dequantize=True))
+        model = auto.from_pretrained(folder, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True))
         model.apply(disable_quantization)  # as tests/conversion/test_convert.py: the dequantized INT4 weights, no fake-quant pass
     for p in model.parameters():
         p.data = p.data.float()
@@ -410,6 +412,76 @@ def test_decode_of_a_kv_lora_64_model_runs_as_stored_and_is_named(pair, tmp_path
     assert dec["prompts_exact"] == 3 and dec["topk_kl"] < 1e-3 and dec["topk_kl"] < d["candidates"]["source"]["topk_kl"]
 
 
+def test_byte_identical_candidates_cannot_be_told(pair, tmp_path):
+    """decode/ replaced by a copy of prefill/: decode, prefill and the hand-over are one computation (and, on
+    GLM, the source's in engine numerics), so no endpoint can tell them apart; the probe says cannot tell."""
+    out, prompts, _ = pair
+    same = tmp_path / "same"
+    shutil.copytree(out, same)
+    shutil.rmtree(same / "decode")
+    shutil.copytree(out / "prefill", same / "decode")
+    with LogprobServer(same / "decode", as_stored=True) as srv:
+        d = probe(srv.url, same, prompts=prompts, kv_cache_dtype="bf16", device="cpu").data
+    v = d["verdict"]
+    assert v["match"] is None and v["line"].startswith("cannot tell"), v
+    assert {"prefill", "decode", "cross_phase"} <= set(v["candidates"]), v
+    assert all(x["differ"] == 0 for x in d["power"]["pairs"] if {x["a"], x["b"]} <= {"prefill", "decode", "cross_phase"})
+
+
+def _random_prompts(tmp: Path, seed: int, n: int = 8, words: int = 8, max_tokens: int = 6) -> Path:
+    """`n` completion prompts of held-out text (corpus seed 6000 + seed: never trained on), short enough that
+    prompt + max_tokens stays within the tiny GLM's index_topk (dense DSA)."""
+    from quantkit.synthetic.tiny import corpus
+
+    ws = corpus(n * words * 3, seed=6000 + seed).split()
+    prompts = [{"id": f"s{seed}-{i}", "kind": "completion", "prompt": " ".join(ws[i * words:(i + 1) * words])} for i in range(n)]
+    path = tmp / f"random-{seed}.json"
+    path.write_text(json.dumps({"name": f"random-{seed}", "max_tokens": max_tokens, "top_logprobs": 5, "prompts": prompts}))
+    return path
+
+
+# what each served checkpoint may be named as (or listed among when the probe cannot tell): on GLM prefill/
+# holds the source's FP8 bytes, so the two are one computation; on Kimi the source's attention is BF16
+SERVED_TRUTH = {"glm": {"source": {"source", "prefill"}, "prefill": {"prefill", "source"}, "decode": {"decode"}},
+                "kimi": {"source": {"source"}, "prefill": {"prefill"}, "decode": {"decode"}}}
+
+
+def confusion(out: Path, source: Path, tmp: Path, seeds) -> dict:
+    """{served: {verdict: count}} over prompt sets drawn with `seeds`, each checkpoint run by transformers'
+    model classes as stored on this CPU (native FP8 dequantized on load with the block transformers infers;
+    compressed-tensors FP8 W8A8, INT4 dequantized) behind the logprobs loopback server."""
+    folders = {"source": source, "prefill": out / "prefill", "decode": out / "decode"}
+    table: dict[str, dict[str, int]] = {k: {} for k in folders}
+    for k, f in folders.items():
+        with LogprobServer(f, as_stored=True) as srv:
+            for seed in seeds:
+                v = probe(srv.url, out, prompts=_random_prompts(tmp, seed), kv_cache_dtype="bf16", device="cpu").data["verdict"]
+                name = v["match"] or "cannot tell"
+                table[k][name] = table[k].get(name, 0) + 1
+    return table
+
+
+@pytest.fixture(scope="module")
+def kimi_pair(tmp_path_factory, tiny_kimi):
+    return convert("tiny:kimi-k2.6", tmp_path_factory.mktemp("probe-kimi") / "kimi", method="rtn", validate=False,
+                   progress=False).out, tiny_kimi
+
+
+@pytest.mark.parametrize("family", ["glm", "kimi"])
+def test_probe_names_the_right_checkpoint_over_seeded_prompt_sets(family, pair, kimi_pair, tmp_path):
+    """The probe's rate of naming the right checkpoint, where it names one, over prompt sets drawn with several
+    seeds (QUANTKIT_PROBE_SEEDS=N for more: docs/serving.md's confusion matrix)."""
+    out, source = (pair[0], pair[2]) if family == "glm" else kimi_pair
+    seeds = range(int(os.environ.get("QUANTKIT_PROBE_SEEDS", "2")))
+    table = confusion(out, source, tmp_path, seeds)
+    print(f"\n{family} served -> verdicts:", json.dumps(table))
+    truth = SERVED_TRUTH[family]
+    named = sum(n for k, row in table.items() for v, n in row.items() if v != "cannot tell")
+    right = sum(n for k, row in table.items() for v, n in row.items() if v in truth[k])
+    assert named and right >= 0.95 * named, table
+    assert table["decode"].get("decode"), table  # decode/ is told from the rest on both families
+
+
 # ---- the comparison, on numbers worked by hand ---------------------------------------------------------
 def test_score_stops_at_first_divergence_and_kl_is_zero_for_proportional_topk():
     ref = [Continuation([5, 6, 7], False, [{5: -0.1, 9: -2.0}, {6: -0.2, 8: -3.0}, {7: -0.5}])]
@@ -420,6 +492,37 @@ def test_score_stops_at_first_divergence_and_kl_is_zero_for_proportional_topk():
     v = verdict({"a": {"greedy_agree": 0.5, "topk_kl": None}, "b": {"greedy_agree": 0.4, "topk_kl": None}},
                 {"a": "A", "b": "B"}, min_agree=0.9)
     assert v["match"] is None and v["line"].startswith("differs from every checkpoint quantkit made")
+
+
+def test_verdict_names_only_on_separating_evidence():
+    """Worked by hand: the sign test over decisive votes, ties for identical candidates, and the residual rule
+    (an endpoint nearer neither candidate than they are to each other decides nothing by its logprobs)."""
+    from quantkit.probe.compare import power, sign_p
+
+    assert sign_p(5, 0) == 1 / 32 and sign_p(4, 0) == 1 / 16 and sign_p(0, 0) == 1.0
+    a = [Continuation([1, 2], False, [{1: -0.1, 7: -2.5}, {2: -0.1, 8: -2.5}]) for _ in range(6)]
+    b = [Continuation([1, 3], False, [{1: -0.1, 7: -2.5}, {3: -0.3, 2: -1.5}]) for _ in range(6)]
+    same = [Continuation(list(c.tokens), False, [dict(x) for x in c.logprobs]) for c in a]
+    conts, labels = {"A": a, "B": b, "C": same}, {"A": "A", "B": "B", "C": "C"}
+
+    def judge(observed, keys=("A", "B")):
+        sc = {k: score(observed, conts[k]) for k in keys}
+        return verdict(sc, labels, 0.5, observed=observed, conts=conts, groups={k: [k] for k in keys})
+
+    like_a = [Observed([1, 2], None)] * 6  # greedy only: six prompts side with A
+    assert judge(like_a)["match"] == "A"
+    assert judge(like_a[:4])["match"] is None  # four votes: p = 1/16, cannot tell
+    v = judge(like_a, ("A", "B", "C"))
+    assert v["match"] is None and v["line"].startswith("cannot tell which of") and set(v["candidates"]) == {"A", "C"}
+    # logprobs: the endpoint at step 0 is as far from A as B is (residual >= half of A-B): its votes count for
+    # nothing there, and the greedy votes alone decide
+    far = [Observed([1, 2], [{1: -0.5, 7: -1.0}, {2: -0.1, 8: -2.5}])] * 3
+    assert judge(far)["match"] is None
+    pw = power(conts, {"A": ["A"], "B": ["B"], "C": ["C"]}, labels, 2)
+    ab = next(x for x in pw["pairs"] if (x["a"], x["b"]) == ("A", "B"))
+    assert ab["differ"] == 6 and ab["separable_greedy"] and pw["votes_needed"] == 5
+    ac = next(x for x in pw["pairs"] if (x["a"], x["b"]) == ("A", "C"))
+    assert ac["differ"] == 0 and ac["kl"] == 0 and not ac["separable"] and ac["tokens_for"] is None
 
 
 # ---- (c) bad input: one line, non-zero exit ----------------------------------------------------------------
