@@ -200,10 +200,10 @@ def test_transformers_serve_as_stored_is_named_or_cannot_tell(pair, tmp_path):
 
 
 def test_transformers_cpu_fp8_reads_partial_blocks_wrong(tiny_glm):
-    """Why the serve test above serves fp32 copies: transformers (5.17) dequantizes FP8 on CPU with the
+    """What the probe's `transformers` numerics models: transformers (5.17) dequantizes FP8 on CPU with the
     block inferred from the scale grid (rows // grid rows), so the tiny GLM's 160-row kv_a_proj_with_mqa
     (grid 2 x 2) is read with 80-row blocks: rows 80-127 take the second block's scale. If this fails,
-    transformers reads partial blocks right: serve the FP8 source itself there."""
+    transformers reads partial blocks right, and quantkit.model.numerics.transformers_cpu_dequantize must follow."""
     from oracle import dequantize_fp8_blocks
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
@@ -218,6 +218,10 @@ def test_transformers_cpu_fp8_reads_partial_blocks_wrong(tiny_glm):
     theirs = model.model.layers[0].self_attn.kv_a_proj_with_mqa.weight.detach().float()
     assert torch.equal(theirs[:80], ours[:80]) and torch.equal(theirs[128:], ours[128:])
     assert not torch.allclose(theirs[80:128], ours[80:128])
+    # and the probe's `transformers` numerics computes that weight as transformers does, bit for bit
+    from quantkit.model.numerics import transformers_cpu_dequantize
+
+    assert torch.equal(transformers_cpu_dequantize(q, s), theirs)
 
 
 # ---- (b) the logprobs path: a loopback server running transformers' own model classes -------------------
