@@ -137,30 +137,25 @@ def _served_model(ep: Endpoint, model: str | None) -> str:
 
 
 def _compare(t, ps: PromptSet, observed: list[Observed], tok_dir, kv_cache_dtype, min_agree, device, numerics) -> dict:
-    """The reference continuations of every candidate, each scored against what the endpoint produced
+    """The reference continuations of every candidate (in each numerics that computes it differently, under
+    `auto`), each scored against what the endpoint produced; the power of the prompt set and the verdict
     (torch and the reference forward are imported here, after the endpoint has answered)."""
     from quantkit.checkpoint.reader import Checkpoint
     from quantkit.inputs.modelspec import open_checkpoint
-    from quantkit.probe.reference import candidates, greedy, keep_resident
+    from quantkit.probe.compare import power
+    from quantkit.probe.reference import candidates, greedy, keep_resident, variants
     from quantkit.runtime.device import resolve_device
 
-    ckpts = {"reference": open_checkpoint(t.reference_source)} | {m: Checkpoint(p) for m, p in t.models.items() if m != "model"}
-    if "model" in t.models:  # one checkpoint folder: it is the only candidate, as "source"
-        ckpts = {"reference": Checkpoint(t.models["model"])}
-    from quantkit.model.numerics import PROBE_NUMERICS
-    from quantkit.probe.compare import power
-    from quantkit.probe.reference import variants
+    single = "model" in t.models  # one checkpoint folder: it is the only candidate, as "source"
 
-    arch = ckpts["reference"].arch
-    modes = ("engine", "transformers", "weights") if numerics == "auto" else (numerics,)
-    assert set(modes) <= set(PROBE_NUMERICS)
-    single = "model" in t.models
-
-    def reopen(m: str):
+    def reopen(m: str) -> Checkpoint:
         if single:
             return Checkpoint(t.models["model"])
         return open_checkpoint(t.reference_source) if m == "reference" else Checkpoint(t.models[m])
 
+    ckpts = {m: reopen(m) for m in (["reference"] if single else ["reference", *t.models])}
+    arch = ckpts["reference"].arch
+    modes = ("engine", "transformers", "weights") if numerics == "auto" else (numerics,)
     cands, ckpts, groups = variants(candidates(t.pair, arch.has_dsa, kv_cache_dtype), ckpts, modes, reopen)
     glabels = {c.key.partition("@")[0]: c.label for c in cands}
     labels = {c.key: c.label + (f" [{c.key.partition('@')[2]} numerics]" if "@" in c.key else "") for c in cands}
