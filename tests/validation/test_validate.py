@@ -286,3 +286,13 @@ def test_kept_weights_are_read_once_and_change_no_number(pairs):
         assert other.data["rows"] == auto.data["rows"] and other.data["continuations"] == auto.data["continuations"]
     with pytest.raises(ConfigError, match="--weights resident: .* use more ranks"):
         validate(pairs["glm"], weights="resident", max_host_memory=fixed + per + share // 2, **kw)
+
+
+def test_a_scoped_gate_replaces_the_unscoped_one_on_its_row():
+    from quantkit.validation.gates import check_gates
+
+    rows = {"decode": {"metrics": {"kl": 0.05, "top1": 0.9}}, "cross_phase": {"metrics": {"kl": 0.05, "top1": 0.9}}}
+    res = check_gates({"kl_max": 0.02, "cross_phase.kl_max": 0.1, "top1_min": 0.95}, rows)
+    by = {(g["gate"], g["row"]): g["passed"] for g in res}
+    assert by == {("kl_max", "decode"): False, ("cross_phase.kl_max", "cross_phase"): True,
+                  ("top1_min", "decode"): False, ("top1_min", "cross_phase"): False}
