@@ -9,8 +9,9 @@ trained on that path) converts the tiny model with its recipe (and RTN for the G
 that must reject RTN-level experts), validates the pair with the recipe's settings, engine numerics and
 the FP8 KV rows, then validates two damaged copies of the GLM pair (one routed expert's INT4 scales x8 at
 layer 2, the decode/ indexer's heads permuted at layer 2) against the same gates. One JSON line per
-validate; at the end a table per gate: the worst intact value, the bound, the margin, and whether every
-damaged copy fails a gate. docs/recipes.md quotes its output.
+validate; at the end a table per gate of the recipe as it is now (re-checked on the recorded metrics, so
+`--table-only` re-reads a sweep after a recipe changes): the worst intact value, the bound, the margin, and
+whether every damaged copy fails a gate. The tiny recipes' gate comments quote its output.
 """
 
 from __future__ import annotations
@@ -85,9 +86,18 @@ def one(model: str, out: Path) -> None:
 
 
 def table(lines: list[dict]) -> None:
-    """Per model and gate: the worst intact value over every build, method and ISA, and the margin."""
+    """Per model and gate of the recipe as it is now (re-checked on the recorded metrics): the worst intact value
+    over every build, method and ISA, and the margin; then whether every damaged copy fails a gate."""
+    from quantkit.recipe import load_recipe
+    from quantkit.validation.gates import check_gates
+
     for model in sorted({x["model"] for x in lines}):
+        gates = load_recipe(f"tiny-{model}").validate.gates
         mine = [x for x in lines if x["model"] == model]
+        for x in mine:
+            x["gates"] = check_gates(gates, {r: {"metrics": m} for r, m in x["metrics"].items()})
+            x["passed"] = all(g["passed"] is not False for g in x["gates"])
+            x["failed"] = sorted({f"{g['gate']}@{g['row']}" for g in x["gates"] if g["passed"] is False})
         builds = sorted({(x["seed"], x["isa"]) for x in mine})
         print(f"\n{model}: {len(builds)} builds (seed, ISA): {builds}")
         for method in sorted({x["method"] for x in mine}):
@@ -101,7 +111,8 @@ def table(lines: list[dict]) -> None:
                     mx = g["gate"].endswith("_max")
                     if key not in worst or (g["value"] > worst[key][0] if mx else g["value"] < worst[key][0]):
                         worst[key] = (g["value"], g["bound"], mx)
-            print(f"  {method}: {sum(x['passed'] for x in intact)}/{len(intact)} pass")
+            print(f"  {method}: {sum(x['passed'] for x in intact)}/{len(intact)} pass"
+                  + "".join(f"; fails {x['seed']}/{x['isa']}: {x['failed']}" for x in intact if not x["passed"]))
             for key, (v, b, mx) in sorted(worst.items()):
                 margin = (b - v) if mx else (v - b)
                 print(f"    {key:48s} worst {v:.4g}  bound {b:g}  margin {margin:+.3g}" + ("" if margin >= 0 else "  FAILS"))
