@@ -299,7 +299,7 @@ def validate(
     limit: Annotated[Optional[int], typer.Option(help="--tasks: items per task (default: all).")] = None,
     num_fewshot: Annotated[Optional[int], typer.Option(help="--tasks: few-shot examples (default: each task's).")] = None,
     long_context: Annotated[Optional[int], typer.Option(help="DSA models: tokens per long-context window (default 2 x index_topk, at most max_position_embeddings; 0: skip).")] = None,
-    numerics: Annotated[str, typer.Option(help="engine: compute as vLLM/SGLang do (FP8 block Linears W8A8, activations quantized per token in 128-column groups; INT4 experts W4A16); the default, what the cards report); weights: on the dequantized weights alone (for a server that runs dequantized copies).")] = "engine",
+    numerics: Annotated[str, typer.Option(help="engine: compute as vLLM/SGLang do (FP8 block Linears W8A8, activations quantized per token in 128-column groups; INT4 experts W4A16; the default, what the cards report); weights: on the dequantized weights alone (for a server that runs dequantized copies).")] = "engine",
     tool_task: Annotated[Optional[str], typer.Option(help="A tool task (JSON/JSONL chat prompts with OpenAI-style tool schemas; `default`: the shipped one): tool-call F1 and schema accuracy of every checkpoint against the source.")] = None,
     quiet: Quiet = False,
     json_out: Json = False,
