@@ -313,7 +313,7 @@ def validate(
     limit: Annotated[Optional[int], typer.Option(help="--tasks: items per task (default: all).")] = None,
     num_fewshot: Annotated[Optional[int], typer.Option(help="--tasks: few-shot examples (default: each task's).")] = None,
     long_context: Annotated[Optional[int], typer.Option(help="DSA models: tokens per long-context window (default 2 x index_topk, at most max_position_embeddings; 0: skip).")] = None,
-    numerics: Annotated[str, typer.Option(help="engine: compute as vLLM/SGLang do (FP8 block Linears W8A8, activations quantized per token in 128-column groups; INT4 experts W4A16); weights: on the dequantized weights alone (the default until the recipes' gates are re-derived under engine numerics).")] = "weights",
+    numerics: Annotated[str, typer.Option(help="engine: compute as vLLM/SGLang do (FP8 block Linears W8A8, activations quantized per token in 128-column groups; INT4 experts W4A16; the default, what the cards report); weights: on the dequantized weights alone (for a server that runs dequantized copies).")] = "engine",
     tool_task: Annotated[Optional[str], typer.Option(help="A tool task (JSON/JSONL chat prompts with OpenAI-style tool schemas; `default`: the shipped one): tool-call F1 and schema accuracy of every checkpoint against the source.")] = None,
     quiet: Quiet = False,
     json_out: Json = False,
@@ -411,7 +411,8 @@ def probe(
     device: Device = "auto",
     write_card: Annotated[bool, typer.Option("--write-card", help="Add the verdict to the pair's model cards.")] = False,
     prompts: Annotated[Optional[Path], typer.Option(help="Another recorded prompt set (JSON like quantkit/probe/prompts.json; default: that one).")] = None,
-    numerics: Annotated[str, typer.Option(help="How the candidates are computed: engine (as vLLM/SGLang/transformers run the checkpoints as stored: FP8 block Linears W8A8) or weights (dequantized copies).")] = "engine",
+    numerics: Annotated[str, typer.Option(help="How the candidates are computed: auto (each in every numerics that computes it differently, judged by its best-supported one), engine (vLLM/SGLang, transformers on a GPU or compressed-tensors: FP8 block Linears W8A8), transformers (transformers on a CPU: native FP8 dequantized on load) or weights (dequantized copies).")] = "auto",
+    tokens: Annotated[Optional[int], typer.Option(help="Greedy tokens per prompt (default: the prompt set's max_tokens); the power lines say which budget separates the checkpoints.")] = None,
     tool_task: Annotated[Optional[str], typer.Option(help="Also send a tool task's prompts with tools= (`default`: the shipped one): finish_reason tool_calls F1 against the source and the schema accuracy of the endpoint's calls.")] = None,
     json_out: Json = False,
 ):
@@ -420,7 +421,8 @@ def probe(
 
     result = run_probe(url, pair, model=model, api_key_env=api_key_env, timeout=timeout, retries=retries,
                        concurrency=concurrency, kv_cache_dtype=kv_cache_dtype, min_agree=min_agree, device=device,
-                       write_card=write_card, prompts=prompts, numerics=numerics, tool_task=tool_task)
+                       write_card=write_card, prompts=prompts, numerics=numerics, tool_task=tool_task,
+                       tokens=tokens)
     if json_out:
         emit_json(result.data)
     else:

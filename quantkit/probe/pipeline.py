@@ -34,6 +34,16 @@ class ProbeResult:
             kl = "—" if s["topk_kl"] is None else f"{s['topk_kl']:.4f}"
             out.append(f"{s['label']:<62} {s['greedy_agree']:>12.3f} {s['prompts_exact']:>3}/{s['prompts']:<3} {kl:>10}")
         out += [f"warning: {w}" for w in d["warnings"]]
+        pw = d.get("power")
+        if pw:
+            out.append(f"power ({pw['prompts']} prompts x {pw['max_tokens']} tokens; {pw['votes_needed']} decisive votes "
+                       f"name one at p <= {pw['alpha']:g}: one per prompt from greedy tokens, one per step from logprobs):")
+            for x in pw["pairs"]:
+                ok = x["separable_logprobs"] if d["logprobs"] else x["separable_greedy"]
+                more = "" if ok else "  <- not separable" + (
+                    "" if d["logprobs"] else f"; --tokens {x['tokens_for']} would part {pw['votes_needed']} prompts at this rate"
+                    if x["tokens_for"] else "; more prompts (or a server returning logprobs) needed")
+                out.append(f"  {x['line']}{more}")
         out.append(f"verdict: {d['verdict']['line']}")
         return out + tool_lines(d.get("tool_calls"))
 
@@ -41,21 +51,29 @@ class ProbeResult:
 def probe(url: str, pair: str | Path, *, model: str | None = None, api_key_env: str = "OPENAI_API_KEY",
           timeout: float = 60.0, retries: int = 4, concurrency: int = 4, kv_cache_dtype: str = "auto",
           min_agree: float = 0.9, device: str = "auto", write_card: bool = False, logprobs: bool = True,
-          prompts: str | Path | None = None, numerics: str = "engine", tool_task: str | Path | None = None) -> ProbeResult:
+          prompts: str | Path | None = None, numerics: str = "auto", tool_task: str | Path | None = None,
+          tokens: int | None = None) -> ProbeResult:
     """Probe `url` (an OpenAI-compatible server) with the recorded prompts and name the checkpoint of
     `pair` (a `quantkit convert` output, or one checkpoint folder) that it behaves most like.
     `prompts`: another recorded prompt set (default: the shipped quantkit/probe/prompts.json).
-    `numerics`: how the candidates are computed (quantkit.model.numerics): `engine`, as vLLM, SGLang and
-    transformers compute the checkpoints as stored (FP8 block Linears W8A8), or `weights` (a server
-    running dequantized copies).
+    `numerics`: how the candidates are computed (quantkit.model.numerics): `auto` (the default) computes each
+    candidate in every numerics that computes it differently: `engine` (vLLM and SGLang, and transformers on a
+    GPU or for compressed-tensors checkpoints: FP8 block Linears W8A8), `transformers` (transformers on a CPU:
+    a native FP8 checkpoint dequantized on load with the block it infers from the scale grid) and `weights`
+    (a server running dequantized copies); each checkpoint is then judged by its best-supported variant.
+    One of those names computes the candidates that way only.
+    `tokens`: greedy tokens per prompt (default: the prompt set's max_tokens); the result's `power` says
+    how far the prompt set separates the checkpoints at that budget and what would (compare.power).
     `tool_task`: also send a tool task's prompts (`default`: quantkit/validation/tooltask.json) with `tools=`
     to the chat API and score the answers against the source's, computed here (quantkit.validation.toolcalls):
     finish_reason tool_calls F1 and the schema accuracy of the endpoint's calls, in `data["tool_calls"]`."""
-    from quantkit.model.numerics import NUMERICS, numerics_record
+    from quantkit.model.numerics import PROBE_NUMERICS, numerics_record
     from quantkit.validation.targets import target
 
-    if numerics not in NUMERICS:
-        raise ProbeError(f"--numerics {numerics}: one of {', '.join(NUMERICS)}")
+    if numerics not in ("auto", *PROBE_NUMERICS):
+        raise ProbeError(f"--numerics {numerics}: one of auto, {', '.join(PROBE_NUMERICS)}")
+    if tokens is not None and tokens < 1:
+        raise ProbeError(f"--tokens {tokens}: at least 1 greedy token per prompt")
 
     t = target(pair, None)
     tok_dir = t.models.get("decode") or t.reference_path
@@ -66,6 +84,8 @@ def probe(url: str, pair: str | Path, *, model: str | None = None, api_key_env: 
         ep.model = _served_model(ep, model)  # the usual failures (no server, wrong URL or model) before any tokenizer
         tok = load_tokenizer(Path(tok_dir))
         ps = tokenize_prompt_set(prompt_file, tok)
+        if tokens is not None:
+            ps.max_tokens = tokens
         replies = ep.complete_all(ps.prompts, ps.max_tokens, ps.top_logprobs)
         tool_replies = [ep.chat_tools(p, tools.max_tokens) for p in tools.prompts] if tools else None
     finally:
@@ -79,8 +99,11 @@ def probe(url: str, pair: str | Path, *, model: str | None = None, api_key_env: 
         tool_ids = check_tool_replies(ep.url, tools, tool_replies, tok, syntax)  # before the long part, too
     data = _compare(t, ps, observed, tok_dir, kv_cache_dtype, min_agree, device, numerics)
     if tools:
-        data["tool_calls"] = _tool_calls(t, tools, tool_ids, tool_replies, tok, tok_dir, syntax, numerics, device)
-    data["numerics"] = numerics_record(numerics)
+        data["tool_calls"] = _tool_calls(t, tools, tool_ids, tool_replies, tok, tok_dir, syntax,
+                                         "engine" if numerics == "auto" else numerics, device)
+    data["numerics"] = ({"mode": "auto", "line": "candidates in every numerics that computes them differently: "
+                         + "; ".join(numerics_record(n)["line"] for n in PROBE_NUMERICS)}
+                        if numerics == "auto" else numerics_record(numerics))
     data.update(endpoint=ep.url, model=ep.model, date=_dt.date.today().isoformat(), warnings=warnings + data["warnings"],
                 logprobs=any(o.top for o in observed),
                 replies=[{"id": p.id, "text": r.text, "finish_reason": r.finish_reason, "tokens": o.tokens}
@@ -114,31 +137,41 @@ def _served_model(ep: Endpoint, model: str | None) -> str:
 
 
 def _compare(t, ps: PromptSet, observed: list[Observed], tok_dir, kv_cache_dtype, min_agree, device, numerics) -> dict:
-    """The reference continuations of every candidate, each scored against what the endpoint produced
+    """The reference continuations of every candidate (in each numerics that computes it differently, under
+    `auto`), each scored against what the endpoint produced; the power of the prompt set and the verdict
     (torch and the reference forward are imported here, after the endpoint has answered)."""
     from quantkit.checkpoint.reader import Checkpoint
     from quantkit.inputs.modelspec import open_checkpoint
-    from quantkit.probe.reference import candidates, greedy, keep_resident
+    from quantkit.probe.compare import power
+    from quantkit.probe.reference import candidates, greedy, keep_resident, variants
     from quantkit.runtime.device import resolve_device
 
-    ckpts = {"reference": open_checkpoint(t.reference_source)} | {m: Checkpoint(p) for m, p in t.models.items() if m != "model"}
-    if "model" in t.models:  # one checkpoint folder: it is the only candidate, as "source"
-        ckpts = {"reference": Checkpoint(t.models["model"])}
-    for ck in ckpts.values():
-        ck.numerics = numerics
+    single = "model" in t.models  # one checkpoint folder: it is the only candidate, as "source"
+
+    def reopen(m: str) -> Checkpoint:
+        if single:
+            return Checkpoint(t.models["model"])
+        return open_checkpoint(t.reference_source) if m == "reference" else Checkpoint(t.models[m])
+
+    ckpts = {m: reopen(m) for m in (["reference"] if single else ["reference", *t.models])}
     arch = ckpts["reference"].arch
-    cands = candidates(t.pair, arch.has_dsa, kv_cache_dtype)
+    modes = ("engine", "transformers", "weights") if numerics == "auto" else (numerics,)
+    cands, ckpts, groups = variants(candidates(t.pair, arch.has_dsa, kv_cache_dtype), ckpts, modes, reopen)
+    glabels = {c.key.partition("@")[0]: c.label for c in cands}
+    labels = {c.key: c.label + (f" [{c.key.partition('@')[2]} numerics]" if "@" in c.key else "") for c in cands}
     wanted = [[set(o.top[k]) | ({o.tokens[k]} if k < len(o.tokens) else set()) for k in range(len(o.top))] if o.top
               else [{x} for x in o.tokens] for o in observed]
     dev = resolve_device(device)
     chunk = keep_resident(ckpts, dev)
     conts = greedy(ckpts, cands, [p.ids for p in ps.prompts], ps.max_tokens, wanted, _eos(Path(tok_dir)), dev, chunk=chunk)
-    scores = {c.key: dict(label=c.label, **score(observed, conts[c.key])) for c in cands}
+    scores = {c.key: dict(label=labels[c.key], **score(observed, conts[c.key])) for c in cands}
     for c in cands:
         scores[c.key]["reference_tokens"] = [x.tokens for x in conts[c.key]]
     return {"pair": str(t.out), "warnings": _dsa_warnings(arch, ps), "prompt_set": {"name": ps.name, "sha256": ps.sha256, "prompts": len(ps.prompts),
                                                "max_tokens": ps.max_tokens, "top_logprobs": ps.top_logprobs},
-            "candidates": scores, "verdict": verdict(scores, {c.key: c.label for c in cands}, min_agree)}
+            "candidates": scores, "groups": groups,
+            "power": power(conts, groups, glabels, ps.max_tokens),
+            "verdict": verdict(scores, glabels, min_agree, observed=observed, conts=conts, groups=groups)}
 
 
 def _tool_calls(t, tools, ids: list[list[int]], replies, tok, tok_dir, syntax: str, numerics: str, device) -> dict:
@@ -213,7 +246,7 @@ def write_cards(t, data: dict) -> list[Path]:
     if not t.pair:
         raise ConfigError(f"{t.out}: --write-card needs a `quantkit convert` output (prefill/ and decode/ with cards)")
     best = data["verdict"]
-    s = data["candidates"].get(best["match"] or "", {})
+    s = data["candidates"].get(best.get("best_variant") or best["match"] or "", {}) if best["match"] else {}
     detail = (f"greedy agreement {s['greedy_agree']:.2f}" + (f", top-k KL {s['topk_kl']:.3g}" if s.get("topk_kl") is not None else "")
               if s else "")
     key = f"endpoint {data['endpoint']} (model {data['model']})"

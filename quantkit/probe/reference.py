@@ -61,6 +61,36 @@ def keep_resident(ckpts: dict, device) -> int:
     return weights_plan(ordered, None, from_env(), device, "auto", None, None, 0)["chunk"]
 
 
+def variants(cands: list[Candidate], ckpts: dict, modes: tuple[str, ...], reopen) -> tuple[list[Candidate], dict, dict[str, list[str]]]:
+    """Every candidate once per distinct computation among `modes` (quantkit.model.numerics.computation):
+    (the candidates, the checkpoints they run keyed `model` for the first mode and `model@mode` for the
+    others, each with its numerics set, checkpoint key -> its candidates' keys); `reopen(model)` opens another
+    copy of a checkpoint (each copy computes in one numerics). One mode: the keys as before."""
+    from quantkit.model.numerics import computation
+
+    opened = {(m, modes[0]): ck for m, ck in ckpts.items()}
+    out, groups, seen = [], {}, {}
+    for c in cands:
+        groups[c.key] = []
+        for n in modes:
+            sig = tuple(computation(ckpts[m], n) for m in (c.prompt_model, c.decode_model))
+            if sig in seen.setdefault(c.key, set()):
+                continue
+            seen[c.key].add(sig)
+            for m in (c.prompt_model, c.decode_model):
+                if (m, n) not in opened:
+                    opened[m, n] = reopen(m)
+            key = c.key if len(modes) == 1 else f"{c.key}@{n}"
+            pm, dm = ((m if n == modes[0] else f"{m}@{n}") for m in (c.prompt_model, c.decode_model))
+            out.append(Candidate(key, c.label, pm, dm, c.kv))
+            groups[c.key].append(key)
+    models = {}
+    for (m, n), ck in opened.items():
+        ck.numerics = n
+        models[m if n == modes[0] else f"{m}@{n}"] = ck
+    return out, models, groups
+
+
 def greedy(ckpts: dict, cands: list[Candidate], prompts: list[list[int]], max_tokens: int, wanted: list[list[set[int]]],
            eos: set[int], device, dtype=torch.float32, chunk: int = 16) -> dict[str, list[Continuation]]:
     """{candidate key: [Continuation per prompt]}: every candidate and prompt as its own stream, all advanced

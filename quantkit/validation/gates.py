@@ -2,7 +2,9 @@
 against the rows.
 
 A gate is `<metric>_max` or `<metric>_min` (`kl_max: 0.05`), optionally scoped to one row
-(`cross_phase.greedy_agree_min`). An unscoped gate holds for every row that measures the metric; the
+(`cross_phase.greedy_agree_min`). An unscoped gate holds for every row that measures the metric but a
+row with a scoped gate of the same metric and bound (the more specific one: `cross_phase.kl_max` beside
+`kl_max`, for a row measured on fewer tokens); the
 FP8-KV rows answer only to `kv_delta` and to gates scoped to them, so simulating the cache never fails
 the weights' gates; the long-context rows (quantkit.validation.longctx) likewise to `indexer_overlap`.
 """
@@ -129,9 +131,11 @@ def check_gates(gates: dict[str, float], rows: dict[str, dict], identical: "set[
     results = []
     for name, bound in gates.items():
         scope, metric, kind = _split_gate(name)
-        # unscoped gates bound the weights' rows; the FP8-KV rows answer to `kv_delta`, the long-context
-        # rows to `indexer_overlap`, and both to gates scoped to them
-        applies = [r for r in rows if (r == scope if scope else metric == _OWN_METRIC.get(r, metric))
+        # unscoped gates bound the weights' rows (but a row's own scoped gate of the same metric replaces
+        # them there); the FP8-KV rows answer to `kv_delta`, the long-context rows to `indexer_overlap`,
+        # and both to gates scoped to them
+        applies = [r for r in rows if (r == scope if scope else metric == _OWN_METRIC.get(r, metric)
+                                        and f"{r}.{metric}_{kind}" not in gates)
                    and rows[r]["metrics"].get(metric) is not None]
         if not applies:
             results.append({"gate": name, "row": scope, "metric": metric, "bound": bound, "value": None, "passed": None,

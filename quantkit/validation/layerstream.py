@@ -21,7 +21,7 @@ import torch
 
 from quantkit.checkpoint.reader import Checkpoint
 from quantkit.model.moe import expert, route, shared_expert, weighted
-from quantkit.model.numerics import as_computed
+from quantkit.model.numerics import computed_weight
 from quantkit.model.ops import rms_norm
 from quantkit.model.reference import attention, decoder_layer
 from quantkit.model.tensors import TensorClass
@@ -43,7 +43,7 @@ def streamed_layer(ckpt: Checkpoint, layer: int, hs: list[torch.Tensor], ctxs: l
         if info.klass == TensorClass.ROUTED_EXPERT:
             by_expert.setdefault(info.expert, []).append(name)
         else:
-            w[name[len(pre):]] = as_computed(ckpt.get(name, dtype).to(device), ckpt.tensors[name].format, ckpt.numerics)
+            w[name[len(pre):]] = computed_weight(ckpt, name, dtype, device)
     if not a.is_moe(layer):
         return [decoder_layer(h, w, ctx, layer).hidden for h, ctx in zip(hs, ctxs)]
     eps = a.rms_norm_eps
@@ -59,8 +59,7 @@ def streamed_layer(ckpt: Checkpoint, layer: int, hs: list[torch.Tensor], ctxs: l
         part = [e for e in experts[start:start + chunk] if any(e in p for p in present)]
         if not part:
             continue
-        ew = {n[len(pre):]: as_computed(ckpt.get(n, dtype).to(device), ckpt.tensors[n].format, ckpt.numerics)
-              for e in part for n in by_expert[e]}
+        ew = {n[len(pre):]: computed_weight(ckpt, n, dtype, device) for e in part for n in by_expert[e]}
         for x, (idx, weight), out, p, mine in zip(xs, routes, outs, present, rows):
             for e in part:
                 if e not in p:

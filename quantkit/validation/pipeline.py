@@ -127,7 +127,7 @@ def validate(
     limit: int | None = None,
     num_fewshot: int | None = None,
     long_context: int | None = None,
-    numerics: str = "weights",
+    numerics: str = "engine",
     tool_task: str | Path | None = None,
     gates: str | Path | dict[str, float] | None = None,
 ) -> ValidationResult:
@@ -157,10 +157,9 @@ def validate(
             max_position_embeddings; 0: none): the long-context rows (quantkit.validation.longctx).
         numerics: `engine` computes every checkpoint as vLLM/SGLang do (FP8 block Linears W8A8 with
             activations quantized per token in 128-column groups, INT4 experts W4A16: the numbers a
-            user of those engines gets); `weights` on the dequantized weights alone (quantkit.model.numerics).
-            The default stays `weights` until the recipes' gates are re-derived under engine numerics:
-            the tiny GLM's GPTQ pair measures decode layer err 0.0389 > its recipe's 0.034 and
-            cross-phase KL 0.0254 > 0.02 there (gates set on weights numerics).
+            user of those engines gets; the default, and what convert's automatic validate and the cards
+            use); `weights` on the dequantized weights alone, for a server that runs dequantized copies
+            (quantkit.model.numerics). validation.json's `numerics` and every card say which.
         tool_task: a local tool task (JSON/JSONL chat prompts with OpenAI-style tool schemas; `default`:
             the shipped quantkit/validation/tooltask.json): each prompt rendered with its tools by the chat
             template, greedy on every checkpoint row, tool-call F1 (finish_reason tool_calls) and schema

@@ -152,28 +152,68 @@ def _parting_prompts(out: Path, source: Path, tmp: Path, max_tokens: int = 4, wa
 
 
 def test_transformers_serve_source_and_decode_are_told_apart(pair, tmp_path):
+    """Dequantized copies served by `transformers serve` (greedy only): six prompts chosen to part source from
+    decode/ at the first token give decode/ six decisive votes (p = 1/64) and it is named; for the source's
+    copy the probe cannot tell: prefill/'s dequantized copy is the same weights (GLM's prefill/ holds the
+    source's FP8 bytes), and it says so rather than naming one."""
     out, _, source = pair
-    prompts = _parting_prompts(out, source, tmp_path)
+    prompts = _parting_prompts(out, source, tmp_path, want=6)
     kw = dict(prompts=prompts, kv_cache_dtype="bf16", device="cpu", concurrency=2, numerics="weights")  # fp32 copies
     src, dec = _fp32_copy(source, tmp_path / "source"), _fp32_copy(out / "decode", tmp_path / "decode")
     with TransformersServe(tmp_path, src, dec) as srv:  # one server, the model by name in each request
         r_src = probe(srv.url, out, model=str(src), **kw).data
         r_dec = probe(srv.url, out, model=str(dec), **kw).data
+    n = r_src["prompt_set"]["prompts"]
     assert not r_src["logprobs"] and not r_dec["logprobs"]  # transformers serve ignores `logprobs`
-    assert r_src["verdict"]["match"] == "source", r_src["verdict"]
-    assert r_src["candidates"]["source"]["prompts_exact"] == 3
+    v = r_src["verdict"]
+    assert v["match"] is None and v["ties"] == ["prefill"] and v["line"].startswith("cannot tell"), v
+    assert v["candidates"][0] == "source" and set(v["candidates"]) <= {"source", "cross_phase"}, v
+    # told from decode/ (six votes); the hand-over's first token is prefill/'s, so it parts from the source only
+    # where decode/ does so by its second token: too few prompts here, and the verdict leaves it in play
+    assert next(c for c in v["contest"] if c["against"] == "decode")["p"] <= 0.05, v
+    assert r_src["candidates"]["source"]["prompts_exact"] == n
     assert r_dec["verdict"]["match"] == "decode", r_dec["verdict"]
-    assert r_dec["candidates"]["decode"]["prompts_exact"] == 3
-    assert r_src["verdict"]["line"] != r_dec["verdict"]["line"]
+    assert r_dec["candidates"]["decode"]["prompts_exact"] == n
     assert r_src["candidates"]["decode"]["greedy_agree"] < 1 and r_dec["candidates"]["source"]["greedy_agree"] < 1
     assert not r_src["warnings"], r_src["warnings"]  # dense under DSA: no tie-breaking caveat
 
 
+ALLOWED = {"decode": {"decode"}, "source": {"source", "prefill"}, "fp32 source": {"source"}}  # None (cannot tell) too
+
+
+def test_transformers_serve_as_stored_is_named_or_cannot_tell(pair, tmp_path):
+    """`transformers serve` (CPU, fp32) serving decode/ as stored, the source as stored (native FP8: dequantized
+    on load with the block transformers infers from the scale grid) and an fp32 dequantized copy of the source:
+    the default probe (candidates in every numerics) names decode/, source (or prefill/, its bytes on GLM) and
+    source, or says it cannot tell; never another checkpoint. The served computations are the candidates'
+    decode@engine, source@transformers and source@weights, and each of those follows its endpoint exactly."""
+    out, _, source = pair
+    prompts = _parting_prompts(out, source, tmp_path, want=6)
+    copy = _fp32_copy(source, tmp_path / "source-fp32")
+    served = {"decode": out / "decode", "source": source, "fp32 source": copy}
+    with TransformersServe(tmp_path, *served.values()) as srv:
+        got = {k: probe(srv.url, out, model=str(f), prompts=prompts, kv_cache_dtype="bf16", device="cpu", concurrency=2).data
+               for k, f in served.items()}
+    for k, d in got.items():
+        v = d["verdict"]
+        print(k, "->", v["line"])
+        assert v["match"] in ALLOWED[k] or (v["match"] is None and set(v.get("candidates") or []) & ALLOWED[k]), (k, v)
+    # the served computation is the candidate that follows the endpoint on every prompt (others may tie with it)
+    for k, variant in (("decode", "decode@engine"), ("source", "source@transformers"), ("fp32 source", "source@weights")):
+        c = got[k]["candidates"][variant]
+        assert c["prompts_exact"] == c["prompts"], (k, c)
+    # prefill/ holds the source's FP8 bytes: their dequantized copies are one computation, which no endpoint
+    # can tell apart; the verdict says so rather than picking one
+    assert "prefill" in got["fp32 source"]["verdict"]["ties"]
+    for k, d in got.items():  # and the evidence never sides with a wrong checkpoint
+        assert all(c["wins"] >= c["losses"] for c in d["verdict"]["contest"]), (k, d["verdict"]["contest"])
+
+
 def test_transformers_cpu_fp8_reads_partial_blocks_wrong(tiny_glm):
-    """Why the serve test above serves fp32 copies: transformers (5.17) dequantizes FP8 on CPU with the
+    """What the probe's `transformers` numerics models: transformers (5.17) dequantizes FP8 on CPU with the
     block inferred from the scale grid (rows // grid rows), so the tiny GLM's 160-row kv_a_proj_with_mqa
     (grid 2 x 2) is read with 80-row blocks: rows 80-127 take the second block's scale. If this fails,
-    transformers reads partial blocks right: serve the FP8 source itself there."""
+    transformers reads partial blocks right, and quantkit.model.numerics.transformers_cpu_dequantize must follow."""
     from oracle import dequantize_fp8_blocks
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
@@ -188,6 +228,10 @@ def test_transformers_cpu_fp8_reads_partial_blocks_wrong(tiny_glm):
     theirs = model.model.layers[0].self_attn.kv_a_proj_with_mqa.weight.detach().float()
     assert torch.equal(theirs[:80], ours[:80]) and torch.equal(theirs[128:], ours[128:])
     assert not torch.allclose(theirs[80:128], ours[80:128])
+    # and the probe's `transformers` numerics computes that weight as transformers does, bit for bit
+    from quantkit.model.numerics import transformers_cpu_dequantize
+
+    assert torch.equal(transformers_cpu_dequantize(q, s), theirs)
 
 
 # ---- (b) the logprobs path: a loopback server running transformers' own model classes -------------------
@@ -195,13 +239,15 @@ def _hf_model(folder: Path, as_stored: bool = False):
     """transformers' model of `folder`: `as_stored`, as compressed-tensors runs it (FP8 layers W8A8, INT4
     experts dequantized: quantkit's engine numerics), else on its dequantized weights (weights numerics)."""
     from compressed_tensors.quantization import disable_quantization
-    from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, CompressedTensorsConfig
 
+    # Kimi keeps its kimi_k25 wrapper: transformers' Kimi_K25ForConditionalGeneration (tests/conversion/test_convert.py)
+    auto = AutoModelForImageTextToText if json.loads((folder / "config.json").read_text())["model_type"] == "kimi_k25" \
+        else AutoModelForCausalLM
     if as_stored:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        model = auto.from_pretrained(folder, dtype=torch.float32)
     else:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                                     quantization_config=CompressedTensorsConfig(dequantize=True))
+        model = auto.from_pretrained(folder, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True))
         model.apply(disable_quantization)  # as tests/conversion/test_convert.py: the dequantized INT4 weights, no fake-quant pass
     for p in model.parameters():
         p.data = p.data.float()
@@ -318,15 +364,22 @@ def test_logprobs_path_names_decode_with_topk_kl(pair, tmp_path):
 
 
 def test_logprobs_path_names_decode_served_as_stored(pair):
-    """transformers running decode/ as stored (compressed-tensors: FP8 layers W8A8) is named decode/ by the
-    default engine numerics, with a top-k KL as small as the dequantized copy's under weight numerics."""
+    """transformers running decode/ as stored (compressed-tensors: FP8 layers W8A8) is named decode/, by its
+    engine-numerics variant (the default computes every candidate in each numerics that computes it
+    differently), with a top-k KL as small as the dequantized copy's under weight numerics; the weights
+    variant of decode/ fits worse."""
     out, prompts, _ = pair
     with LogprobServer(out / "decode", as_stored=True) as srv:
-        d = probe(srv.url, out, prompts=prompts, kv_cache_dtype="bf16", device="cpu").data
-    assert d["numerics"]["mode"] == "engine"
-    assert d["verdict"]["match"] == "decode", d["verdict"]
-    dec = d["candidates"]["decode"]
-    assert dec["prompts_exact"] == 3 and dec["topk_kl"] < 1e-3 and dec["topk_kl"] < d["candidates"]["source"]["topk_kl"]
+        r = probe(srv.url, out, prompts=prompts, kv_cache_dtype="bf16", device="cpu")
+    d = r.data
+    print("\n".join(r.lines()))
+    assert d["numerics"]["mode"] == "auto"
+    assert d["verdict"]["match"] == "decode" and d["verdict"]["best_variant"] == "decode@engine", d["verdict"]
+    assert set(d["groups"]["decode"]) == {"decode@engine", "decode@weights"}  # transformers computes it as engine does
+    assert set(d["groups"]["source"]) == {"source@engine", "source@transformers", "source@weights"}
+    dec = d["candidates"]["decode@engine"]
+    assert dec["prompts_exact"] == 3 and dec["topk_kl"] < 1e-3 and dec["topk_kl"] < d["candidates"]["source@engine"]["topk_kl"]
+    assert dec["topk_kl"] < d["candidates"]["decode@weights"]["topk_kl"]
 
 
 def _kv_lora_64(dst: Path, tiny_glm: Path, rank: int = 64) -> Path:
@@ -361,16 +414,88 @@ def _kv_lora_64(dst: Path, tiny_glm: Path, rank: int = 64) -> Path:
 
 def test_decode_of_a_kv_lora_64_model_runs_as_stored_and_is_named(pair, tmp_path, tiny_glm):
     """kv_lora_rank 64: convert stores kv_b_proj BF16 (tests/conversion/test_precision.py), so transformers
-    runs decode/ as stored, and the probe (engine numerics) names it decode/."""
+    runs decode/ as stored, and the probe names it decode/, by its engine-numerics variant."""
     _, prompts, _ = pair
     out = convert(_kv_lora_64(tmp_path / "src", tiny_glm), tmp_path / "out", method="rtn", validate=False,
                   progress=False)
     assert out.report["decisions"]["model.layers.0.self_attn.kv_b_proj.weight"]["decode"] == "bf16"
     with LogprobServer(out.decode, as_stored=True) as srv:
         d = probe(srv.url, out.out, prompts=prompts, kv_cache_dtype="bf16", device="cpu").data
-    assert d["verdict"]["match"] == "decode", d["verdict"]
-    dec = d["candidates"]["decode"]
-    assert dec["prompts_exact"] == 3 and dec["topk_kl"] < 1e-3 and dec["topk_kl"] < d["candidates"]["source"]["topk_kl"]
+    assert d["verdict"]["match"] == "decode" and d["verdict"]["best_variant"] == "decode@engine", d["verdict"]
+    dec = d["candidates"]["decode@engine"]
+    assert dec["prompts_exact"] == 3 and dec["topk_kl"] < 1e-3 and dec["topk_kl"] < d["candidates"]["source@engine"]["topk_kl"]
+
+
+def test_byte_identical_candidates_cannot_be_told(pair, tmp_path):
+    """decode/ replaced by a copy of prefill/: decode, prefill and the hand-over are one computation (and, on
+    GLM, the source's in engine numerics), so no endpoint can tell them apart; the probe says cannot tell."""
+    out, prompts, _ = pair
+    same = tmp_path / "same"
+    shutil.copytree(out, same)
+    shutil.rmtree(same / "decode")
+    shutil.copytree(out / "prefill", same / "decode")
+    with LogprobServer(same / "decode", as_stored=True) as srv:
+        d = probe(srv.url, same, prompts=prompts, kv_cache_dtype="bf16", device="cpu").data
+    v = d["verdict"]
+    assert v["match"] is None and v["line"].startswith("cannot tell"), v
+    assert {"prefill", "decode", "cross_phase"} <= set(v["candidates"]), v
+    assert all(x["differ"] == 0 for x in d["power"]["pairs"] if {x["a"], x["b"]} <= {"prefill", "decode", "cross_phase"})
+
+
+def _random_prompts(tmp: Path, seed: int, n: int = 8, words: int = 8, max_tokens: int = 6) -> Path:
+    """`n` completion prompts of held-out text (corpus seed 6000 + seed: never trained on), short enough that
+    prompt + max_tokens stays within the tiny GLM's index_topk (dense DSA)."""
+    from quantkit.synthetic.tiny import corpus
+
+    ws = corpus(n * words * 3, seed=6000 + seed).split()
+    prompts = [{"id": f"s{seed}-{i}", "kind": "completion", "prompt": " ".join(ws[i * words:(i + 1) * words])} for i in range(n)]
+    path = tmp / f"random-{seed}.json"
+    path.write_text(json.dumps({"name": f"random-{seed}", "max_tokens": max_tokens, "top_logprobs": 5, "prompts": prompts}))
+    return path
+
+
+# what each served checkpoint may be named as (or listed among when the probe cannot tell): on GLM prefill/
+# holds the source's FP8 bytes, so the two are one computation; on Kimi the source's attention is BF16
+SERVED_TRUTH = {"glm": {"source": {"source", "prefill"}, "prefill": {"prefill", "source"}, "decode": {"decode"}},
+                "kimi": {"source": {"source"}, "prefill": {"prefill"}, "decode": {"decode"}}}
+
+
+def confusion(out: Path, source: Path, tmp: Path, seeds) -> dict:
+    """{served: {verdict: count}} over prompt sets drawn with `seeds`, each checkpoint run by transformers'
+    model classes as stored on this CPU (native FP8 dequantized on load with the block transformers infers;
+    compressed-tensors FP8 W8A8, INT4 dequantized) behind the logprobs loopback server."""
+    folders = {"source": source, "prefill": out / "prefill", "decode": out / "decode"}
+    table: dict[str, dict[str, int]] = {k: {} for k in folders}
+    for k, f in folders.items():
+        with LogprobServer(f, as_stored=True) as srv:
+            for seed in seeds:
+                v = probe(srv.url, out, prompts=_random_prompts(tmp, seed), kv_cache_dtype="bf16", device="cpu").data["verdict"]
+                name = v["match"] or "cannot tell: " + "|".join(sorted(v.get("candidates") or []))
+                table[k][name] = table[k].get(name, 0) + 1
+    return table
+
+
+@pytest.fixture(scope="module")
+def kimi_pair(tmp_path_factory, tiny_kimi):
+    return convert("tiny:kimi-k2.6", tmp_path_factory.mktemp("probe-kimi") / "kimi", method="rtn", validate=False,
+                   progress=False).out, tiny_kimi
+
+
+@pytest.mark.parametrize("family", ["glm", "kimi"])
+def test_probe_names_the_right_checkpoint_over_seeded_prompt_sets(family, pair, kimi_pair, tmp_path):
+    """The probe's rate of naming the right checkpoint, where it names one, over prompt sets drawn with several
+    seeds (QUANTKIT_PROBE_SEEDS=N for more: docs/serving.md's confusion matrix)."""
+    out, source = (pair[0], pair[2]) if family == "glm" else kimi_pair
+    seeds = range(int(os.environ.get("QUANTKIT_PROBE_SEEDS", "2")))
+    table = confusion(out, source, tmp_path, seeds)
+    print(f"\n{family} served -> verdicts:", json.dumps(table))
+    truth = SERVED_TRUTH[family]
+    named = sum(n for k, row in table.items() for v, n in row.items() if not v.startswith("cannot tell"))
+    right = sum(n for k, row in table.items() for v, n in row.items() if v in truth[k])
+    assert named and right >= 0.95 * named, table
+    # where it cannot tell, the checkpoint served is among the ones it names as still in play
+    assert all(truth[k] & set(v.split(": ")[1].split("|")) for k, row in table.items() for v in row if v.startswith("cannot tell")), table
+    assert table["decode"].get("decode"), table  # decode/ is told from the rest on both families
 
 
 # ---- the comparison, on numbers worked by hand ---------------------------------------------------------
@@ -383,6 +508,37 @@ def test_score_stops_at_first_divergence_and_kl_is_zero_for_proportional_topk():
     v = verdict({"a": {"greedy_agree": 0.5, "topk_kl": None}, "b": {"greedy_agree": 0.4, "topk_kl": None}},
                 {"a": "A", "b": "B"}, min_agree=0.9)
     assert v["match"] is None and v["line"].startswith("differs from every checkpoint quantkit made")
+
+
+def test_verdict_names_only_on_separating_evidence():
+    """Worked by hand: the sign test over decisive votes, ties for identical candidates, and the residual rule
+    (an endpoint nearer neither candidate than they are to each other decides nothing by its logprobs)."""
+    from quantkit.probe.compare import power, sign_p
+
+    assert sign_p(5, 0) == 1 / 32 and sign_p(4, 0) == 1 / 16 and sign_p(0, 0) == 1.0
+    a = [Continuation([1, 2], False, [{1: -0.1, 7: -2.5}, {2: -0.1, 8: -2.5}]) for _ in range(6)]
+    b = [Continuation([1, 3], False, [{1: -0.1, 7: -2.5}, {3: -0.3, 2: -1.5}]) for _ in range(6)]
+    same = [Continuation(list(c.tokens), False, [dict(x) for x in c.logprobs]) for c in a]
+    conts, labels = {"A": a, "B": b, "C": same}, {"A": "A", "B": "B", "C": "C"}
+
+    def judge(observed, keys=("A", "B")):
+        sc = {k: score(observed, conts[k]) for k in keys}
+        return verdict(sc, labels, 0.5, observed=observed, conts=conts, groups={k: [k] for k in keys})
+
+    like_a = [Observed([1, 2], None)] * 6  # greedy only: six prompts side with A
+    assert judge(like_a)["match"] == "A"
+    assert judge(like_a[:4])["match"] is None  # four votes: p = 1/16, cannot tell
+    v = judge(like_a, ("A", "B", "C"))
+    assert v["match"] is None and v["line"].startswith("cannot tell which of") and set(v["candidates"]) == {"A", "C"}
+    # logprobs: the endpoint at step 0 is as far from A as B is (residual >= half of A-B): its votes count for
+    # nothing there, and the greedy votes alone decide
+    far = [Observed([1, 2], [{1: -0.5, 7: -1.0}, {2: -0.1, 8: -2.5}])] * 3
+    assert judge(far)["match"] is None
+    pw = power(conts, {"A": ["A"], "B": ["B"], "C": ["C"]}, labels, 2)
+    ab = next(x for x in pw["pairs"] if (x["a"], x["b"]) == ("A", "B"))
+    assert ab["differ"] == 6 and ab["separable_greedy"] and pw["votes_needed"] == 5
+    ac = next(x for x in pw["pairs"] if (x["a"], x["b"]) == ("A", "C"))
+    assert ac["differ"] == 0 and ac["kl"] == 0 and not ac["separable"] and ac["tokens_for"] is None
 
 
 # ---- (c) bad input: one line, non-zero exit ----------------------------------------------------------------

@@ -73,11 +73,11 @@ def test_engine_numerics_kl_equals_an_independent_w8a8(glm_pair, tiny_glm):
     from quantkit.inputs.tokens import load_tokens
 
     kw = dict(num_samples=SAMPLES, seq_len=SEQ, gen_tokens=1, device="cpu", progress=False)
-    eng = validate(glm_pair, numerics="engine", **kw).data
+    eng = validate(glm_pair, **kw).data  # the default
     assert eng["numerics"]["mode"] == "engine" and "W8A8" in eng["numerics"]["line"]
     for which in ("prefill", "decode"):
         assert eng["numerics"]["line"] in (glm_pair / which / "README.md").read_text()
-    wts = validate(glm_pair, write=False, **kw).data  # the default
+    wts = validate(glm_pair, write=False, numerics="weights", **kw).data
     assert wts["numerics"]["mode"] == "weights"
 
     e = eng["eval_data"]

@@ -116,7 +116,7 @@ def _shipped() -> str:
 def test_validate_tool_task_rows_cards_and_markdown(validated):
     out, d = validated
     t = d["tool_calls"]
-    assert t["syntax"] == "glm45" and t["numerics"] == d["numerics"]["mode"] == "weights"
+    assert t["syntax"] == "glm45" and t["numerics"] == d["numerics"]["mode"] == "engine"
     assert t["task"]["prompts"] == 3 and t["task"]["name"] == "tools-3"
     assert list(t["rows"]) == ["reference", "prefill", "decode", "decode_kv"]
     for r in t["rows"].values():  # every prompt ran on every row and is accounted for
@@ -130,7 +130,7 @@ def test_validate_tool_task_rows_cards_and_markdown(validated):
     assert "## Tool calls" in md and "| decode (INT4) | 3 | 0 / 0 |" in md
     for which in ("prefill", "decode"):
         card = (out / which / "README.md").read_text()
-        assert "## Tool calls" in card and "weights numerics" in card and "tools-3 (3 prompts" in card, which
+        assert "## Tool calls" in card and "engine numerics" in card and "tools-3 (3 prompts" in card, which
 
 
 def test_validate_bad_tool_task_is_one_line(validated, tmp_path):

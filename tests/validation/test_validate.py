@@ -164,7 +164,10 @@ def test_cross_phase_equals_a_mixed_weights_forward(pairs, tiny_glm):
 
     # and it is the path validate() measures: its greedy cross-phase continuation starts with the prefill
     # checkpoint's token, then the decode checkpoint's argmax on top of the prefill caches ...
-    res = validate(pairs["glm"], num_samples=2, seq_len=40, gen_tokens=2, device="cpu", progress=False, write=False)
+    # (the oracle above runs the dequantized weights: validate in weights numerics, so both compute the same
+    # thing; the engine-numerics forward has its own independent oracle in test_numerics.py)
+    res = validate(pairs["glm"], num_samples=2, seq_len=40, gen_tokens=2, device="cpu", progress=False, write=False,
+                   numerics="weights")
     cont = res.data["continuations"]
     assert [c[0] for c in cont["cross_phase"]] == [c[0] for c in cont["prefill"]] == t1.tolist()
     assert [c[1] for c in cont["cross_phase"]] == want.argmax(-1).tolist()
@@ -285,3 +288,13 @@ def test_kept_weights_are_read_once_and_change_no_number(pairs):
         assert other.data["rows"] == auto.data["rows"] and other.data["continuations"] == auto.data["continuations"]
     with pytest.raises(ConfigError, match="--weights resident: .* use more ranks"):
         validate(pairs["glm"], weights="resident", max_host_memory=fixed + per + share // 2, **kw)
+
+
+def test_a_scoped_gate_replaces_the_unscoped_one_on_its_row():
+    from quantkit.validation.gates import check_gates
+
+    rows = {"decode": {"metrics": {"kl": 0.05, "top1": 0.9}}, "cross_phase": {"metrics": {"kl": 0.05, "top1": 0.9}}}
+    res = check_gates({"kl_max": 0.02, "cross_phase.kl_max": 0.1, "top1_min": 0.95}, rows)
+    by = {(g["gate"], g["row"]): g["passed"] for g in res}
+    assert by == {("kl_max", "decode"): False, ("cross_phase.kl_max", "cross_phase"): True,
+                  ("top1_min", "decode"): False, ("top1_min", "cross_phase"): False}
