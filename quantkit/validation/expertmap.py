@@ -33,8 +33,8 @@ def input_width(config: dict) -> int | None:
 
 def stored_error(e: dict) -> float | None:
     """The output error of the weights the decode checkpoint stores for expert entry `e`."""
-    kept_rtn = e.get("guard") == "rtn" or e.get("fallback") == "rtn" or e["method"] == "rtn"
-    v = e.get("err_rtn") if kept_rtn else e.get("err")
+    kept_rtn = e.get("guard") == "rtn" or e.get("fallback") == "rtn"  # a data-free method records err_rtn alone
+    v = e.get("err_rtn") if kept_rtn or e.get("err") is None else e.get("err")
     return None if v is None else float(v)
 
 
