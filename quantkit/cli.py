@@ -330,13 +330,20 @@ def validate(
 def check_serving(
     path: Annotated[Path, typer.Argument(help="A checkpoint folder, or a convert output (checks prefill/ and decode/).")],
     engine: Annotated[str, typer.Option(help="vllm, sglang or all.")] = "all",
+    tp: Annotated[Optional[int], typer.Option(help="GPUs per serving instance (tensor-parallel size): check every module's shard per rank against the kernel rules of each engine.")] = None,
+    ep: Annotated[int, typer.Option(help="With --tp: expert-parallel size for the routed experts (divides --tp; MoE TP = tp / ep). vLLM's EP is 1 or --tp.")] = 1,
+    dp_attention: Annotated[bool, typer.Option("--dp-attention", help="With --tp: attention data-parallel (attention weights whole on every rank).")] = False,
+    gpu: Annotated[str, typer.Option(help="With --tp: the GPU the engines pick kernels for: h100, h200 or b200.")] = "h200",
     json_out: Json = False,
 ):
-    """Ask vLLM's and SGLang's own code (pinned releases) which scheme each module gets; exit 2 if one would refuse."""
+    """Ask vLLM's and SGLang's own code (pinned releases) which scheme each module gets, and with --tp whether
+    every rank's shards keep the kernels' rules; exit 2 if one would refuse, naming a layout that works."""
     from quantkit.serving.checks import ENGINES, check_serving_many, render, serving_folders
+    from quantkit.serving.layout import Layout
 
     engines = ENGINES if engine == "all" else (engine,)
-    reports = check_serving_many(serving_folders(path), engines)
+    layout = Layout(tp, ep, dp_attention, gpu) if tp is not None else None
+    reports = check_serving_many(serving_folders(path), engines, layout=layout)
     if json_out:
         emit_json([r.to_dict() for r in reports])
     else:

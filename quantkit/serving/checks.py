@@ -90,6 +90,7 @@ class EngineReport:
     problems: list[str] = field(default_factory=list)
     flags: list[str] = field(default_factory=list)  # launch flags this checkpoint needs
     stubbed: int = 0
+    layout: dict | None = None  # the per-rank check at the user's layout (quantkit.serving.layout)
 
 
 @dataclass
@@ -500,17 +501,40 @@ def check_serving(folder: str | Path, engines: tuple[str, ...] = ENGINES, *, dow
 
 
 def check_serving_many(folders: list[str | Path], engines: tuple[str, ...] = ENGINES, *,
-                       download: bool = True) -> list[ServingReport]:
-    """`check_serving` for several folders, one engine process each (a convert output's pair)."""
+                       download: bool = True, layout=None) -> list[ServingReport]:
+    """`check_serving` for several folders, one engine process each (a convert output's pair).
+    `layout` (a quantkit.serving.layout.Layout): also check every module's shard per rank under it."""
     for e in engines:
         if e not in ENGINES:
             raise ConfigError(f"unknown engine {e!r}; choose from {', '.join(ENGINES)} or all")
     paths = [Path(f) for f in folders]
     stored = [read_stored(p) for p in paths]
     per_engine = {e: engine_reports(e, stored, download=download) for e in engines}
+    if layout is not None:
+        add_layout_checks(stored, per_engine, layout)
     return [ServingReport(str(p), st.qc.get("quant_method", "?"), [per_engine[e][i] for e in engines],
                           compressed_tensors_problems(st))
             for i, (p, st) in enumerate(zip(paths, stored))]
+
+
+def add_layout_checks(stored: list[_Stored], per_engine: dict[str, list[EngineReport]], layout) -> None:
+    """Each folder's modules at `layout`, per engine (quantkit.serving.layout): a broken rule is a
+    refusal naming the module, the rule, its citation and a layout of the same GPUs that passes."""
+    from quantkit.serving.layout import check_layout, working_layout
+
+    reports = {(e, i): check_layout(st, layout, e) for e in per_engine for i, st in enumerate(stored)}
+    works = None
+    if not all(r.ok for r in reports.values()):
+        found = working_layout(stored, layout, tuple(per_engine))
+        works = (f"a layout that works: {found.flags()}" if found else
+                 "no layout of these GPUs passes every engine: convert with a smaller --group-size")
+    for (e, i), r in reports.items():
+        rep = per_engine[e][i]
+        rep.layout = r.to_dict() | ({"works": works} if works else {})
+        if r.problems:  # the way out first: the CLI prints the first few problems
+            rep.problems.append(f"at {layout.flags()}: {len(r.problems)} module(s) break a kernel rule; {works}")
+        rep.problems += [f"at {layout.flags()}: {p.text(e)}" for p in r.problems]
+        rep.loads = rep.loads and r.ok
 
 
 def compressed_tensors_problems(st: _Stored) -> list[str]:
@@ -560,6 +584,11 @@ def render(report: ServingReport):
             t.add_row(r.module, r.stored, scheme, checked)
         notes = [f"launch with {' '.join(f for f in e.flags if not f.startswith('#'))}"] if any(
             not f.startswith("#") for f in e.flags) else []
+        if e.layout:
+            lay = e.layout["layout"]
+            notes.append(f"at --tp {lay['tp']} --ep {lay['ep']}{' --dp-attention' if lay['dp_attention'] else ''} "
+                         f"on {lay['gpu']}: " + ("every rank's shards pass" if e.layout["ok"] else "REFUSED")
+                         + "".join(f"; {k}: {v}" for k, v in e.layout["kernels"].items()))
         notes += [p for p in e.problems if not any(p.startswith(r.module + ":") for r in e.rows)]
         t.caption = "; ".join(notes) or None
         tables.append(t)
