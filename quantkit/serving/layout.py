@@ -41,7 +41,8 @@ from dataclasses import asdict, dataclass, field
 
 from quantkit.errors import ConfigError
 
-GPU_SM = {"h100": 90, "h200": 90, "b200": 100}
+# compute capability (x10) of the GPUs quantkit plan knows that vLLM and SGLang pick CUDA kernels for
+GPU_SM = {"h100": 90, "h200": 90, "b200": 100, "h100-nvl": 90, "h20": 90, "a100-80": 80, "b300": 100}
 FP8_BLOCK = 128
 
 # rule id -> (what must hold, where each engine enforces it)
@@ -198,6 +199,7 @@ def check_layout(st, layout: Layout, engine: str, mods: list | None = None) -> L
     (quantkit.serving.checks), at `layout`: the rank shards against RULES. One problem per module
     and rule: the first layer that breaks it, with how many layers do.
     `mods`: `inventory(st, engine)` when the caller has it (it is the slow part)."""
+    from quantkit.model.arch import arch_from_config
     from quantkit.serving.checks import inventory
 
     rep = LayoutReport(engine, layout)
@@ -206,6 +208,7 @@ def check_layout(st, layout: Layout, engine: str, mods: list | None = None) -> L
         rep.problems.append(_problem(engine, "all routed experts", "ep-span",
                                      f"--ep {layout.ep} of {layout.tp} GPUs; vLLM's EP is 1 or {layout.tp}"))
     shape = _shapes(st)
+    sizes["experts"] = arch_from_config(st.config, source="config.json").n_routed_experts  # Qwen3: num_experts
     found: list[LayoutProblem] = []
     for m in inventory(st, engine) if mods is None else mods:
         if m.kind == "lm_head":
@@ -317,7 +320,7 @@ def _check_moe(st, m, layout: Layout, engine: str, sizes: dict, rep: LayoutRepor
     from quantkit.serving.checks import _expert_dims
 
     experts = sorted({s.rsplit(".", 1)[0] for s in m.shards})
-    n, (inter, hidden) = int(st.text.get("n_routed_experts") or len(experts)), _expert_dims(st, experts[0])
+    n, (inter, hidden) = sizes["experts"], _expert_dims(st, experts[0])
     moe_tp, ep = sizes["moe"], sizes["ep"]
     out: list[LayoutProblem] = []
     if ep > 1 and n % ep and engine == "sglang":
@@ -380,10 +383,13 @@ _BF16_CLASSES = {"router", "norm", "embedding", "head", "vision", "kv_scale"}
 
 
 def predicted_stored(config: dict, phase: str, *, group_size: int, symmetric: bool = True,
-                     bf16_projs: tuple[str, ...] = ()):
+                     bf16_projs: tuple[str, ...] = (), all_experts: bool = False):
     """The tensor names, dtypes and shapes `quantkit convert` writes for `phase` (prefill: FP8 block
     Linears; decode: INT4 routed experts, the rest as prefill) from a config alone: what check_layout
-    reads, without the bytes (`quantkit plan` checks a preset's layout with it)."""
+    reads, without the bytes (`quantkit plan` checks a preset's layout with it).
+
+    `all_experts`: list every routed expert; by default only expert 0 of each layer (every expert has
+    the same shapes and format, the count comes from the config), which keeps a 384-expert model fast."""
     from quantkit.model.arch import arch_from_config
     from quantkit.model.inventory import tensor_inventory
     from quantkit.serving.checks import _Stored
@@ -393,7 +399,7 @@ def predicted_stored(config: dict, phase: str, *, group_size: int, symmetric: bo
     tensors: dict[str, tuple[str, list[int]]] = {}
     for spec in tensor_inventory(a):
         names = [spec.name]
-        if ".experts.0." in spec.name:
+        if ".experts.0." in spec.name and all_experts:
             names = [spec.name.replace(".experts.0.", f".experts.{e}.") for e in range(spec.count)]
         proj = spec.name.rsplit(".", 2)[-2]
         if phase == "decode" and spec.klass.value == "routed_expert":
