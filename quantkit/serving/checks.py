@@ -40,6 +40,7 @@ What the engines build is a cited reading (the model files cannot run without a 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -248,7 +249,7 @@ def _judge(m: Module, ans: dict, st: _Stored) -> str | None:
         if ans.get("block") != [FP8_BLOCK, FP8_BLOCK]:
             return f"stored FP8 {FP8_BLOCK}x{FP8_BLOCK} blocks but the engine's block size is {ans.get('block')}"
     elif got not in UNQUANTIZED:
-        return f"stored BF16 but the engine picks {got}"
+        return f"stored BF16 but the engine picks {got}: {ignore_fix(st, m)}"
     if ans.get("params"):
         return _check_params(m, ans["params"], st)
     return None
@@ -460,6 +461,20 @@ def rules_report(engine: str, st: _Stored, mods: list[Module], *, reason: str) -
     return rep
 
 
+def ignore_fix(st: _Stored, m: Module) -> str:
+    """What to add to the quantization config so the engines leave a BF16 module alone."""
+    key = "modules_to_not_convert" if st.qc.get("quant_method") == "fp8" else "ignore"
+    n_layers = int(st.text["num_hidden_layers"])
+    layer = re.search(r"layers\.(\d+)\.", m.shards[0])
+    if layer and int(layer.group(1)) >= n_layers:  # the MTP layer: its own name and SGLang's draft name
+        pats = [rf"re:(^|.*\.)layers\.{layer.group(1)}\..*", r"re:(^|.*\.)decoder\..*"]
+        return (f"the MTP layer (num_nextn_predict_layers) is stored BF16 but quantization_config.{key} does not "
+                f"list it; add '{pats[0]}' and '{pats[1]}' (SGLang's draft-model names)")
+    pats = [rf"re:(^|.*\.){re.escape(s.split('.', 1)[1] if s.startswith('model.') else s)}$" for s in m.shards]
+    quoted = ", ".join(f"'{p}'" for p in pats)
+    return f"quantization_config.{key} does not list it; add {quoted}"
+
+
 RULES = """\
 Re-statement of the pinned engines' rules (used only when their code cannot be fetched):
 1. SGLang W4A16 MoE schemes need the top-level `format` == "pack-quantized" (compressed_tensors_wNa16_moe.py).
@@ -468,6 +483,10 @@ Re-statement of the pinned engines' rules (used only when their code cannot be f
    fused gate_up_proj / fused_qkv_a_proj_with_mqa should get.
 3. SGLang reads weight_block_size only from the group targeting `Linear`.
 4. vLLM uses each group's own `format` and matches name, fused shards, then class name.
+5. Both: a module a config group targets is quantized unless `ignore` (compressed-tensors) or
+   `modules_to_not_convert` (fp8) lists it (vLLM compressed_tensors/utils.py should_ignore_layer,
+   SGLang compressed_tensors/utils.py should_ignore_layer, vLLM/SGLang Fp8Config is_layer_skipped):
+   a module stored BF16 must be listed, the MTP layer's included.
 """
 
 
@@ -479,12 +498,43 @@ def _linear_group_is_int4(qc: dict) -> bool:
     return False
 
 
-def rules_check(engine: str, st: _Stored, mods: list[Module]) -> list[str]:
-    """The problems RULES predicts for this checkpoint (SGLang only: vLLM's rules accept both layouts)."""
+def _matches(pattern: str, name: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return pattern == name or name.endswith("." + pattern) or pattern in name.split(".")
+
+
+def bf16_not_ignored(st: _Stored, mods: list[Module]) -> list[str]:
+    """Rule 5: the modules stored BF16 that a group targets and the ignore list misses (under their
+    runtime name and every stored shard's name)."""
     qc = st.qc
-    if qc.get("quant_method") != "compressed-tensors" or engine != "sglang":
-        return []
+    if qc.get("quant_method") == "fp8":
+        ignore, targets = qc.get("modules_to_not_convert") or qc.get("ignored_layers") or [], ["Linear", "FusedMoE"]
+    else:
+        ignore = qc.get("ignore") or []
+        targets = [t for g in (qc.get("config_groups") or {}).values() for t in g.get("targets", [])]
     out = []
+    for m in mods:
+        if m.stored != "bf16" or m.kind == "lm_head":
+            continue
+        names = [m.name, *m.shards]
+        cls = "FusedMoE" if m.kind == "moe" else "Linear"
+        if not any(t == cls or any(_matches(t, n) for n in names) for t in targets):
+            continue  # no group targets it: unquantized anyway
+        if any(_matches(p, n) for p in ignore for n in names):
+            continue
+        out.append(f"{m.name}: stored BF16 but a config group targets it: {ignore_fix(st, m)} (rule 5)")
+    return out
+
+
+def rules_check(engine: str, st: _Stored, mods: list[Module]) -> list[str]:
+    """The problems RULES predicts for this checkpoint (rules 1-3 SGLang only: vLLM's accept both layouts)."""
+    qc = st.qc
+    if qc.get("quant_method") not in ("compressed-tensors", "fp8"):
+        return []
+    out = bf16_not_ignored(st, mods)
+    if qc.get("quant_method") != "compressed-tensors" or engine != "sglang":
+        return out
     if any(m.stored == "int4" for m in mods) and qc.get("format") != "pack-quantized":
         out.append(f"top-level format {qc.get('format')!r}: SGLang's W4A16 MoE schemes need 'pack-quantized' (rule 1)")
     linear = next((g for g in qc.get("config_groups", {}).values() if "Linear" in g.get("targets", [])), None)
