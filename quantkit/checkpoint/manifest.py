@@ -165,6 +165,7 @@ class VerifyResult:
     problems: list[str] = field(default_factory=list)
     manifest_sha256: dict[str, str] = field(default_factory=dict)
     unfinished: str | None = None  # a convert still running or interrupted (quantkit.checkpoint.unfinished)
+    pair_contract: dict | None = None  # pair.json checked (quantkit.checkpoint.pair): holds, first difference
 
     @property
     def ok(self) -> bool:
@@ -173,7 +174,7 @@ class VerifyResult:
     def to_json(self) -> dict:
         return {"dir": str(self.dir), "ok": self.ok, "folders": self.folders, "files_checked": self.files_checked,
                 "tensors_checked": self.tensors_checked, "shared_checked": self.shared_checked,
-                "manifest_sha256": self.manifest_sha256, "problems": self.problems}
+                "manifest_sha256": self.manifest_sha256, "pair_contract": self.pair_contract, "problems": self.problems}
 
     def raise_for_problems(self) -> "VerifyResult":
         if self.unfinished:  # not damage: a convert still running or interrupted (never "reconvert it")
@@ -194,6 +195,10 @@ class VerifyResult:
         t.add_row("files (sha256)", str(self.files_checked))
         t.add_row("tensors (sha256, dtype, shape)", str(self.tensors_checked))
         t.add_row("shared tensors identical across the pair", str(self.shared_checked))
+        if self.pair_contract and self.pair_contract.get("counts"):
+            c = self.pair_contract
+            held = "holds" if c["holds"] else f"does not hold: {c['first_difference']}"
+            t.add_row(f"pair contract (pair.json): {held}", str(sum(c["counts"].values())))
         t.caption = "OK" if self.ok else f"{len(self.problems)} problem(s)"
         return t
 
@@ -231,6 +236,10 @@ def verify(dir: str | Path) -> VerifyResult:
         actual[which] = _check_folder(folder, which, m, res)
     if pair and len(actual) == 2:
         _check_shared(manifests, actual, res)
+        from quantkit.checkpoint.pair import check_contract
+
+        res.pair_contract, found = check_contract(d, actual)
+        res.problems += found
     return res
 
 
