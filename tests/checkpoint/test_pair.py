@@ -123,3 +123,18 @@ def test_cli_verify_prints_the_contract(pair):
 
     ok = CliRunner().invoke(app, ["verify", str(pair[0]), "--json"])
     assert ok.exit_code == 0 and json.loads(ok.output)["pair_contract"]["holds"]
+
+
+def test_validate_states_the_contract_held(pair, tiny_glm, tmp_path):
+    from quantkit.validation.pipeline import validate
+
+    out = tmp_path / "o"
+    shutil.copytree(pair[0], out)
+    res = validate(out, reference=tiny_glm, eval_data="synthetic:heldout", num_samples=2, seq_len=16, gen_tokens=2,
+                   device="cpu", progress=False, gates={})
+    held = [n for n in res.data["notes"] if n.startswith("cross-phase: the pair's contract held")]
+    assert held and "145 " in held[0], res.data["notes"]  # 72 attention + 28 indexer + 12 KV scales + 6 MTP + 25 config + 2 tokenizer
+    from quantkit.validation.targets import pair_contract_note
+
+    rest = json.loads((pair[1] / REPORT).read_text())["pair_contract"]
+    assert pair_contract_note(rest).startswith("cross-phase: the pair's contract does not hold (attention: ")
