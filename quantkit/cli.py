@@ -357,6 +357,44 @@ def check_serving(
         raise typer.Exit(2)
 
 
+@app.command("serve-commands")
+@user_errors
+def serve_commands(
+    path: Annotated[Path, typer.Argument(metavar="DIR", help="A convert output (prefill/, decode/).")],
+    engine: Annotated[str, typer.Option(help="sglang or vllm.")] = "sglang",
+    tp: Annotated[int, typer.Option(help="GPUs per instance (tensor-parallel size) on each pool.")] = 8,
+    ep: Annotated[int, typer.Option(help="Expert-parallel size for the routed experts (divides --tp; vLLM: 1 or --tp).")] = 1,
+    dp_attention: Annotated[bool, typer.Option("--dp-attention", help="Attention data-parallel.")] = False,
+    gpu: Annotated[str, typer.Option(help="The GPU the layout is checked for: h100, h200 or b200.")] = "h200",
+    mount: Annotated[Optional[str], typer.Option(help="The path both pools mount their checkpoint at (the same on both: vLLM's handshake hashes it). Default /models/<name>.")] = None,
+    mtp: Annotated[bool, typer.Option(help="Speculative decoding with the checkpoint's MTP layer, identically on both pools (when it has one).")] = True,
+    check: Annotated[bool, typer.Option("--check", help="Parse every command with the pinned engine's own argument parser (fetched once from PyPI).")] = False,
+    json_out: Json = False,
+):
+    """Print the prefill, decode and router commands for a pair at a parallel layout, with the flags the pair
+    needs; exit 2 (naming a layout that works) if the layout breaks a kernel rule."""
+    from quantkit.serving.commands import check_commands, layout_refusal, render
+    from quantkit.serving.commands import serve_commands as build
+    from quantkit.serving.layout import Layout
+
+    layout = Layout(tp, ep, dp_attention, gpu)
+    if why := layout_refusal(path, engine, layout):
+        console.print(f"[red]{why}[/red]", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
+    cmds, facts = build(path, engine, layout, mount=mount, mtp=mtp)
+    parsed = check_commands(cmds) if check else []
+    if json_out:
+        emit_json({"engine": engine, "layout": layout.flags(), "notes": facts.notes, "parsed": parsed,
+                   "commands": [{"role": c.role, "argv": c.argv, "comment": c.comment} for c in cmds]})
+    else:
+        sys.stdout.write(render(cmds, facts, engine, layout))
+        for p in parsed:
+            verdict = "parses" if p["ok"] else f"REFUSED: {p['error']}"
+            console.print(f"{p['role']}: {verdict} ({p['parser']}'s own parser)", highlight=False, soft_wrap=True)
+    if any(not p["ok"] for p in parsed):
+        raise typer.Exit(2)
+
+
 @app.command()
 @user_errors
 def verify(
