@@ -360,7 +360,7 @@ def check_serving(
 @app.command("serve-commands")
 @user_errors
 def serve_commands(
-    path: Annotated[Path, typer.Argument(metavar="DIR", help="A convert output (prefill/, decode/).")],
+    path: Annotated[Path, typer.Argument(metavar="DIR", help=f"A convert output (prefill/, decode/), or a preset ({', '.join(preset_names())}): the pair convert would write.")],
     engine: Annotated[str, typer.Option(help="sglang or vllm.")] = "sglang",
     tp: Annotated[int, typer.Option(help="GPUs per instance (tensor-parallel size) on each pool.")] = 8,
     ep: Annotated[int, typer.Option(help="Expert-parallel size for the routed experts (divides --tp; vLLM: 1 or --tp).")] = 1,
@@ -378,10 +378,19 @@ def serve_commands(
     from quantkit.serving.layout import Layout
 
     layout = Layout(tp, ep, dp_attention, gpu)
-    if why := layout_refusal(path, engine, layout):
+    facts = stored = None
+    if not path.is_dir() and str(path) in preset_names():  # the pair convert would write for a preset
+        from quantkit.model.arch import arch_from_config
+        from quantkit.model.presets import load_preset
+        from quantkit.planner.capacity import recipe_group_size
+        from quantkit.serving.commands import predicted_facts
+
+        config = load_preset(str(path))
+        facts, stored = predicted_facts(config, str(path), recipe_group_size(str(path), arch_from_config(config)))
+    if why := layout_refusal(path, engine, layout, stored):
         console.print(f"[red]{why}[/red]", highlight=False, soft_wrap=True)
         raise typer.Exit(2)
-    cmds, facts = build(path, engine, layout, mount=mount, mtp=mtp)
+    cmds, facts = build(path, engine, layout, mount=mount, mtp=mtp, facts=facts)
     parsed = check_commands(cmds) if check else []
     if json_out:
         emit_json({"engine": engine, "layout": layout.flags(), "notes": facts.notes, "parsed": parsed,

@@ -96,6 +96,25 @@ def pair_facts(out: Path) -> PairFacts:
     return facts
 
 
+def predicted_facts(config: dict, name: str, group_size: int) -> tuple[PairFacts, list]:
+    """PairFacts of the pair `quantkit convert` would write for a config (a preset): KV scales (convert
+    calibrates them), the MTP depth, the fusion flag from the predicted decode checkpoint; and the
+    predicted (prefill, decode) for the layout check."""
+    from quantkit.model.families import family_of
+    from quantkit.serving.checks import _fusion_flag, inventory
+    from quantkit.serving.layout import predicted_stored
+
+    stored = [predicted_stored(config, w, group_size=group_size) for w in ("prefill", "decode")]
+    decode = stored[1]
+    fam = family_of(decode.config.get("model_type"))
+    facts = PairFacts(name=name, kv_scales=True, mtp=int(decode.text.get("num_nextn_predict_layers") or 0),
+                      trust_remote_code=bool(getattr(fam, "trust_remote_code", False)),
+                      fusion_flag=bool(_fusion_flag("sglang", decode, inventory(decode, "sglang"), None)),
+                      notes=[f"predicted from the {name} config: the pair `quantkit convert` writes (INT4 group "
+                             f"{group_size}); run it on the converted DIR to use the pair's own facts"])
+    return facts, stored
+
+
 def _json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
@@ -104,11 +123,13 @@ def _json(path: Path) -> dict:
 
 
 def serve_commands(out: str | Path, engine: str, layout: Layout, *, mount: str | None = None, mtp: bool = True,
-                   port: int = 30000, router_port: int = 8000) -> tuple[list[Command], PairFacts]:
-    """The prefill, decode and router commands for the pair in `out` (see the module docstring)."""
+                   port: int = 30000, router_port: int = 8000,
+                   facts: PairFacts | None = None) -> tuple[list[Command], PairFacts]:
+    """The prefill, decode and router commands for the pair in `out` (see the module docstring);
+    `facts`: given instead of read from `out` (`predicted_facts` for a preset)."""
     if engine not in ("sglang", "vllm"):
         raise ConfigError(f"--engine {engine}: choose sglang or vllm")
-    facts = pair_facts(Path(out))
+    facts = facts or pair_facts(Path(out))
     path = mount or f"/models/{facts.name}"
     spec = facts.mtp > 0 and mtp
     if engine == "sglang":
@@ -116,7 +137,8 @@ def serve_commands(out: str | Path, engine: str, layout: Layout, *, mount: str |
     else:
         cmds = _vllm(path, facts, layout, spec, port)
     for c, which in zip(cmds, ("prefill", "decode")):
-        c.comment = f"on the {which} nodes, {Path(out) / which} mounted at {path}"
+        where = Path(out) / which if Path(out).is_dir() else f"DIR/{which}"  # a preset: the pair convert writes
+        c.comment = f"on the {which} nodes, {where} mounted at {path}"
     return cmds, facts
 
 
@@ -177,13 +199,13 @@ def render(cmds: list[Command], facts: PairFacts, engine: str, layout: Layout) -
     return "\n".join(head) + "\n" + "\n\n".join(c.text() for c in cmds) + "\n"
 
 
-def layout_refusal(out: Path, engine: str, layout: Layout) -> str | None:
+def layout_refusal(out: Path, engine: str, layout: Layout, stored: list | None = None) -> str | None:
     """Why `engine` would refuse this pair at `layout` (check-serving's per-rank rules), with a layout
-    that works; None when every rank's shards pass."""
+    that works; None when every rank's shards pass. `stored`: the pair's tensors when not read from `out`."""
     from quantkit.serving.checks import read_stored
     from quantkit.serving.layout import check_layout, working_layout
 
-    stored = [read_stored(Path(out) / w) for w in ("prefill", "decode")]
+    stored = stored or [read_stored(Path(out) / w) for w in ("prefill", "decode")]
     problems = [p.text(engine) for st in stored for p in check_layout(st, layout, engine).problems]
     if not problems:
         return None

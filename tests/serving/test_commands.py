@@ -118,3 +118,20 @@ def test_cli_prints_checked_commands_and_refuses_a_broken_layout(pairs, parsers)
     bad = subprocess.run(run + ["--tp", "2", "--engine", "vllm"], capture_output=True, text=True, check=False)
     err = " ".join(bad.stderr.split())
     assert bad.returncode == 2 and "rule fp8-linear-block" in err and "a layout that works: --tp 2 --ep 2 --dp-attention" in err
+
+
+def test_presets_give_the_shipped_pairs_commands(parsers):
+    """From a preset: the pair convert would write. GLM-5.2 at TP 8 on H200 parses on all three parsers,
+    with SGLang's shared-expert fusion turned off on the decode side only (256 experts, FP8 shared
+    expert beside INT4 routed ones); Qwen3-30B-A3B at TP 8 is refused with EP 8 as the way out."""
+    run = [sys.executable, "-m", "quantkit", "serve-commands"]
+    glm = subprocess.run(run + ["glm-5.2", "--tp", "8", "--check"], capture_output=True, text=True, check=False)
+    assert glm.returncode == 0 and glm.stderr.count("parses") == 3, glm.stderr
+    prefill, decode = glm.stdout.split("# decode:")[0], glm.stdout.split("# decode:")[1].split("# router:")[0]
+    assert "--disable-shared-experts-fusion" in decode and "--disable-shared-experts-fusion" not in prefill
+    kimi = subprocess.run(run + ["kimi-k2.6", "--tp", "8", "--engine", "vllm", "--check"], capture_output=True,
+                          text=True, check=False)
+    assert kimi.returncode == 0 and kimi.stdout.count("--trust-remote-code") == 2, kimi.stderr
+    qwen = subprocess.run(run + ["qwen3-30b-a3b", "--tp", "8", "--engine", "vllm"], capture_output=True, text=True,
+                          check=False)
+    assert qwen.returncode == 2 and "a layout that works: --tp 8 --ep 8" in " ".join(qwen.stderr.split())
