@@ -427,7 +427,7 @@ def verify(
 @user_errors
 def probe(
     url: Annotated[str, typer.Argument(help="The endpoint's OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1.")],
-    pair: Annotated[Path, typer.Option("--pair", metavar="DIR", help="The convert output (prefill/, decode/) to compare the endpoint with.")],
+    pair: Annotated[Optional[Path], typer.Option("--pair", metavar="DIR", help="The convert output (prefill/, decode/) to compare the endpoint with (not needed with --isolation).")] = None,
     model: Annotated[Optional[str], typer.Option(help="The server's name for the model (default: its only one).")] = None,
     api_key_env: Annotated[str, typer.Option(help="Environment variable holding the API key (sent as a Bearer token).")] = "OPENAI_API_KEY",
     timeout: Annotated[float, typer.Option(help="Seconds per request.")] = 60.0,
@@ -440,9 +440,29 @@ def probe(
     prompts: Annotated[Optional[Path], typer.Option(help="Another recorded prompt set (JSON like quantkit/probe/prompts.json; default: that one).")] = None,
     numerics: Annotated[str, typer.Option(help="How the candidates are computed: engine (as vLLM/SGLang/transformers run the checkpoints as stored: FP8 block Linears W8A8) or weights (dequantized copies).")] = "engine",
     tool_task: Annotated[Optional[str], typer.Option(help="Also send a tool task's prompts with tools= (`default`: the shipped one): finish_reason tool_calls F1 against the source and the schema accuracy of the endpoint's calls.")] = None,
+    isolation: Annotated[bool, typer.Option("--isolation", help="Instead: test that the endpoint keeps concurrent requests apart (shared prefixes, distinct canaries, each answer against the same request sent alone); exit 2 on a leak.")] = False,
+    requests: Annotated[int, typer.Option(help="--isolation: requests in flight together.")] = 4,
+    rounds: Annotated[int, typer.Option(help="--isolation: concurrent rounds.")] = 6,
+    seed: Annotated[int, typer.Option(help="--isolation: seed of the prefix and canaries.")] = 0,
     json_out: Json = False,
 ):
-    """Check an OpenAI-compatible endpoint against the pair's reference forward; name the checkpoint it behaves like."""
+    """Check an OpenAI-compatible endpoint against the pair's reference forward; name the checkpoint it behaves like.
+    With --isolation: check that it keeps concurrent requests apart."""
+    if isolation:
+        from quantkit.probe.isolation import isolation_probe
+
+        res = isolation_probe(url, model=model, requests=requests, rounds=rounds, seed=seed, api_key_env=api_key_env,
+                              timeout=timeout, retries=retries)
+        if json_out:
+            emit_json(res.data)
+        else:
+            for line in res.lines():
+                Console().print(line, highlight=False, soft_wrap=True)
+        if not res.isolated:
+            raise typer.Exit(2)
+        return
+    if pair is None:
+        raise typer.BadParameter("--pair DIR is required (or pass --isolation)")
     from quantkit.probe.pipeline import probe as run_probe
 
     result = run_probe(url, pair, model=model, api_key_env=api_key_env, timeout=timeout, retries=retries,
