@@ -344,13 +344,20 @@ def validate(
 def check_serving(
     path: Annotated[Path, typer.Argument(help="A checkpoint folder, or a convert output (checks prefill/ and decode/).")],
     engine: Annotated[str, typer.Option(help="vllm, sglang or all.")] = "all",
+    tp: Annotated[Optional[int], typer.Option(help="GPUs per serving instance (tensor-parallel size): check every module's shard per rank against the kernel rules of each engine.")] = None,
+    ep: Annotated[int, typer.Option(help="With --tp: expert-parallel size for the routed experts (divides --tp; MoE TP = tp / ep). vLLM's EP is 1 or --tp.")] = 1,
+    dp_attention: Annotated[bool, typer.Option("--dp-attention", help="With --tp: attention data-parallel (attention weights whole on every rank).")] = False,
+    gpu: Annotated[str, typer.Option(help="With --tp: the GPU the engines pick kernels for: h100, h200 or b200.")] = "h200",
     json_out: Json = False,
 ):
-    """Ask vLLM's and SGLang's own code (pinned releases) which scheme each module gets; exit 2 if one would refuse."""
+    """Ask vLLM's and SGLang's own code (pinned releases) which scheme each module gets, and with --tp whether
+    every rank's shards keep the kernels' rules; exit 2 if one would refuse, naming a layout that works."""
     from quantkit.serving.checks import ENGINES, check_serving_many, render, serving_folders
+    from quantkit.serving.layout import Layout
 
     engines = ENGINES if engine == "all" else (engine,)
-    reports = check_serving_many(serving_folders(path), engines)
+    layout = Layout(tp, ep, dp_attention, gpu) if tp is not None else None
+    reports = check_serving_many(serving_folders(path), engines, layout=layout)
     if json_out:
         emit_json([r.to_dict() for r in reports])
     else:
@@ -377,6 +384,53 @@ def _serving_verdict(reports) -> str:
     return f"verdict: REFUSED: {'; '.join(refused)} (exit 2)"
 
 
+@app.command("serve-commands", cls=_Command)
+@user_errors
+def serve_commands(
+    path: Annotated[Path, typer.Argument(metavar="DIR", help=f"A convert output (prefill/, decode/), or a preset ({', '.join(preset_names())}): the pair convert would write.")],
+    engine: Annotated[str, typer.Option(help="sglang or vllm.")] = "sglang",
+    tp: Annotated[int, typer.Option(help="GPUs per instance (tensor-parallel size) on each pool.")] = 8,
+    ep: Annotated[int, typer.Option(help="Expert-parallel size for the routed experts (divides --tp; vLLM: 1 or --tp).")] = 1,
+    dp_attention: Annotated[bool, typer.Option("--dp-attention", help="Attention data-parallel.")] = False,
+    gpu: Annotated[str, typer.Option(help="The GPU the layout is checked for: h100, h200 or b200.")] = "h200",
+    mount: Annotated[Optional[str], typer.Option(help="The path both pools mount their checkpoint at (the same on both: vLLM's handshake hashes it). Default /models/<name>.")] = None,
+    mtp: Annotated[bool, typer.Option(help="Speculative decoding with the checkpoint's MTP layer, identically on both pools (when it has one).")] = True,
+    check: Annotated[bool, typer.Option("--check", help="Parse every command with the pinned engine's own argument parser (fetched once from PyPI).")] = False,
+    json_out: Json = False,
+):
+    """Print the prefill, decode and router commands for a pair at a parallel layout, with the flags the pair
+    needs; exit 2 (naming a layout that works) if the layout breaks a kernel rule."""
+    from quantkit.serving.commands import check_commands, layout_refusal, render
+    from quantkit.serving.commands import serve_commands as build
+    from quantkit.serving.layout import Layout
+
+    layout = Layout(tp, ep, dp_attention, gpu)
+    facts = stored = None
+    if not path.is_dir() and str(path) in preset_names():  # the pair convert would write for a preset
+        from quantkit.model.arch import arch_from_config
+        from quantkit.model.presets import load_preset
+        from quantkit.planner.capacity import recipe_group_size
+        from quantkit.serving.commands import predicted_facts
+
+        config = load_preset(str(path))
+        facts, stored = predicted_facts(config, str(path), recipe_group_size(str(path), arch_from_config(config)))
+    if why := layout_refusal(path, engine, layout, stored):
+        console.print(f"[red]{why}[/red]", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
+    cmds, facts = build(path, engine, layout, mount=mount, mtp=mtp, facts=facts)
+    parsed = check_commands(cmds) if check else []
+    if json_out:
+        emit_json({"engine": engine, "layout": layout.flags(), "notes": facts.notes, "parsed": parsed,
+                   "commands": [{"role": c.role, "argv": c.argv, "comment": c.comment} for c in cmds]})
+    else:
+        sys.stdout.write(render(cmds, facts, engine, layout))
+        for p in parsed:
+            verdict = "parses" if p["ok"] else f"REFUSED: {p['error']}"
+            console.print(f"{p['role']}: {verdict} ({p['parser']}'s own parser)", highlight=False, soft_wrap=True)
+    if any(not p["ok"] for p in parsed):
+        raise typer.Exit(2)
+
+
 @app.command(cls=_Command)
 @user_errors
 def verify(
@@ -400,7 +454,7 @@ def verify(
 @user_errors
 def probe(
     url: Annotated[str, typer.Argument(help="The endpoint's OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1.")],
-    pair: Annotated[Path, typer.Option("--pair", metavar="DIR", help="The convert output (prefill/, decode/) to compare the endpoint with.")],
+    pair: Annotated[Optional[Path], typer.Option("--pair", metavar="DIR", help="The convert output (prefill/, decode/) to compare the endpoint with (not needed with --isolation).")] = None,
     model: Annotated[Optional[str], typer.Option(help="The server's name for the model (default: its only one).")] = None,
     api_key_env: Annotated[str, typer.Option(help="Environment variable holding the API key (sent as a Bearer token).")] = "OPENAI_API_KEY",
     timeout: Annotated[float, typer.Option(help="Seconds per request.")] = 60.0,
@@ -414,9 +468,29 @@ def probe(
     numerics: Annotated[str, typer.Option(help="How the candidates are computed: auto (each in every numerics that computes it differently, judged by its best-supported one), engine (vLLM/SGLang, transformers on a GPU or compressed-tensors: FP8 block Linears W8A8), transformers (transformers on a CPU: native FP8 dequantized on load) or weights (dequantized copies).")] = "auto",
     tokens: Annotated[Optional[int], typer.Option(help="Greedy tokens per prompt (default: the prompt set's max_tokens); the power lines say which budget separates the checkpoints.")] = None,
     tool_task: Annotated[Optional[str], typer.Option(help="Also send a tool task's prompts with tools= (`default`: the shipped one): finish_reason tool_calls F1 against the source and the schema accuracy of the endpoint's calls.")] = None,
+    isolation: Annotated[bool, typer.Option("--isolation", help="Instead: test that the endpoint keeps concurrent requests apart (shared prefixes, distinct canaries, each answer against the same request sent alone); exit 2 on a leak.")] = False,
+    requests: Annotated[int, typer.Option(help="--isolation: requests in flight together.")] = 4,
+    rounds: Annotated[int, typer.Option(help="--isolation: concurrent rounds.")] = 6,
+    seed: Annotated[int, typer.Option(help="--isolation: seed of the prefix and canaries.")] = 0,
     json_out: Json = False,
 ):
-    """Check an OpenAI-compatible endpoint against the pair's reference forward; name the checkpoint it behaves like."""
+    """Check an OpenAI-compatible endpoint against the pair's reference forward; name the checkpoint it behaves like.
+    With --isolation: check that it keeps concurrent requests apart."""
+    if isolation:
+        from quantkit.probe.isolation import isolation_probe
+
+        res = isolation_probe(url, model=model, requests=requests, rounds=rounds, seed=seed, api_key_env=api_key_env,
+                              timeout=timeout, retries=retries)
+        if json_out:
+            emit_json(res.data)
+        else:
+            for line in res.lines():
+                Console().print(line, highlight=False, soft_wrap=True)
+        if not res.isolated:
+            raise typer.Exit(2)
+        return
+    if pair is None:
+        raise typer.BadParameter("--pair DIR is required (or pass --isolation)")
     from quantkit.probe.pipeline import probe as run_probe
 
     result = run_probe(url, pair, model=model, api_key_env=api_key_env, timeout=timeout, retries=retries,

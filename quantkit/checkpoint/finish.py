@@ -7,7 +7,8 @@
                     staging checks the decode bytes match them.
     place prefill   one rename prefill.partial/ -> prefill/
     place decode    one rename decode.partial/ -> decode/
-    report          convert-report.json (stating both manifests' digests), written last
+    report          pair.json (the pair's contract, quantkit.checkpoint.pair), then convert-report.json
+                    (stating both manifests' digests and pair.json's), written last
     done            the state folder is removed
 
 `finish.json` in the state folder records which of these steps completed, so `--resume` picks up
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from quantkit.checkpoint.manifest import MANIFEST, build_manifest, shared_pairs, write_manifest
+from quantkit.checkpoint.pair import write_contract
 from quantkit.errors import OutputError
 from quantkit.runtime import faults
 from quantkit.runtime.files import atomic_write_text
@@ -96,6 +98,7 @@ def finish_pair(
                               f"remove {out} and convert again")
     digests = {w: _digest(out / w) for w in PAIR}
     report = make_report(digests)
+    report["pair_contract"] = write_contract(out)  # pair.json: what the phases share for a KV cache to cross them
     atomic_write_text(out / REPORT, json.dumps(report, indent=2) + "\n")
     _mark(state_dir, j, "report")
     trash = state_dir.with_name(state_dir.name + ".done")  # one rename ends the run; then tidy up

@@ -169,6 +169,7 @@ class VerifyResult:
     problems: list[str] = field(default_factory=list)
     manifest_sha256: dict[str, str] = field(default_factory=dict)
     unfinished: str | None = None  # a convert still running or interrupted (quantkit.checkpoint.unfinished)
+    pair_contract: dict | None = None  # pair.json checked (quantkit.checkpoint.pair): holds, first difference
 
     @property
     def ok(self) -> bool:
@@ -178,7 +179,7 @@ class VerifyResult:
         return {"dir": str(self.dir), "ok": self.ok, "folders": self.folders, "files_checked": self.files_checked,
                 "tensors_checked": self.tensors_checked, "shared_checked": self.shared_checked,
                 "shared_tensors": self.shared_tensors,
-                "manifest_sha256": self.manifest_sha256, "problems": self.problems}
+                "manifest_sha256": self.manifest_sha256, "pair_contract": self.pair_contract, "problems": self.problems}
 
     def raise_for_problems(self) -> "VerifyResult":
         if self.unfinished:  # not damage: a convert still running or interrupted (never "reconvert it")
@@ -200,6 +201,10 @@ class VerifyResult:
         t.add_row("tensors (sha256, dtype, shape)", str(self.tensors_checked))
         t.add_row("shared tensors identical across the pair (as the card counts them)",
                   f"{self.shared_tensors} ({self.shared_checked} stored: FP8 scales counted apart)")
+        if self.pair_contract and self.pair_contract.get("counts"):
+            c = self.pair_contract
+            held = "holds" if c["holds"] else f"does not hold: {c['first_difference']}"
+            t.add_row(f"pair contract (pair.json): {held}", str(sum(c["counts"].values())))
         t.caption = "OK" if self.ok else f"{len(self.problems)} problem(s)"
         return t
 
@@ -237,6 +242,10 @@ def verify(dir: str | Path) -> VerifyResult:
         actual[which] = _check_folder(folder, which, m, res)
     if pair and len(actual) == 2:
         _check_shared(manifests, actual, res)
+        from quantkit.checkpoint.pair import check_contract
+
+        res.pair_contract, found = check_contract(d, actual)
+        res.problems += found
     return res
 
 

@@ -199,6 +199,8 @@ class Plan:
     assumptions: dict[str, dict[str, Any]]  # option -> {"value", "meaning"}
     notes: list[str] = field(default_factory=list)
     article: list[Comparison] = field(default_factory=list)
+    # the planned layout against check-serving's per-rank kernel rules (quantkit.planner.layouts)
+    serving: dict[str, Any] = field(default_factory=dict)
 
     @property
     def params_text(self) -> int:
@@ -511,7 +513,18 @@ def plan(
         notes=_notes(arch, fmts["source"], o, idx_layers),
     )
     result.article = compare_to_article(result)
+    _check_serving_layout(result, model, o)
     return result
+
+
+def _check_serving_layout(result: Plan, model: str | Path | dict, o: _Setup) -> None:
+    """Only a layout whose shards pass the engines' kernel rules is recommended (a note says which)."""
+    from quantkit.planner.layouts import layout_note, raw_config, serving_layouts
+
+    result.serving = serving_layouts(raw_config(model), tp=o.tp, gpu=o.gpu, group_size=o.group_size,
+                                     bf16_projs=o.prefill_bf16_projs, dp_attention=not o.kv_replicated)
+    if note := layout_note(result.serving):
+        result.notes.append(note)
 
 
 if __name__ == "__main__":  # python -m quantkit.planner.capacity [preset]

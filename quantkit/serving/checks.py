@@ -40,6 +40,7 @@ What the engines build is a cited reading (the model files cannot run without a 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -90,6 +91,7 @@ class EngineReport:
     problems: list[str] = field(default_factory=list)
     flags: list[str] = field(default_factory=list)  # launch flags this checkpoint needs
     stubbed: int = 0
+    layout: dict | None = None  # the per-rank check at the user's layout (quantkit.serving.layout)
 
 
 @dataclass
@@ -247,7 +249,7 @@ def _judge(m: Module, ans: dict, st: _Stored) -> str | None:
         if ans.get("block") != [FP8_BLOCK, FP8_BLOCK]:
             return f"stored FP8 {FP8_BLOCK}x{FP8_BLOCK} blocks but the engine's block size is {ans.get('block')}"
     elif got not in UNQUANTIZED:
-        return f"stored BF16 but the engine picks {got}"
+        return f"stored BF16 but the engine picks {got}: {ignore_fix(st, m)}"
     if ans.get("params"):
         return _check_params(m, ans["params"], st)
     return None
@@ -459,6 +461,20 @@ def rules_report(engine: str, st: _Stored, mods: list[Module], *, reason: str) -
     return rep
 
 
+def ignore_fix(st: _Stored, m: Module) -> str:
+    """What to add to the quantization config so the engines leave a BF16 module alone."""
+    key = "modules_to_not_convert" if st.qc.get("quant_method") == "fp8" else "ignore"
+    n_layers = int(st.text["num_hidden_layers"])
+    layer = re.search(r"layers\.(\d+)\.", m.shards[0])
+    if layer and int(layer.group(1)) >= n_layers:  # the MTP layer: its own name and SGLang's draft name
+        pats = [rf"re:(^|.*\.)layers\.{layer.group(1)}\..*", r"re:(^|.*\.)decoder\..*"]
+        return (f"the MTP layer (num_nextn_predict_layers) is stored BF16 but quantization_config.{key} does not "
+                f"list it; add '{pats[0]}' and '{pats[1]}' (SGLang's draft-model names)")
+    pats = [rf"re:(^|.*\.){re.escape(s.split('.', 1)[1] if s.startswith('model.') else s)}$" for s in m.shards]
+    quoted = ", ".join(f"'{p}'" for p in pats)
+    return f"quantization_config.{key} does not list it; add {quoted}"
+
+
 RULES = """\
 Re-statement of the pinned engines' rules (used only when their code cannot be fetched):
 1. SGLang W4A16 MoE schemes need the top-level `format` == "pack-quantized" (compressed_tensors_wNa16_moe.py).
@@ -467,6 +483,10 @@ Re-statement of the pinned engines' rules (used only when their code cannot be f
    fused gate_up_proj / fused_qkv_a_proj_with_mqa should get.
 3. SGLang reads weight_block_size only from the group targeting `Linear`.
 4. vLLM uses each group's own `format` and matches name, fused shards, then class name.
+5. Both: a module a config group targets is quantized unless `ignore` (compressed-tensors) or
+   `modules_to_not_convert` (fp8) lists it (vLLM compressed_tensors/utils.py should_ignore_layer,
+   SGLang compressed_tensors/utils.py should_ignore_layer, vLLM/SGLang Fp8Config is_layer_skipped):
+   a module stored BF16 must be listed, the MTP layer's included.
 """
 
 
@@ -478,12 +498,43 @@ def _linear_group_is_int4(qc: dict) -> bool:
     return False
 
 
-def rules_check(engine: str, st: _Stored, mods: list[Module]) -> list[str]:
-    """The problems RULES predicts for this checkpoint (SGLang only: vLLM's rules accept both layouts)."""
+def _matches(pattern: str, name: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return pattern == name or name.endswith("." + pattern) or pattern in name.split(".")
+
+
+def bf16_not_ignored(st: _Stored, mods: list[Module]) -> list[str]:
+    """Rule 5: the modules stored BF16 that a group targets and the ignore list misses (under their
+    runtime name and every stored shard's name)."""
     qc = st.qc
-    if qc.get("quant_method") != "compressed-tensors" or engine != "sglang":
-        return []
+    if qc.get("quant_method") == "fp8":
+        ignore, targets = qc.get("modules_to_not_convert") or qc.get("ignored_layers") or [], ["Linear", "FusedMoE"]
+    else:
+        ignore = qc.get("ignore") or []
+        targets = [t for g in (qc.get("config_groups") or {}).values() for t in g.get("targets", [])]
     out = []
+    for m in mods:
+        if m.stored != "bf16" or m.kind == "lm_head":
+            continue
+        names = [m.name, *m.shards]
+        cls = "FusedMoE" if m.kind == "moe" else "Linear"
+        if not any(t == cls or any(_matches(t, n) for n in names) for t in targets):
+            continue  # no group targets it: unquantized anyway
+        if any(_matches(p, n) for p in ignore for n in names):
+            continue
+        out.append(f"{m.name}: stored BF16 but a config group targets it: {ignore_fix(st, m)} (rule 5)")
+    return out
+
+
+def rules_check(engine: str, st: _Stored, mods: list[Module]) -> list[str]:
+    """The problems RULES predicts for this checkpoint (rules 1-3 SGLang only: vLLM's accept both layouts)."""
+    qc = st.qc
+    if qc.get("quant_method") not in ("compressed-tensors", "fp8"):
+        return []
+    out = bf16_not_ignored(st, mods)
+    if qc.get("quant_method") != "compressed-tensors" or engine != "sglang":
+        return out
     if any(m.stored == "int4" for m in mods) and qc.get("format") != "pack-quantized":
         out.append(f"top-level format {qc.get('format')!r}: SGLang's W4A16 MoE schemes need 'pack-quantized' (rule 1)")
     linear = next((g for g in qc.get("config_groups", {}).values() if "Linear" in g.get("targets", [])), None)
@@ -500,17 +551,40 @@ def check_serving(folder: str | Path, engines: tuple[str, ...] = ENGINES, *, dow
 
 
 def check_serving_many(folders: list[str | Path], engines: tuple[str, ...] = ENGINES, *,
-                       download: bool = True) -> list[ServingReport]:
-    """`check_serving` for several folders, one engine process each (a convert output's pair)."""
+                       download: bool = True, layout=None) -> list[ServingReport]:
+    """`check_serving` for several folders, one engine process each (a convert output's pair).
+    `layout` (a quantkit.serving.layout.Layout): also check every module's shard per rank under it."""
     for e in engines:
         if e not in ENGINES:
             raise ConfigError(f"unknown engine {e!r}; choose from {', '.join(ENGINES)} or all")
     paths = [Path(f) for f in folders]
     stored = [read_stored(p) for p in paths]
     per_engine = {e: engine_reports(e, stored, download=download) for e in engines}
+    if layout is not None:
+        add_layout_checks(stored, per_engine, layout)
     return [ServingReport(str(p), st.qc.get("quant_method", "?"), [per_engine[e][i] for e in engines],
                           compressed_tensors_problems(st))
             for i, (p, st) in enumerate(zip(paths, stored))]
+
+
+def add_layout_checks(stored: list[_Stored], per_engine: dict[str, list[EngineReport]], layout) -> None:
+    """Each folder's modules at `layout`, per engine (quantkit.serving.layout): a broken rule is a
+    refusal naming the module, the rule, its citation and a layout of the same GPUs that passes."""
+    from quantkit.serving.layout import check_layout, working_layout
+
+    reports = {(e, i): check_layout(st, layout, e) for e in per_engine for i, st in enumerate(stored)}
+    works = None
+    if not all(r.ok for r in reports.values()):
+        found = working_layout(stored, layout, tuple(per_engine))
+        works = (f"a layout that works: {found.flags()}" if found else
+                 "no layout of these GPUs passes every engine: convert with a smaller --group-size")
+    for (e, i), r in reports.items():
+        rep = per_engine[e][i]
+        rep.layout = r.to_dict() | ({"works": works} if works else {})
+        if r.problems:  # the way out first: the CLI prints the first few problems
+            rep.problems.append(f"at {layout.flags()}: {len(r.problems)} module(s) break a kernel rule; {works}")
+        rep.problems += [f"at {layout.flags()}: {p.text(e)}" for p in r.problems]
+        rep.loads = rep.loads and r.ok
 
 
 def compressed_tensors_problems(st: _Stored) -> list[str]:
@@ -560,6 +634,11 @@ def render(report: ServingReport):
             t.add_row(r.module, r.stored, scheme, checked)
         notes = [f"launch with {' '.join(f for f in e.flags if not f.startswith('#'))}"] if any(
             not f.startswith("#") for f in e.flags) else []
+        if e.layout:
+            lay = e.layout["layout"]
+            notes.append(f"at --tp {lay['tp']} --ep {lay['ep']}{' --dp-attention' if lay['dp_attention'] else ''} "
+                         f"on {lay['gpu']}: " + ("every rank's shards pass" if e.layout["ok"] else "REFUSED")
+                         + "".join(f"; {k}: {v}" for k, v in e.layout["kernels"].items()))
         notes += [p for p in e.problems if not any(p.startswith(r.module + ":") for r in e.rows)]
         t.caption = "; ".join(notes) or None
         tables.append(t)

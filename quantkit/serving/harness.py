@@ -36,7 +36,9 @@ stubs too, and our stand-in layers derive from them under the engine's real clas
 stand-ins, where an inert value would take another code path:
   - the device: an sm90 GPU (H100/H200), as `torch.cuda.get_device_capability` inside engine
     modules, vLLM's `current_platform`, SGLang's `is_cuda()` (`is_hip`/`is_npu`/`is_xpu` false);
-  - TP 1: `get_tensor_model_parallel_world_size() == 1`, SGLang `layer.tp_group = None`;
+  - TP 1: `get_tensor_model_parallel_world_size() == 1`, SGLang `layer.tp_group = None`; a module
+    request with "tp" > 1 and per-rank create sizes (plus "input_size_full" / "output_size_full")
+    builds one rank's shard instead (vLLM `layer.tp_size`, SGLang `layer.tp_group.world_size`);
   - the MoE layer's config: gated SwiGLU, no bias (vLLM `FusedMoEConfig.is_act_and_mul`, SGLang
     `MoeRunnerConfig.is_gated`), and vLLM's `FusedMoEMethodBase.__init__` keeping it as `self.moe`
     (fused_moe/fused_moe_method_base.py);
@@ -342,12 +344,15 @@ def _layer(engine: str, cls_name: str, attrs: dict):
     base_cls = getattr(importlib.import_module(base_mod), base)
     cls = type(cls_name, (torch.nn.Module, base_cls), {"__init__": torch.nn.Module.__init__})
     layer = cls()
+    tp = int(attrs.get("tp") or 1)  # a rank's shard under tensor parallelism (quantkit.serving.layout's oracle)
+    if tp > 1:
+        layer.tp_size = tp  # vLLM validate_fp8_block_shape: getattr(layer, "tp_size", world size)
     layer.moe_tp_size = 1
     layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name = "gate_proj", "up_proj", "down_proj"
     layer.use_triton_kernels = layer.use_flashinfer_trtllm_moe = False
     layer.moe_config = _MoeConfig()  # vLLM's FusedMoEConfig
     layer.moe_runner_config = _MoeConfig()  # SGLang's MoeRunnerConfig (is_gated)
-    layer.tp_group = None  # SGLang: no TP group means TP 1
+    layer.tp_group = types.SimpleNamespace(world_size=tp) if tp > 1 else None  # SGLang: None means TP 1
     return layer
 
 
@@ -384,9 +389,11 @@ def _create_on(target, layer, kind: str, c: dict) -> None:
                               intermediate_size_per_partition=c["intermediate_size"], params_dtype=torch.bfloat16,
                               weight_loader=_Value())
     else:
+        # a rank's shard: the full sizes beside the per-rank ones (defaults: TP 1, the same)
         target.create_weights(layer=layer, input_size_per_partition=c["input_size"],
-                              output_partition_sizes=c["output_sizes"], input_size=c["input_size"],
-                              output_size=sum(c["output_sizes"]), params_dtype=torch.bfloat16,
+                              output_partition_sizes=c["output_sizes"],
+                              input_size=c.get("input_size_full", c["input_size"]),
+                              output_size=c.get("output_size_full", sum(c["output_sizes"])), params_dtype=torch.bfloat16,
                               weight_loader=_Value())
 
 

@@ -135,7 +135,22 @@ def target_notes(t: Target, tokens) -> list[str]:
     cal_spec = cal.get("spec") or (((t.report or {}).get("recipe") or {}).get("calibration") or {}).get("dataset")
     if (cal.get("sha256") and cal["sha256"] == tokens.sha256) or (cal_spec and cal_spec.strip() == tokens.spec):
         notes.append(f"the eval data {tokens.spec} is the calibration data: the numbers flatter the checkpoint")
+    if note := pair_contract_note((t.report or {}).get("pair_contract")):
+        notes.append(note)
     return notes
+
+
+def pair_contract_note(pc: dict | None) -> str | None:
+    """The cross-phase row's premise, stated: prefill/ and decode/ share what a KV cache needs to cross
+    them (pair.json, which `quantkit verify` checks before validate runs)."""
+    if not pc:
+        return None
+    if pc.get("holds"):
+        n = sum((pc.get("counts") or {}).values())
+        return (f"cross-phase: the pair's contract held (pair.json: {n} attention, indexer, KV-scale, MTP, "
+                "RoPE/cache-config and tokenizer items identical in prefill/ and decode/, verified before this run)")
+    return (f"cross-phase: the pair's contract does not hold ({pc.get('first_difference')}): a KV cache from the "
+            "prefill pool is not what this decode checkpoint would write; the cross-phase row measures that mix")
 
 
 def config_sha256(folder: Path, *, git_blob: bool = False) -> str | None:

@@ -212,3 +212,16 @@ def test_group_size_follows_the_models_recipe(kimi, glm):
         res = runner.invoke(app, ["plan", *args, "--json"])
         assert res.exit_code == 0, res.output
         assert json.loads(res.output)["assumptions"]["group_size"]["value"] == G, args
+
+
+def test_plan_recommends_only_a_serving_layout_that_passes():
+    """The planned TP size is checked with check-serving's per-rank kernel rules on the pair convert would
+    write: GLM 5.2 and Kimi K2.6 at TP 8 pass; Qwen3-30B-A3B's 768-wide experts at TP 8 (96 per rank)
+    split FP8 blocks and INT4 groups, so the plan recommends experts whole on each rank (EP 8)."""
+    for name in ("glm-5.2", "kimi-k2.6"):
+        s = plan(name).serving
+        assert s["passes"] and s["recommended"] == "--tp 8 --gpu h200", s["problems"][:2]
+    q = plan("qwen3-30b-a3b", gpus=8, gpu="h100")
+    assert not q.serving["passes"] and q.serving["recommended"] == "--tp 8 --ep 8 --gpu h100"
+    assert any("model.layers.0.mlp.experts" in p and "fp8-moe-block" in p for p in q.serving["problems"])
+    assert "recommended: --tp 8 --ep 8 --gpu h100" in q.notes[-1]
