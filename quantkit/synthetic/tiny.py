@@ -85,6 +85,10 @@ STEPS, BATCH, SEQ, LR = 100, 8, 48, 3e-3
 # Training steps per tiny model where not STEPS: Qwen3-MoE is the cheap one (a test-time addition;
 # enough steps that the model predicts the corpus and quantization error shows in KL and top-1).
 TINY_STEPS = {"qwen3-moe": 40}
+# What a tiny model learns after its main steps, in order (a few seconds each): "mtp" trains the MTP
+# layer to draft the main model's next greedy token (train_mtp).
+PHASES = {"glm-5.2": ("mtp",)}
+MTP_STEPS = 20
 
 
 def tiny_config(name: str) -> dict:
@@ -256,6 +260,11 @@ def _mlp_shapes(inter: int, hidden: int) -> dict[str, tuple[int, int]]:
 def model_logits(t: dict[str, torch.Tensor], arch: ModelArch, ids: torch.Tensor, *, dsa_dense: bool = False) -> torch.Tensor:
     """Whole-model forward over an in-memory weight dict (training and tests; the checkpoint path
     is quantkit.validation.forward.run)."""
+    return final_logits(t, arch, last_hidden(t, arch, ids, dsa_dense=dsa_dense))
+
+
+def last_hidden(t: dict[str, torch.Tensor], arch: ModelArch, ids: torch.Tensor, *, dsa_dense: bool = False) -> torch.Tensor:
+    """The last decoder layer's output (B, T, D), before the final norm (what the MTP layer reads)."""
     a = arch
     ctx = Context.build(a, ids.shape[1], ids.device, t[a.head_name].dtype)
     ctx.dsa_dense = dsa_dense
@@ -264,8 +273,13 @@ def model_logits(t: dict[str, torch.Tensor], arch: ModelArch, ids: torch.Tensor,
         p = a.layer_prefix(L)
         w = {k[len(p):]: v for k, v in t.items() if k.startswith(p)}
         h = decoder_layer(h, w, ctx, L).hidden
-    h = rms_norm(h, t[f"{a.prefix}norm.weight"], a.rms_norm_eps)
-    return torch.nn.functional.linear(h, t[head_weight_name(a)])
+    return h
+
+
+def final_logits(t: dict[str, torch.Tensor], arch: ModelArch, h: torch.Tensor) -> torch.Tensor:
+    """The final norm and the head on last hidden states h (B, T, D) -> (B, T, V)."""
+    h = rms_norm(h, t[f"{arch.prefix}norm.weight"], arch.rms_norm_eps)
+    return torch.nn.functional.linear(h, t[head_weight_name(arch)])
 
 
 @contextmanager
@@ -279,7 +293,7 @@ def _one_thread():
 
 
 def train(arch: ModelArch, seed: int = 0, steps: int = STEPS) -> dict[str, torch.Tensor]:
-    """Briefly train every decoder layer (the MTP layer stays at its init) with AdamW.
+    """Briefly train every decoder layer (the MTP layer stays at its init: train_mtp is its phase) with AdamW.
 
     Expert load is balanced the DeepSeek-V3 way, without an auxiliary loss: after every step each
     MoE layer's correction bias moves by a small fixed amount towards under-used experts (a family
@@ -301,6 +315,39 @@ def train(arch: ModelArch, seed: int = 0, steps: int = STEPS) -> dict[str, torch
             if arch.definition.router_bias:
                 _balance(t, arch, batch[:, :-1])
     return {k: v.detach() for k, v in t.items()}
+
+
+def train_mtp(t: dict[str, torch.Tensor], arch: ModelArch, seed: int = 0, steps: int = 40, lr: float = LR) -> dict[str, torch.Tensor]:
+    """Train the MTP layer alone (the main model frozen) to draft what the main model says next.
+
+    Speculative decoding accepts a draft when it equals the main model's next greedy token, so the
+    target at MTP position i (reading h_i and t_{i+1}) is the main model's distribution at i + 1
+    (distillation), not the corpus token t_{i+2}. An untrained MTP layer drafts nothing a server
+    would accept, and then a damaged or dropped MTP layer cannot show on validate's MTP row.
+    """
+    from quantkit.model.mtp import head_name, mtp_layer
+
+    a, layer = arch, arch.num_hidden_layers
+    p = a.layer_prefix(layer)
+    w = {k[len(p):]: v.detach().clone() for k, v in t.items() if k.startswith(p)}
+    opt = torch.optim.AdamW([v.requires_grad_() for k, v in w.items() if not k.endswith("e_score_correction_bias")],
+                            lr=lr, weight_decay=0.0)
+    main = {k: v.detach() for k, v in t.items()}
+    table, head = main[f"{a.prefix}embed_tokens.weight"], main[head_name(a, layer, main)]
+    data = batches(steps * BATCH, SEQ + 1, seed=seed + 500)  # other windows than the main steps' (seeds < 1000)
+    with _one_thread():
+        for step in range(steps):
+            ids = data[step * BATCH:(step + 1) * BATCH]
+            with torch.no_grad():
+                h = last_hidden(main, a, ids)
+                target = final_logits(main, a, h)[:, 1:].softmax(-1)  # (B, T - 1, V): the main model at i + 1
+            ctx = Context.build(a, ids.shape[1] - 1, ids.device, h.dtype)
+            logits = mtp_layer(h[:, :-1], ids[:, 1:], w, ctx, layer, table, head)  # (B, T - 1, V)
+            loss = -(target * logits.log_softmax(-1)).sum(-1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return main | {p + k: v.detach() for k, v in w.items()}
 
 
 @torch.no_grad()
@@ -451,7 +498,11 @@ def build(name: str, out: Path, *, steps: int | None = None, seed: int | None = 
     """Generate tiny model `name` into folder `out` (which must not exist)."""
     config = tiny_config(name)
     arch = arch_from_config(config)
-    t = train(arch, seed=tiny_seed() if seed is None else seed, steps=TINY_STEPS.get(name, STEPS) if steps is None else steps)
+    seed = tiny_seed() if seed is None else seed
+    t = train(arch, seed=seed, steps=TINY_STEPS.get(name, STEPS) if steps is None else steps)
+    for phase in PHASES.get(name, ()):
+        if phase == "mtp":
+            t = train_mtp(t, arch, seed, MTP_STEPS)
     SAVERS[name](t, arch, config, Path(out))
     return Path(out)
 
@@ -465,7 +516,7 @@ def tiny_path(name: str) -> Path:
     # Keyed by this file's source too, so any change to how tiny models are made rebuilds them.
     seed = tiny_seed()
     key = hashlib.sha256(json.dumps([TINY_VERSION, name, tiny_config(name), TINY_STEPS.get(name, STEPS), BATCH, SEQ, LR,
-                                     seed]).encode()
+                                     seed, PHASES.get(name, ())]).encode()
                          + Path(__file__).read_bytes()).hexdigest()[:12]
     folder = cache_dir() / "tiny" / (f"{name}-{key}" if seed == 0 else f"{name}-seed{seed}-{key}")
     return cached_build(folder, lambda tmp: build(name, tmp))

@@ -260,9 +260,9 @@ def _measured(which: str, v: dict) -> list[str]:
         m = rows[row]["metrics"]
         out.append(f"| {names[row]} | {_f(m.get('kl'), '.4g')} | {_f(m.get('top1'), '.4f')} | {_f(m.get('ppl_delta'), '+.2%')} "
                    f"| {_f(m.get('layer_rel_err'), '.3g')} | {_f(m.get('greedy_agree'), '.3f')} |")
-    mtp_row, mtp_line = mtp_card(which, v)
-    out += mtp_row + ([""] + mtp_line if mtp_line else [])
-    out += long_card(which, v)
+    mtp_row, mtp_lines = mtp_card(which, v)
+    out += mtp_row + long_card(which, v)  # the table's last rows; the MTP lines below it
+    out += [""] + mtp_lines if mtp_lines else []
     shown.append(f"long_context_{which}")  # its gates (indexer_overlap_min) in the summary below
     by_gate: dict[str, list[dict]] = {}
     for g in v["gates"]:
