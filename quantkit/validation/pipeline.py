@@ -210,7 +210,8 @@ def validate(
         m["tasks"] = run_tasks(spec, inp.ckpts, inp.t.reference_path, kv, dev, dtype, plan)
     if tools is not None:
         with torch.no_grad():
-            m["tool_calls"] = run_tool_task(tools, inp.ckpts, inp.t.reference_path, kv, dev, dtype, plan["chunk"])
+            m["tool_calls"] = run_tool_task(tools, inp.ckpts, inp.t.reference_path, kv, dev, dtype, plan["chunk"],
+                                            progress and group.leader)
     m["long_context"] = _long_context(inp, dev, dtype, plan, group, owners, long_n, kv.get(""))
     ranks = _gather_and_close(inp, plan, group, joined)
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from quantkit.errors import ConfigError
-from quantkit.validation.toolcalls import Call, Generation, compare, parse_calls, read_tool_task, schema_problem
+from quantkit.validation.toolcalls import Call, Generation, compare, paired_f1, parse_calls, read_tool_task, schema_problem
 
 ADD = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
@@ -84,6 +84,11 @@ def test_f1_and_schema_accuracy_on_a_checkpoint_that_drops_adds_and_breaks_calls
     assert (r["calls"], r["schema_valid"]) == (4, 3) and r["schema_accuracy"] == 0.75
     assert r["call_rate_delta"] == 0.0 and r["call_rate_delta_stderr"] == pytest.approx(0.3162, abs=1e-4)
     assert [c["problem"] is None for c in r["per_prompt"][2]["calls"]] == [False]
+    # SEs over prompts: jackknife for the ratios (leave-one-out F1s 0.5, 0.8, 0.5, 0.8, 2/3)
+    assert r["f1_stderr"] == pytest.approx(0.26866, abs=1e-4)
+    assert r["schema_accuracy_delta"] == pytest.approx(-0.25) and r["schema_accuracy_delta_stderr"] > 0
+    d, se = paired_f1(source, ckpt, source)  # this checkpoint against one that agrees with the source everywhere
+    assert d == pytest.approx(2 / 3 - 1) and se == pytest.approx(r["f1_stderr"])
     same = compare(source, source, task)
     assert same["f1"] == 1.0 and same["schema_accuracy"] == 1.0
     none = compare([stop] * 5, [stop] * 5, task)
