@@ -151,8 +151,8 @@ def mtp_card(which: str, d: dict) -> tuple[list[str], list[str]]:
     lines = [f"MTP draft accuracy (its top-1 is the actual token two ahead): this checkpoint {r['accuracy']:.4f}, "
              f"the source {r['reference_accuracy']:.4f}."]
     if r.get("acceptance") is not None:
-        lines.insert(0, f"MTP acceptance (the draft equals this checkpoint's own next greedy token, what SGLang's and vLLM's "
-                        f"speculative decoding accepts): this checkpoint {_accept(r)}, the source {_accept(m['reference'])}; "
-                        f"Δ {_delta(r)} (paired over {len(r['windows']['acceptance'])} windows).")
+        lines[:0] = [f"MTP acceptance (the draft equals this checkpoint's own next greedy token, what SGLang's and vLLM's "
+                     f"speculative decoding accepts): this checkpoint {_accept(r)}, the source {_accept(m['reference'])}; "
+                     f"Δ {_delta(r)} (paired over {len(r['windows']['acceptance'])} windows).", ""]
     return ([f"| MTP layer (speculative draft) vs the source's MTP | {r['kl']:.4g}{_se(r)} | {r['top1']:.4f} | — | — | — |"],
             lines)
