@@ -147,3 +147,20 @@ def test_validate_bad_tool_task_is_one_line(validated, tmp_path):
     with pytest.raises(ConfigError, match=rf"{f}: prompt 'q' has no tool schemas") as e:
         validate(out, device="cpu", progress=False, tool_task=f)
     assert "\n" not in str(e.value)
+
+
+def test_the_tool_task_reports_progress_per_token(tiny_glm, capsys):
+    """Off a terminal, one line per generated token (every row and prompt in lockstep), so a long tool task
+    is never silent."""
+    import torch
+
+    from quantkit.checkpoint.reader import Checkpoint
+    from quantkit.validation.toolcalls import run_tool_task
+
+    task = read_tool_task("default")
+    task.prompts, task.max_tokens = task.prompts[:2], 2
+    with torch.no_grad():
+        t = run_tool_task(task, {"reference": Checkpoint(tiny_glm)}, tiny_glm, {}, torch.device("cpu"), torch.float32, 16,
+                          progress=True)
+    assert t["rows"]["reference"]["prompts"] == 2
+    assert "validate: tool task (2 prompts x 1 rows), token 1/2" in capsys.readouterr().out
