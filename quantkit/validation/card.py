@@ -265,9 +265,9 @@ def _measured(which: str, v: dict) -> list[str]:
         label = names[row] + (" (identical to the source by construction; not counted as gate evidence)" if row in same else "")
         out.append(f"| {label} | {_f(m.get('kl'), '.4g')} | {_f(m.get('top1'), '.4f')} | {_f(m.get('ppl_delta'), '+.2%')} "
                    f"| {_f(m.get('layer_rel_err'), '.3g')} | {_f(m.get('greedy_agree'), '.3f')} |")
-    mtp_row, mtp_line = mtp_card(which, v)
-    out += mtp_row + long_card(which, v)  # the table's last rows; its sentences below it (a table ends at a blank line)
-    out += [""] + mtp_line if mtp_line else []
+    mtp_row, mtp_lines = mtp_card(which, v)
+    out += mtp_row + long_card(which, v)  # the table's last rows; the MTP lines below it
+    out += [""] + mtp_lines if mtp_lines else []
     shown.append(f"long_context_{which}")  # its gates (indexer_overlap_min) in the summary below
     by_gate: dict[str, list[dict]] = {}
     for g in v["gates"]:

@@ -147,9 +147,11 @@ def _mtp_caption(d: dict) -> str:
     rows = (d.get("mtp") or {}).get("rows")
     if not rows:
         return ""
-    return "\nMTP layer: " + "; ".join(f"{SHORT_TITLES.get(k, k)} KL {r['kl']:.3g}, top-1 {r['top1']:.3f}, accuracy "
-                                        f"{r['accuracy']:.3f}" for k, r in rows.items()) + \
-        f" (source accuracy {d['mtp']['reference']['accuracy']:.3f})"
+    ref = d["mtp"]["reference"]
+    accept = (lambda r: f"acceptance {r['acceptance']:.3f}, " if r.get("acceptance") is not None else "")  # noqa: E731
+    return "\nMTP layer: " + "; ".join(f"{SHORT_TITLES.get(k, k)} {accept(r)}KL {r['kl']:.3g}, top-1 {r['top1']:.3f}, "
+                                        f"accuracy {r['accuracy']:.3f}" for k, r in rows.items()) + \
+        f" (source {accept(ref)}accuracy {ref['accuracy']:.3f})"
 
 
 def render_markdown(d: dict) -> str:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from importlib import resources
@@ -204,18 +205,62 @@ def schema_counts(gens: list[Generation], task: ToolTask) -> dict:
     return {"calls": calls, "schema_valid": valid, "schema_accuracy": valid / calls if calls else None}
 
 
+def f1(ref: list[Generation], other: list[Generation]) -> float | None:
+    """finish_reason tool_calls F1 of `other` against `ref` (None when neither ever calls)."""
+    tc = [(r.finish_reason == "tool_calls", o.finish_reason == "tool_calls") for r, o in zip(ref, other)]
+    tp, wrong = sum(a and b for a, b in tc), sum(a != b for a, b in tc)
+    return 2 * tp / (2 * tp + wrong) if tp + wrong else None
+
+
+def schema_accuracy(gens: list[Generation], task: ToolTask) -> float | None:
+    return schema_counts(gens, task)["schema_accuracy"]
+
+
+def jackknife(stat, n: int) -> float | None:
+    """The jackknife standard error of `stat(kept)` over n prompts (kept: the indices left in): the SE of
+    a ratio over prompts (F1, schema accuracy) or of a difference of two on the same prompts (paired).
+    None when some leave-one-out value is undefined or n < 2."""
+    if n < 2:
+        return None
+    values = [stat([j for j in range(n) if j != i]) for i in range(n)]
+    if any(v is None for v in values):
+        return None
+    mean = sum(values) / n
+    return math.sqrt((n - 1) / n * sum((v - mean) ** 2 for v in values))
+
+
+def paired_f1(ref: list[Generation], a: list[Generation], b: list[Generation]) -> tuple[float | None, float | None]:
+    """F1(a) - F1(b), both against `ref` on the same prompts, and its jackknife SE (paired over prompts):
+    how two checkpoints' tool-call decisions compare (a damaged decode/ against an intact one)."""
+    def diff(kept):
+        fa, fb = f1([ref[i] for i in kept], [a[i] for i in kept]), f1([ref[i] for i in kept], [b[i] for i in kept])
+        return None if fa is None or fb is None else fa - fb
+
+    return diff(range(len(ref))), jackknife(diff, len(ref))
+
+
 def compare(ref: list[Generation], other: list[Generation], task: ToolTask) -> dict:
-    """One row against the reference: finish_reason tool_calls F1 with TP/FP/FN/TN, schema accuracy, the
-    paired call-rate difference (this minus reference, SE over prompts) and every prompt's record."""
+    """One row against the reference: finish_reason tool_calls F1 with TP/FP/FN/TN and its SE, schema accuracy
+    with the paired difference from the reference's (this minus reference), the paired call-rate difference
+    (SEs over prompts: jackknife for the ratios) and every prompt's record."""
     from quantkit.validation.tasks import paired
 
     tc = [(r.finish_reason == "tool_calls", o.finish_reason == "tool_calls") for r, o in zip(ref, other)]
     tp, fp = sum(a and b for a, b in tc), sum(b and not a for a, b in tc)
     fn, tn = sum(a and not b for a, b in tc), sum(not a and not b for a, b in tc)
     rate = paired({i: float(a) for i, (a, _) in enumerate(tc)}, {i: float(b) for i, (_, b) in enumerate(tc)})
-    return {"prompts": len(tc), "tool_calls": tp + fp, "reference_tool_calls": tp + fn, "tp": tp, "fp": fp, "fn": fn, "tn": tn,
+    n = len(tc)
+
+    def schema_delta(kept):
+        sub = ToolTask(task.name, task.where, task.sha256, task.max_tokens, [task.prompts[i] for i in kept])
+        this, source = schema_accuracy([other[i] for i in kept], sub), schema_accuracy([ref[i] for i in kept], sub)
+        return None if this is None or source is None else this - source
+
+    schema = schema_counts(other, task)
+    return {"prompts": n, "tool_calls": tp + fp, "reference_tool_calls": tp + fn, "tp": tp, "fp": fp, "fn": fn, "tn": tn,
             "precision": tp / (tp + fp) if tp + fp else None, "recall": tp / (tp + fn) if tp + fn else None,
-            "f1": 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else None, **schema_counts(other, task),
+            "f1": f1(ref, other), "f1_stderr": jackknife(lambda kept: f1([ref[i] for i in kept], [other[i] for i in kept]), n),
+            **schema, "schema_accuracy_delta": schema_delta(range(n)), "schema_accuracy_delta_stderr": jackknife(schema_delta, n),
             "call_rate_delta": rate["delta"], "call_rate_delta_stderr": rate["delta_stderr"],
             "per_prompt": [_record(p, r, o) for p, r, o in zip(task.prompts, ref, other)]}
 
@@ -263,6 +308,8 @@ def generate(ckpts: dict, runs: dict, prompts: list[list[int]], max_tokens: int,
                 continue
             out[row][i][0].append(tok)
             s.ids = torch.tensor([[tok]])
+        if bar is not None:
+            bar.advance()
     return out
 
 
@@ -325,16 +372,19 @@ def eos_ids(folder: Path, tok) -> set[int]:
 
 def rows_markdown(t: dict) -> list[str]:
     """The table of validation.json's (or the probe's) `tool_calls` rows."""
-    lines = ["| row | prompts | finish_reason tool_calls (this / source) | TP | FP | FN | TN | tool-call F1 | calls | schema-valid "
-             "| schema accuracy | call rate Δ ± SE (paired) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| row | prompts | finish_reason tool_calls (this / source) | TP | FP | FN | TN | tool-call F1 ± SE | calls "
+             "| schema-valid | schema accuracy | schema accuracy Δ ± SE (paired) | call rate Δ ± SE (paired) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row, r in t["rows"].items():
         ref = row == t.get("reference_row", "reference")
         delta = "—" if ref or r.get("call_rate_delta") is None else (
             f"{r['call_rate_delta']:+.3f} ± {_g(r.get('call_rate_delta_stderr'), '.3f')}")
+        schema = "—" if ref or r.get("schema_accuracy_delta") is None else (
+            f"{r['schema_accuracy_delta']:+.3f} ± {_g(r.get('schema_accuracy_delta_stderr'), '.3f')}")
+        f1 = _g(r["f1"], ".3f") + ("" if r.get("f1_stderr") is None else f" ± {r['f1_stderr']:.3f}")
         lines.append(f"| {ROWS.get(row, row)} | {r['prompts']} | {r['tool_calls']} / {r['reference_tool_calls']} "
-                     + ("| — | — | — | — | — " if ref else f"| {r['tp']} | {r['fp']} | {r['fn']} | {r['tn']} | {_g(r['f1'], '.3f')} ")
-                     + f"| {r['calls']} | {r['schema_valid']} | {_g(r['schema_accuracy'], '.3f')} | {delta} |")
+                     + ("| — | — | — | — | — " if ref else f"| {r['tp']} | {r['fp']} | {r['fn']} | {r['tn']} | {f1} ")
+                     + f"| {r['calls']} | {r['schema_valid']} | {_g(r['schema_accuracy'], '.3f')} | {schema} | {delta} |")
     return lines
 
 

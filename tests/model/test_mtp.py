@@ -4,11 +4,13 @@ validate and on the cards; a model without one shows none."""
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from oracle import dequantized_state_dict, transformers_model
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from quantkit.checkpoint.reader import Checkpoint
 from quantkit.conversion.pipeline import convert
@@ -169,6 +171,48 @@ def test_calibrated_mtp_layer_alone_beats_rtn(measured):
     assert float(measured["gptq-alone"].mean()) < 0.1 * measured["gptq"]["rows"]["decode"]["kl"]
 
 
+def test_the_source_mtp_drafts_what_a_server_would_accept(measured):
+    """The tiny GLM's MTP layer is trained (quantkit.synthetic.tiny.train_mtp): its draft equals the main
+    model's next greedy token on at least 30% of held-out positions, so a damaged MTP layer can show."""
+    ref = measured["rtn"]["reference"]
+    print(f"source MTP acceptance {ref['acceptance']:.4f} ± {ref['acceptance_se']:.2g}, accuracy {ref['accuracy']:.4f}")
+    assert ref["acceptance"] >= 0.30
+    for m in ("gptq", "rtn"):
+        r = measured[m]["rows"]["decode"]
+        assert r["acceptance"] == pytest.approx(sum(r["windows"]["acceptance"]) / WINDOWS["num_samples"])
+        assert r["acceptance_delta"] == pytest.approx(r["acceptance"] - ref["acceptance"])
+        assert r["acceptance_delta_se"] > 0
+        print(f"{m} decode MTP acceptance {r['acceptance']:.4f}, Δ {r['acceptance_delta']:+.4f} ± {r['acceptance_delta_se']:.2g}")
+
+
+def _damaged_mtp(decode: Path, dst: Path) -> Path:
+    """A copy of decode/ whose MTP layer's eh_proj (the projection of [embedding, hidden state] into the
+    layer: BF16, as stored) has its input halves swapped: the layer reads the hidden state as the token."""
+    shutil.copytree(decode, dst)
+    name = "model.layers.5.eh_proj.weight"
+    shard = dst / json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"][name]
+    tensors = load_file(str(shard))
+    tensors[name] = tensors[name].roll(tensors[name].shape[1] // 2, dims=1)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    return dst
+
+
+def test_a_damaged_mtp_layer_lowers_acceptance(measured, glm_pairs, tiny_glm, tmp_path):
+    """The same decode/ with its MTP layer damaged: acceptance lower beyond 2 SE, paired over the same windows."""
+    from quantkit.inputs.tokens import load_tokens
+
+    ids = load_tokens("synthetic:heldout", tokenizer=tiny_glm, **WINDOWS).ids
+    ckpts = {"reference": Checkpoint(tiny_glm), "decode": Checkpoint(_damaged_mtp(glm_pairs["rtn"].decode, tmp_path / "d"))}
+    with torch.no_grad():
+        hs = {k: _last_hidden(ck, ids) for k, ck in ckpts.items()}
+        hurt = mtp_measure(ckpts, hs, ids, ["decode"], "cpu", torch.float32)["rows"]["decode"]
+    intact = measured["rtn"]["rows"]["decode"]
+    d = paired(torch.tensor(hurt["windows"]["acceptance"]), torch.tensor(intact["windows"]["acceptance"]))
+    print(f"MTP acceptance intact {intact['acceptance']:.4f} damaged {hurt['acceptance']:.4f}: {d}")
+    assert d.better(z=2.0), f"damaged - intact MTP acceptance: {d}"
+    assert hurt["windows"]["kl"] != intact["windows"]["kl"]
+
+
 def test_validate_has_the_mtp_row_and_the_cards_show_it(glm_pairs):
     from quantkit.validation.pipeline import validate
 
@@ -183,6 +227,8 @@ def test_validate_has_the_mtp_row_and_the_cards_show_it(glm_pairs):
     assert "## MTP layer (layer 5" in md and "| decode (INT4) MTP |" in md
     card = (glm_pairs["gptq"].decode / "README.md").read_text()
     assert "| MTP layer (speculative draft) vs the source's MTP |" in card and "MTP draft accuracy" in card
+    assert "MTP acceptance (the draft equals this checkpoint's own next greedy token" in card
+    assert "| decode (INT4) MTP | 0." in md and "Source MTP acceptance 0." in md
     assert "- MTP layer's routed experts: 16 GPTQ" in card or "RTN" in card.split("MTP layer's routed experts:")[1][:40]
     assert "- guard: " in card and "quantized routed experts stored calibrated" in card
     assert "MTP layer:" in str(v.table().caption)

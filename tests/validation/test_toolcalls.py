@@ -9,7 +9,7 @@ import json
 import pytest
 
 from quantkit.errors import ConfigError
-from quantkit.validation.toolcalls import Call, Generation, compare, parse_calls, read_tool_task, schema_problem
+from quantkit.validation.toolcalls import Call, Generation, compare, paired_f1, parse_calls, read_tool_task, schema_problem
 
 ADD = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
@@ -84,6 +84,11 @@ def test_f1_and_schema_accuracy_on_a_checkpoint_that_drops_adds_and_breaks_calls
     assert (r["calls"], r["schema_valid"]) == (4, 3) and r["schema_accuracy"] == 0.75
     assert r["call_rate_delta"] == 0.0 and r["call_rate_delta_stderr"] == pytest.approx(0.3162, abs=1e-4)
     assert [c["problem"] is None for c in r["per_prompt"][2]["calls"]] == [False]
+    # SEs over prompts: jackknife for the ratios (leave-one-out F1s 0.5, 0.8, 0.5, 0.8, 2/3)
+    assert r["f1_stderr"] == pytest.approx(0.26866, abs=1e-4)
+    assert r["schema_accuracy_delta"] == pytest.approx(-0.25) and r["schema_accuracy_delta_stderr"] > 0
+    d, se = paired_f1(source, ckpt, source)  # this checkpoint against one that agrees with the source everywhere
+    assert d == pytest.approx(2 / 3 - 1) and se == pytest.approx(r["f1_stderr"])
     same = compare(source, source, task)
     assert same["f1"] == 1.0 and same["schema_accuracy"] == 1.0
     none = compare([stop] * 5, [stop] * 5, task)
@@ -142,3 +147,20 @@ def test_validate_bad_tool_task_is_one_line(validated, tmp_path):
     with pytest.raises(ConfigError, match=rf"{f}: prompt 'q' has no tool schemas") as e:
         validate(out, device="cpu", progress=False, tool_task=f)
     assert "\n" not in str(e.value)
+
+
+def test_the_tool_task_reports_progress_per_token(tiny_glm, capsys):
+    """Off a terminal, one line per generated token (every row and prompt in lockstep), so a long tool task
+    is never silent."""
+    import torch
+
+    from quantkit.checkpoint.reader import Checkpoint
+    from quantkit.validation.toolcalls import run_tool_task
+
+    task = read_tool_task("default")
+    task.prompts, task.max_tokens = task.prompts[:2], 2
+    with torch.no_grad():
+        t = run_tool_task(task, {"reference": Checkpoint(tiny_glm)}, tiny_glm, {}, torch.device("cpu"), torch.float32, 16,
+                          progress=True)
+    assert t["rows"]["reference"]["prompts"] == 2
+    assert "validate: tool task (2 prompts x 1 rows), token 1/2" in capsys.readouterr().out
