@@ -90,9 +90,17 @@ class LayerProgress:
 
 def _is_terminal() -> bool:
     try:
-        return sys.stderr.isatty() or "ipykernel" in sys.modules  # Jupyter renders the bar itself
+        return sys.stderr.isatty() or _in_notebook()  # Jupyter renders the bar itself
     except (AttributeError, ValueError):
         return False
+
+
+def _in_notebook() -> bool:
+    """Whether this process is a Jupyter kernel running user code: an IPython shell with a kernel. Not merely
+    ipykernel imported (a test suite that starts a notebook imports it, and its logs still want lines)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
+    return getattr(shell, "kernel", None) is not None
 
 
 def _peaks() -> tuple[int, int | None]:

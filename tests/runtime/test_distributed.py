@@ -470,7 +470,7 @@ def test_validate_nproc_launches_torchrun_with_the_same_options(monkeypatch, tmp
                                      "--nproc", "2", "--json"])
     assert r.exit_code == 3  # what _torchrun decided (a failed gate)
     assert seen == [(2, ["validate", str(tmp_path), "--gen-tokens", "4", "--device", "auto", "--kv-cache-dtype", "bf16",
-                         "--weights", "stream", "--numerics", "weights", "--json"], tmp_path, False)]
+                         "--weights", "stream", "--numerics", "engine", "--json"], tmp_path, False)]
 
 
 def test_plan_convert_nproc_on_the_command_line():

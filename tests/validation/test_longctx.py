@@ -22,14 +22,16 @@ SHORT = {"num_samples": 2, "seq_len": 14, "gen_tokens": 2}  # prompt + decode st
 
 
 def _reseal(out: Path, changed: str) -> None:
-    """Rewrite both manifests (`changed` no longer a tensor the pair shares) and the report's digests,
-    as a converter that wrote the damage would."""
+    """Rewrite both manifests (`changed` no longer a tensor the pair shares), pair.json (its contract no
+    longer holds) and the report's digests, as a converter that wrote the damage would."""
     from quantkit.checkpoint.manifest import MANIFEST, build_manifest, write_manifest
+    from quantkit.checkpoint.pair import write_contract
 
     report = json.loads((out / "convert-report.json").read_text())
     for which in ("prefill", "decode"):
         shared = [e for e in json.loads((out / which / MANIFEST).read_text())["shared"] if e["decode"] != changed]
         report["outputs"][which]["manifest_sha256"] = write_manifest(out / which, build_manifest(out / which, shared))
+    report["pair_contract"] = write_contract(out)
     (out / "convert-report.json").write_text(json.dumps(report))
 
 
