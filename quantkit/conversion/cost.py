@@ -27,8 +27,9 @@ C experts per chunk, B samples per micro-batch, w = 4 bytes per float32; compute
                   the held-out guard), the row-stacked gate/up and, during GPTQ, H being factored
                   and its factor; plus each expert's held-out rows (1/8 of its routed tokens), one
                   micro-batch's gathered rows and down inputs, and the all-token H.
-                  AWQ gathers instead: the layer's MoE inputs (N T D w) and, per expert, its
-                  routed rows n = N T k / E as inputs, outputs and down inputs (n (2D + 2I) w)
+                  AWQ reads instead, per expert of the chunk, its routed rows n = N T k / E as
+                  inputs, outputs and down inputs (n (2D + 2I) w), from the micro-batches; a
+                  method that gathers the layer's MoE inputs whole (Inputs.LAYER) adds N T D w
 
     peak = base + writer + store + routing + max(attention phase, experts phase)
     attention phase = max over dense/MoE layers of (layer weights + max(load_transient, attention))
@@ -272,7 +273,8 @@ class _Memory:
 
     x: LayerShapes
     calibrate: bool
-    awq: bool
+    awq: bool  # the method's search holds each expert's rows (Inputs.LAYER or EXPERT_ROWS: AWQ)
+    gathers: bool  # ... and the layer's MoE inputs whole (Inputs.LAYER)
     T: int  # tokens per sample (0 without calibration)
     tokens: int  # N x T
     on_gpu: bool
@@ -303,7 +305,7 @@ class _Memory:
         x = self.x
         if not self.calibrate:
             return self.w_moe + C * 3 * x.expert_width * x.hidden * F32 * 2
-        gathered = self.tokens * x.hidden * F32 if self.awq else 0  # AWQ's search reads the layer's x whole
+        gathered = self.tokens * x.hidden * F32 if self.gathers else 0  # Inputs.LAYER: the layer's x read whole
         return self.w_moe + C * self.per_expert + _expert_mb_bytes(x, B, self.T) + gathered
 
 
@@ -325,9 +327,10 @@ def _memory_terms(x: LayerShapes, *, method: Method, group_size: int, calibrate:
     E4 = round(quantized * x.experts)
     shared_work = nproc > 1 and calibrate and method.calibrated and E4 > 0
     received = E4 * 3 * x.expert_width * x.hidden * (1 + 2 / group_size) if shared_work else 0
-    awq = calibrate and method.inputs is Inputs.LAYER  # the method gathers the layer's inputs (AWQ's search)
+    awq = calibrate and method.inputs in (Inputs.LAYER, Inputs.EXPERT_ROWS)  # the method holds expert rows (AWQ's search)
+    gathers = calibrate and method.inputs is Inputs.LAYER  # and the layer's inputs whole
     return _Memory(
-        x=x, calibrate=calibrate, awq=awq, T=T, tokens=tokens, on_gpu=on_gpu, host=host, budget=budget,
+        x=x, calibrate=calibrate, awq=awq, gathers=gathers, T=T, tokens=tokens, on_gpu=on_gpu, host=host, budget=budget,
         chunk_max=CHUNK_MAX_GPU if on_gpu else CHUNK_MAX, w_dense=x.dense_layer_params * F32,
         w_moe=x.moe_layer_params * F32,
         transient=3 * x.largest_tensor * F32,  # dequantizing one FP8 tensor: values, expanded scales, product

@@ -101,6 +101,27 @@ def test_cpu_awq_chunk_rows_are_capped_whatever_the_budget():
         assert tiny.expert_chunk == 16, name
 
 
+def test_awq_budgets_its_chunk_rows_and_never_the_layer_inputs_whole():
+    """AWQ reads each expert's rows per chunk from the micro-batches (Inputs.EXPERT_ROWS): its experts
+    phase is the chunk's experts (rows included) and one micro-batch, with no N T D term; a method
+    that gathers the layer's inputs (Inputs.LAYER) adds exactly that."""
+    from quantkit.conversion.cost import _awq_per_expert, _expert_mb_bytes
+    from quantkit.planner.budgets import layer_shapes
+    from quantkit.quant.methods import Inputs
+
+    x = layer_shapes(arch_from_config(load_preset("glm-5.2")))
+    awq = _glm(method=METHODS["awq"], num_samples=128, seq_len=512, max_host_memory="64GB")
+    C, B = awq.expert_chunk, awq.store.micro_batch
+    assert awq.memory["experts"] == C * _awq_per_expert(x, awq.tokens) + _expert_mb_bytes(x, B, 512)
+
+    class Gathering(type(METHODS["awq"])):  # not registered: the same method, reading the layer whole
+        inputs = Inputs.LAYER
+
+    whole = _glm(method=Gathering(), num_samples=128, seq_len=512, max_host_memory="64GB")
+    assert whole.expert_chunk == C  # the cap on a chunk's rows binds both (AWQ_ROWS_CPU_BYTES)
+    assert whole.memory["experts"] - awq.memory["experts"] == awq.tokens * x.hidden * 4
+
+
 def test_refuses_and_names_the_knob():
     c = _glm(max_host_memory="4GB")
     assert not c.fits and "--max-host-memory" in c.reason and "raise" in c.reason
