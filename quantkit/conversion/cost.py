@@ -10,9 +10,13 @@ Memory, in bytes (D hidden, I expert width, N x T calibration tokens, k experts 
 C experts per chunk, B samples per micro-batch, w = 4 bytes per float32; compute is float32):
 
     base          the Python process with torch and quantkit imported (measured, BASE_BYTES)
-    writer        the two output writers' buffers: one layer's tensors, up to a shard each, and
-                  as much again for the part being saved in the background (safetensors 0.8
-                  writes from the tensors' memory, no serialized copy)
+    writer        the two output writers' buffers: the part being filled, one layer's tensors up
+                  to a shard, each. The part cut before it is saved by a background thread
+                  (safetensors 0.8 writes from the tensors' memory, no serialized copy) within
+                  shard / disk bandwidth seconds of the cut, long before the next expert chunk's
+                  GPTQ reaches its peak (loading and Hessians come first), so it is not in the
+                  peak: the real-shape GLM at 8 x 512 under 8 GB peaked in GPTQ's factorization
+                  with both buffers partly filled (docs/benchmarks.md, "Prediction at real width")
     dense_layer,  a dense layer's weights, and a MoE layer's weights other than its routed
     moe_layer     experts, float32
     load_transient dequantizing the largest tensor: 3 float32 copies (values, scales, product);
@@ -216,6 +220,12 @@ def _per_expert(x: LayerShapes, tokens: int = 0) -> int:
     return max(7 * I * D * F32 + D * D * F32, 5 * I * D * F32 + 2 * I * D + 2 * D * D * F32) + held
 
 
+def reused_per_expert(x: LayerShapes) -> int:
+    """One expert of a chunk when decode reuses the source's INT4 (nothing quantized, Kimi K2.6): its
+    weights dequantized to float32 for the h update (gate, up, down: 3 I D w), no Hessian, no GPTQ."""
+    return 3 * x.expert_width * x.hidden * F32
+
+
 def _awq_per_expert(x: LayerShapes, tokens: int) -> int:
     """One expert of an AWQ chunk: GPTQ's work on the smoothed weights (`_per_expert`), plus the
     search's per-expert rows (`_awq_rows`) and the s = 1 alternative's dequantized weights kept for the guard."""
@@ -316,8 +326,8 @@ def _memory_terms(x: LayerShapes, *, method: Method, group_size: int, calibrate:
     budget = gpu_mem if on_gpu else host  # where the compute work lives
     shard = min(max_shard_bytes, max(MIN_SHARD, host // 16))
     n_layers = max(x.layers, 1)
-    # the part being filled and the one being saved in the background (CheckpointWriter.MAX_PENDING), per output
-    writer = 2 * sum(min(int(b / n_layers * 1.5), shard) for b in output_bytes)  # an expert-heavy layer's share
+    # the part being filled per output (an expert-heavy layer's share, up to a shard); not the one being saved
+    writer = sum(min(int(b / n_layers * 1.5), shard) for b in output_bytes)
     routing = tokens * x.topk * 6
     host_fixed = BASE_BYTES + writer
     dev_fixed = (0 if on_gpu else host_fixed) + routing
@@ -327,14 +337,19 @@ def _memory_terms(x: LayerShapes, *, method: Method, group_size: int, calibrate:
     E4 = round(quantized * x.experts)
     shared_work = nproc > 1 and calibrate and method.calibrated and E4 > 0
     received = E4 * 3 * x.expert_width * x.hidden * (1 + 2 / group_size) if shared_work else 0
-    awq = calibrate and method.inputs in (Inputs.LAYER, Inputs.EXPERT_ROWS)  # the method holds expert rows (AWQ's search)
-    gathers = calibrate and method.inputs is Inputs.LAYER  # and the layer's inputs whole
+    quantizes = calibrate and method.calibrated and E4 > 0
+    awq = quantizes and method.inputs in (Inputs.LAYER, Inputs.EXPERT_ROWS)  # the method holds expert rows (AWQ's search)
+    if quantizes:
+        per_expert = _awq_per_expert(x, tokens) if awq else _per_expert(x, tokens)
+    else:  # nothing to quantize (every routed expert the source's INT4, reused): a chunk holds its weights
+        per_expert = reused_per_expert(x)
+    gathers = awq and method.inputs is Inputs.LAYER  # and the layer's inputs whole
     return _Memory(
         x=x, calibrate=calibrate, awq=awq, gathers=gathers, T=T, tokens=tokens, on_gpu=on_gpu, host=host, budget=budget,
         chunk_max=CHUNK_MAX_GPU if on_gpu else CHUNK_MAX, w_dense=x.dense_layer_params * F32,
         w_moe=x.moe_layer_params * F32,
         transient=3 * x.largest_tensor * F32,  # dequantizing one FP8 tensor: values, expanded scales, product
-        per_expert=_awq_per_expert(x, tokens) if awq else _per_expert(x, tokens), shard=shard, writer=writer,
+        per_expert=per_expert, shard=shard, writer=writer,
         routing=routing, host_fixed=host_fixed, dev_fixed=dev_fixed, received=received, shared_work=shared_work,
         E4=E4, room=budget - dev_fixed - received)
 
