@@ -222,7 +222,9 @@ def _per_expert(x: LayerShapes, tokens: int = 0) -> int:
 
 def reused_per_expert(x: LayerShapes) -> int:
     """One expert of a chunk when decode reuses the source's INT4 (nothing quantized, Kimi K2.6): its
-    weights dequantized to float32 for the h update (gate, up, down: 3 I D w), no Hessian, no GPTQ."""
+    weights dequantized to float32 for the h update (gate, up, down: 3 I D w), no Hessian, no GPTQ.
+    Once per chunk as much again (`_Memory.chunk_extra`): prefill's FP8 quantization of one of its
+    tensors (the real-shape Kimi at 8 x 512 under 8 GB peaked there, writing a 16-expert chunk)."""
     return 3 * x.expert_width * x.hidden * F32
 
 
@@ -304,6 +306,7 @@ class _Memory:
     shared_work: bool  # the ranks split the experts' Hessians and GPTQ (and exchange the result)
     E4: int  # a layer's experts that are quantized: what ranks split and exchange
     room: float  # budget - dev_fixed - received: for the store and a layer's work
+    chunk_extra: int = 0  # once per chunk on top of its experts (reused experts: one tensor's FP8 quantization)
 
     def attention_phase(self, B: int) -> int:
         """Loading a layer and running its attention half (and dense MLP / shared expert)."""
@@ -316,7 +319,7 @@ class _Memory:
         if not self.calibrate:
             return self.w_moe + C * 3 * x.expert_width * x.hidden * F32 * 2
         gathered = self.tokens * x.hidden * F32 if self.gathers else 0  # Inputs.LAYER: the layer's x read whole
-        return self.w_moe + C * self.per_expert + _expert_mb_bytes(x, B, self.T) + gathered
+        return self.w_moe + C * self.per_expert + self.chunk_extra + _expert_mb_bytes(x, B, self.T) + gathered
 
 
 def _memory_terms(x: LayerShapes, *, method: Method, group_size: int, calibrate: bool, N: int, T: int, on_gpu: bool,
@@ -343,6 +346,8 @@ def _memory_terms(x: LayerShapes, *, method: Method, group_size: int, calibrate:
         per_expert = _awq_per_expert(x, tokens) if awq else _per_expert(x, tokens)
     else:  # nothing to quantize (every routed expert the source's INT4, reused): a chunk holds its weights
         per_expert = reused_per_expert(x)
+    # reused INT4 experts are stored FP8 in prefill: quantizing one tensor (float32 copies of it) beside the chunk
+    chunk_extra = reused_per_expert(x) if calibrate and not quantizes else 0
     gathers = awq and method.inputs is Inputs.LAYER  # and the layer's inputs whole
     return _Memory(
         x=x, calibrate=calibrate, awq=awq, gathers=gathers, T=T, tokens=tokens, on_gpu=on_gpu, host=host, budget=budget,
@@ -351,7 +356,7 @@ def _memory_terms(x: LayerShapes, *, method: Method, group_size: int, calibrate:
         transient=3 * x.largest_tensor * F32,  # dequantizing one FP8 tensor: values, expanded scales, product
         per_expert=per_expert, shard=shard, writer=writer,
         routing=routing, host_fixed=host_fixed, dev_fixed=dev_fixed, received=received, shared_work=shared_work,
-        E4=E4, room=budget - dev_fixed - received)
+        E4=E4, room=budget - dev_fixed - received, chunk_extra=chunk_extra)
 
 
 # ---- the settings: micro-batch, activation store, experts per chunk
