@@ -143,15 +143,21 @@ def _quantile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
+def _calibration_fed(e: dict) -> bool:
+    """Whether the calibration reached this expert's layer for it (its routed tokens, however few)."""
+    return reason(e) not in ("reused", "data-free") and not str(e.get("fallback") or "").startswith("mtp:")
+
+
 def coverage(experts: list[dict], width: int) -> list[dict]:
     """Per layer: how many routed calibration tokens its experts saw (min, p10, median), the same per
     input column of gate/up (`width` inputs: the evidence one expert's Hessian has per entry of its
-    diagonal), and how many experts fell under each `reason`. An expert the source's INT4 weights
-    were reused for saw no calibration and is counted only under its reason."""
+    diagonal), and how many experts fell under each `reason`. An expert reused from the source's
+    INT4, made by a data-free method or in an MTP layer without a calibration path saw no
+    calibration and is counted only under its reason."""
     out = []
     for layer in sorted({e["layer"] for e in experts}):
         mine = [e for e in experts if e["layer"] == layer]
-        seen = [e["tokens"] for e in mine if e["method"] != "reused"]
+        seen = [e["tokens"] for e in mine if _calibration_fed(e)]
         row: dict = {"layer": layer, "experts": len(mine)}
         if seen:
             stats = {"min": min(seen), "p10": _quantile(seen, 0.1), "median": _quantile(seen, 0.5)}

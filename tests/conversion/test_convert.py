@@ -152,6 +152,9 @@ def test_coverage_per_layer_and_each_experts_statistics(pairs, tiny_glm):
             assert (e["reason"] == "guard kept RTN") == (e["guard"] == "rtn" and not e["fallback"])
     kimi = pairs["kimi"].report["coverage"]  # the source's INT4 reused: nothing calibrated to count tokens for
     assert all(row["reasons"] == {"reused": 16} and "routed_tokens" not in row for row in kimi)
+    rtn = pairs["glm-rtn"].report["coverage"]  # a data-free method (and its MTP layer): no calibration to count
+    assert all(len(row["reasons"]) == 1 and "routed_tokens" not in row for row in rtn)
+    assert [next(iter(row["reasons"])) for row in rtn] == ["data-free"] * 4 + ["mtp: no calibration path (RTN)"]
 
 
 @pytest.mark.parametrize("name", ["glm", "kimi"])
