@@ -10,9 +10,13 @@ Memory, in bytes (D hidden, I expert width, N x T calibration tokens, k experts 
 C experts per chunk, B samples per micro-batch, w = 4 bytes per float32; compute is float32):
 
     base          the Python process with torch and quantkit imported (measured, BASE_BYTES)
-    writer        the two output writers' buffers: one layer's tensors, up to a shard each, and
-                  as much again for the part being saved in the background (safetensors 0.8
-                  writes from the tensors' memory, no serialized copy)
+    writer        the two output writers' buffers: the part being filled, one layer's tensors up
+                  to a shard, each. The part cut before it is saved by a background thread
+                  (safetensors 0.8 writes from the tensors' memory, no serialized copy) within
+                  shard / disk bandwidth seconds of the cut, long before the next expert chunk's
+                  GPTQ reaches its peak (loading and Hessians come first), so it is not in the
+                  peak: the real-shape GLM at 8 x 512 under 8 GB peaked in GPTQ's factorization
+                  with both buffers partly filled (docs/benchmarks.md, "Prediction at real width")
     dense_layer,  a dense layer's weights, and a MoE layer's weights other than its routed
     moe_layer     experts, float32
     load_transient dequantizing the largest tensor: 3 float32 copies (values, scales, product);
@@ -27,8 +31,9 @@ C experts per chunk, B samples per micro-batch, w = 4 bytes per float32; compute
                   the held-out guard), the row-stacked gate/up and, during GPTQ, H being factored
                   and its factor; plus each expert's held-out rows (1/8 of its routed tokens), one
                   micro-batch's gathered rows and down inputs, and the all-token H.
-                  AWQ gathers instead: the layer's MoE inputs (N T D w) and, per expert, its
-                  routed rows n = N T k / E as inputs, outputs and down inputs (n (2D + 2I) w)
+                  AWQ reads instead, per expert of the chunk, its routed rows n = N T k / E as
+                  inputs, outputs and down inputs (n (2D + 2I) w), from the micro-batches; a
+                  method that gathers the layer's MoE inputs whole (Inputs.LAYER) adds N T D w
 
     peak = base + writer + store + routing + max(attention phase, experts phase)
     attention phase = max over dense/MoE layers of (layer weights + max(load_transient, attention))
@@ -233,6 +238,14 @@ def _per_expert(x: LayerShapes, tokens: int = 0) -> int:
     return max(7 * I * D * F32 + D * D * F32, 5 * I * D * F32 + 2 * I * D + 2 * D * D * F32) + held
 
 
+def reused_per_expert(x: LayerShapes) -> int:
+    """One expert of a chunk when decode reuses the source's INT4 (nothing quantized, Kimi K2.6): its
+    weights dequantized to float32 for the h update (gate, up, down: 3 I D w), no Hessian, no GPTQ.
+    Once per chunk as much again (`_Memory.chunk_extra`): prefill's FP8 quantization of one of its
+    tensors (the real-shape Kimi at 8 x 512 under 8 GB peaked there, writing a 16-expert chunk)."""
+    return 3 * x.expert_width * x.hidden * F32
+
+
 def _awq_per_expert(x: LayerShapes, tokens: int) -> int:
     """One expert of an AWQ chunk: GPTQ's work on the smoothed weights (`_per_expert`), plus the
     search's per-expert rows (`_awq_rows`) and the s = 1 alternative's dequantized weights kept for the guard."""
@@ -290,7 +303,8 @@ class _Memory:
 
     x: LayerShapes
     calibrate: bool
-    awq: bool
+    awq: bool  # the method's search holds each expert's rows (Inputs.LAYER or EXPERT_ROWS: AWQ)
+    gathers: bool  # ... and the layer's MoE inputs whole (Inputs.LAYER)
     T: int  # tokens per sample (0 without calibration)
     tokens: int  # N x T
     on_gpu: bool
@@ -310,6 +324,7 @@ class _Memory:
     shared_work: bool  # the ranks split the experts' Hessians and GPTQ (and exchange the result)
     E4: int  # a layer's experts that are quantized: what ranks split and exchange
     room: float  # budget - dev_fixed - received: for the store and a layer's work
+    chunk_extra: int = 0  # once per chunk on top of its experts (reused experts: one tensor's FP8 quantization)
 
     def attention_phase(self, B: int) -> int:
         """Loading a layer and running its attention half (and dense MLP / shared expert)."""
@@ -321,8 +336,8 @@ class _Memory:
         x = self.x
         if not self.calibrate:
             return self.w_moe + C * 3 * x.expert_width * x.hidden * F32 * 2
-        gathered = self.tokens * x.hidden * F32 if self.awq else 0  # AWQ's search reads the layer's x whole
-        return self.w_moe + C * self.per_expert + _expert_mb_bytes(x, B, self.T) + gathered
+        gathered = self.tokens * x.hidden * F32 if self.gathers else 0  # Inputs.LAYER: the layer's x read whole
+        return self.w_moe + C * self.per_expert + self.chunk_extra + _expert_mb_bytes(x, B, self.T) + gathered
 
 
 def _memory_terms(x: LayerShapes, *, method: Method, group_size: int, calibrate: bool, N: int, T: int, on_gpu: bool,
@@ -332,8 +347,8 @@ def _memory_terms(x: LayerShapes, *, method: Method, group_size: int, calibrate:
     budget = gpu_mem if on_gpu else host  # where the compute work lives
     shard = min(max_shard_bytes, max(MIN_SHARD, host // 16))
     n_layers = max(x.layers, 1)
-    # the part being filled and the one being saved in the background (CheckpointWriter.MAX_PENDING), per output
-    writer = 2 * sum(min(int(b / n_layers * 1.5), shard) for b in output_bytes)  # an expert-heavy layer's share
+    # the part being filled per output (an expert-heavy layer's share, up to a shard); not the one being saved
+    writer = sum(min(int(b / n_layers * 1.5), shard) for b in output_bytes)
     routing = tokens * x.topk * 6
     host_fixed = BASE_BYTES + writer
     dev_fixed = (0 if on_gpu else host_fixed) + routing
@@ -343,15 +358,23 @@ def _memory_terms(x: LayerShapes, *, method: Method, group_size: int, calibrate:
     E4 = round(quantized * x.experts)
     shared_work = nproc > 1 and calibrate and method.calibrated and E4 > 0
     received = E4 * 3 * x.expert_width * x.hidden * (1 + 2 / group_size) if shared_work else 0
-    awq = calibrate and method.inputs is Inputs.LAYER  # the method gathers the layer's inputs (AWQ's search)
+    quantizes = calibrate and method.calibrated and E4 > 0
+    awq = quantizes and method.inputs in (Inputs.LAYER, Inputs.EXPERT_ROWS)  # the method holds expert rows (AWQ's search)
+    if quantizes:
+        per_expert = _awq_per_expert(x, tokens) if awq else _per_expert(x, tokens)
+    else:  # nothing to quantize (every routed expert the source's INT4, reused): a chunk holds its weights
+        per_expert = reused_per_expert(x)
+    # reused INT4 experts are stored FP8 in prefill: quantizing one tensor (float32 copies of it) beside the chunk
+    chunk_extra = reused_per_expert(x) if calibrate and not quantizes else 0
+    gathers = awq and method.inputs is Inputs.LAYER  # and the layer's inputs whole
     return _Memory(
-        x=x, calibrate=calibrate, awq=awq, T=T, tokens=tokens, on_gpu=on_gpu, host=host, budget=budget,
+        x=x, calibrate=calibrate, awq=awq, gathers=gathers, T=T, tokens=tokens, on_gpu=on_gpu, host=host, budget=budget,
         chunk_max=CHUNK_MAX_GPU if on_gpu else CHUNK_MAX, w_dense=x.dense_layer_params * F32,
         w_moe=x.moe_layer_params * F32,
         transient=3 * x.largest_tensor * F32,  # dequantizing one FP8 tensor: values, expanded scales, product
-        per_expert=_awq_per_expert(x, tokens) if awq else _per_expert(x, tokens), shard=shard, writer=writer,
+        per_expert=per_expert, shard=shard, writer=writer,
         routing=routing, host_fixed=host_fixed, dev_fixed=dev_fixed, received=received, shared_work=shared_work,
-        E4=E4, room=budget - dev_fixed - received)
+        E4=E4, room=budget - dev_fixed - received, chunk_extra=chunk_extra)
 
 
 # ---- the settings: micro-batch, activation store, experts per chunk

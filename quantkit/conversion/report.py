@@ -135,6 +135,64 @@ def decision(e: dict) -> tuple[str, str]:
     return "calibrated", "not judged (no held-out tokens)"
 
 
+def reason(e: dict) -> str:
+    """The short name of why an expert's report entry holds what it stores, for counting (the card's
+    coverage table): the `decision` with the one cause that decided it, without its numbers."""
+    d = decision(e)[0]
+    if d in ("reused", "data-free"):
+        return d
+    if e.get("fallback") == "rtn":
+        return "starved, rounded to nearest"
+    if e.get("fallback") == "all_tokens":
+        return "starved, then guard kept RTN" if e.get("guard") == "rtn" else "starved, fitted on the layer's tokens"
+    if e.get("guard") == "rtn":
+        return "guard kept RTN"
+    if d == "fallback":
+        return str(e.get("fallback"))
+    if e.get("err") is None:
+        return "calibrated, not judged"
+    return f"calibrated ({e['guard']})" if e.get("guard") else "calibrated"
+
+
+def _quantile(values: list[float], q: float) -> float:
+    """The q-quantile of `values` with linear interpolation between order statistics (numpy's
+    default), so a layer's p10 and median read the same whatever the expert count."""
+    s = sorted(values)
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _calibration_fed(e: dict) -> bool:
+    """Whether the calibration reached this expert's layer for it (its routed tokens, however few)."""
+    return reason(e) not in ("reused", "data-free") and not str(e.get("fallback") or "").startswith("mtp:")
+
+
+def coverage(experts: list[dict], width: int) -> list[dict]:
+    """Per layer: how many routed calibration tokens its experts saw (min, p10, median), the same per
+    input column of gate/up (`width` inputs: the evidence one expert's Hessian has per entry of its
+    diagonal), and how many experts fell under each `reason`. An expert reused from the source's
+    INT4, made by a data-free method or in an MTP layer without a calibration path saw no
+    calibration and is counted only under its reason."""
+    out = []
+    for layer in sorted({e["layer"] for e in experts}):
+        mine = [e for e in experts if e["layer"] == layer]
+        seen = [e["tokens"] for e in mine if _calibration_fed(e)]
+        row: dict = {"layer": layer, "experts": len(mine)}
+        if seen:
+            stats = {"min": min(seen), "p10": _quantile(seen, 0.1), "median": _quantile(seen, 0.5)}
+            row["routed_tokens"] = {k: round(v, 1) for k, v in stats.items()}
+            row["tokens_per_column"] = {k: round(v / width, 4) for k, v in stats.items()}
+            row["under_one_per_column"] = sum(1 for t in seen if t < width)
+        reasons: dict[str, int] = {}
+        for e in mine:
+            reasons[reason(e)] = reasons.get(reason(e), 0) + 1
+        row["reasons"] = dict(sorted(reasons.items(), key=lambda kv: -kv[1]))
+        out.append(row)
+    return out
+
+
 def _probe_words(e: dict) -> str:
     """What the probe decided for gptq.low_dampening (quantkit.quant.experts, "Probe"), or nothing."""
     if not e.get("probe"):
@@ -256,7 +314,8 @@ def _pair_report(model, job: Job, tokens, source_files: dict[str, str], out: Pat
                  manifests: dict[str, str] | None) -> dict:
     ckpt, rec, decisions, state, G = job.ckpt, job.rec, job.decisions, job.state, job.G
     block = rec.prefill.fp8_block
-    experts = state.experts
+    width = job.arch.hidden_size  # every routed expert's gate/up input width
+    experts = [e | {"tokens_per_column": round(e["tokens"] / width, 4), "reason": reason(e)} for e in state.experts]
     sizes = {which: sum(p.stat().st_size for p in (out / which).glob("*.safetensors")) for which in ("prefill", "decode")}
     differ = sorted(state.differ)
     return {
@@ -283,6 +342,7 @@ def _pair_report(model, job: Job, tokens, source_files: dict[str, str], out: Pat
         "layers": state.layers,
         "experts": experts,
         "experts_summary": _experts_summary(experts),
+        "coverage": coverage(experts, width),
         "guard": f"each calibrated expert is compared with RTN on its held-out routed tokens ({job.method.guard_words(rec)}, "
                  "never fitted on); the lower output error is stored",
         "outputs": {

@@ -96,6 +96,7 @@ __all__ = [
     "output_error",
     "awq_smooth_scales",
     "quantize_experts_awq",
+    "awq_experts",
 ]
 
 MAX_SHRINK = 0.5  # auto-clip tries ranges down to (1 - MAX_SHRINK) x max|w|, as llm-awq
@@ -366,13 +367,38 @@ def quantize_experts_awq(
     GPTQ. ExpertRecord.loss is the final mean squared expert-output error per fit token vs the
     float expert (not GPTQ's units).
     """
-    g, a = options.gptq, options.awq
-    records, quantized, inputs, fallback = [], {}, {}, {}
+    inputs, fallback = {}, {}
     for e in experts:  # quantkit.quant.experts' one policy: held-out tokens never fitted, starved experts' fallback
-        inputs[e], fallback[e] = calibration_inputs(x, tokens[e], g)
+        inputs[e], fallback[e] = calibration_inputs(x, tokens[e], options.gptq)
+    return awq_experts(inputs, fallback, {e: len(tokens[e]) for e in experts}, w, experts, options, group_size, layer,
+                       quantizer=quantizer, alternatives=alternatives, g_low=g_low)
+
+
+def awq_experts(
+    inputs: dict,
+    fallback: dict,
+    routed: dict[int, int],
+    w: dict[str, torch.Tensor],
+    experts: list[int],
+    options,
+    group_size: int,
+    layer: int,
+    *,
+    quantizer: Literal["gptq", "rtn"] = "gptq",
+    alternatives: dict | None = None,
+    g_low=None,
+):
+    """`quantize_experts_awq` from each expert's fit rows, however they were read: inputs[e] (n_e, D)
+    as `quantkit.quant.experts.calibration_inputs` gives them (None: gptq.fallback rtn), fallback[e]
+    its fallback, routed[e] its routed calibration tokens (the record's count). convert's streamed
+    form (quantkit.quant.methods.awq) reads these rows from the layer's micro-batches, never the
+    layer's inputs whole; the whole-layer form indexes x. The same rows give the same bytes."""
+    g, a = options.gptq, options.awq
+    records, quantized = [], {}
+    for e in experts:
         if inputs[e] is None:
             quantized[e] = rtn_expert(w, e, group_size)
-            records.append(ExpertRecord(layer, e, len(tokens[e]), "rtn", fallback="rtn"))
+            records.append(ExpertRecord(layer, e, routed[e], "rtn", fallback="rtn"))
     run = [e for e in experts if inputs[e] is not None]
 
     batch = 16  # experts per batched call (memory: batch x (D^2 + 3 D I) floats)
@@ -403,7 +429,7 @@ def quantize_experts_awq(
                 alternatives[e] = {"awq-s1": _expert(qgu1, qd1, i)}
                 if low is not None:
                     alternatives[e][LOW] = _expert(qgul, qdl, i)
-            records.append(ExpertRecord(layer, e, len(tokens[e]), "awq", fallback[e], err[i].item(),
+            records.append(ExpertRecord(layer, e, routed[e], "awq", fallback[e], err[i].item(),
                                         prior=prior_of(g, len(X[i]), X[i].shape[-1])))
     records.sort(key=lambda r: r.expert)
     return quantized, records

@@ -209,7 +209,9 @@ def _recipe(report: dict) -> list[str]:
         out.append(f"- MTP layer's routed experts: {m['experts']}"
                    + ("; calibrated on what the MTP sees in serving (the decode model's last hidden state and the next "
                       "token's embedding)" if m.get("calibrated_layers") else "; not calibrated"))
-    return out
+    from quantkit.validation.coverage import coverage_card
+
+    return out + coverage_card(report)
 
 
 def _decisions_line(decisions: dict) -> str:

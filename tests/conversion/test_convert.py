@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,36 @@ def test_guard_keeps_rtn_where_it_is_better_on_heldout_tokens(pairs):
         assert f"{e['err']:.4g}" in e["why"] and f"{e['err_rtn']:.4g}" in e["why"]
     s = pairs["glm"].report["experts_summary"]
     assert sum(s["decisions"].values()) == s["total"]
+
+
+def test_coverage_per_layer_and_each_experts_statistics(pairs, tiny_glm):
+    """convert-report.json's coverage: per layer the routed tokens' min, p10 and median (checked against
+    the statistics module's inclusive quantiles), per input column of gate/up, and the reasons'
+    counts, which add up to the layer's experts and agree with each expert's decision."""
+    import statistics
+
+    r = pairs["glm"].report
+    hidden = Checkpoint(tiny_glm).arch.hidden_size
+    assert all(e["tokens_per_column"] == round(e["tokens"] / hidden, 4) for e in r["experts"])
+    rows = {row["layer"]: row for row in r["coverage"]}
+    assert sorted(rows) == sorted({e["layer"] for e in r["experts"]}) == [1, 2, 3, 4, 5]  # the MTP layer too
+    for layer, row in rows.items():
+        mine = [e for e in r["experts"] if e["layer"] == layer]
+        seen = [e["tokens"] for e in mine]
+        assert row["experts"] == len(mine) == 16
+        assert row["routed_tokens"]["min"] == min(seen)
+        assert row["routed_tokens"]["p10"] == round(statistics.quantiles(seen, n=10, method="inclusive")[0], 1)
+        assert row["routed_tokens"]["median"] == round(statistics.median(seen), 1)
+        assert row["tokens_per_column"]["median"] == round(statistics.median(seen) / hidden, 4)
+        assert sum(row["reasons"].values()) == 16 and row["reasons"] == dict(Counter(e["reason"] for e in mine))
+        for e in mine:
+            assert e["reason"].startswith("calibrated") == (e["decision"] == "calibrated")
+            assert (e["reason"] == "guard kept RTN") == (e["guard"] == "rtn" and not e["fallback"])
+    kimi = pairs["kimi"].report["coverage"]  # the source's INT4 reused: nothing calibrated to count tokens for
+    assert all(row["reasons"] == {"reused": 16} and "routed_tokens" not in row for row in kimi)
+    rtn = pairs["glm-rtn"].report["coverage"]  # a data-free method (and its MTP layer): no calibration to count
+    assert all(len(row["reasons"]) == 1 and "routed_tokens" not in row for row in rtn)
+    assert [next(iter(row["reasons"])) for row in rtn] == ["data-free"] * 4 + ["mtp: no calibration path (RTN)"]
 
 
 @pytest.mark.parametrize("name", ["glm", "kimi"])

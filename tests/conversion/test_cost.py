@@ -101,6 +101,59 @@ def test_cpu_awq_chunk_rows_are_capped_whatever_the_budget():
         assert tiny.expert_chunk == 16, name
 
 
+def test_awq_budgets_its_chunk_rows_and_never_the_layer_inputs_whole():
+    """AWQ reads each expert's rows per chunk from the micro-batches (Inputs.EXPERT_ROWS): its experts
+    phase is the chunk's experts (rows included) and one micro-batch, with no N T D term; a method
+    that gathers the layer's inputs (Inputs.LAYER) adds exactly that."""
+    from quantkit.conversion.cost import _awq_per_expert, _expert_mb_bytes
+    from quantkit.planner.budgets import layer_shapes
+    from quantkit.quant.methods import Inputs
+
+    x = layer_shapes(arch_from_config(load_preset("glm-5.2")))
+    awq = _glm(method=METHODS["awq"], num_samples=128, seq_len=512, max_host_memory="64GB")
+    C, B = awq.expert_chunk, awq.store.micro_batch
+    assert awq.memory["experts"] == C * _awq_per_expert(x, awq.tokens) + _expert_mb_bytes(x, B, 512)
+
+    class Gathering(type(METHODS["awq"])):  # not registered: the same method, reading the layer whole
+        inputs = Inputs.LAYER
+
+    whole = _glm(method=Gathering(), num_samples=128, seq_len=512, max_host_memory="64GB")
+    assert whole.expert_chunk == C  # the cap on a chunk's rows binds both (AWQ_ROWS_CPU_BYTES)
+    assert whole.memory["experts"] - awq.memory["experts"] == awq.tokens * x.hidden * 4
+
+
+def test_writer_term_is_the_part_being_filled_per_output():
+    """The writers hold the part being filled, up to a shard, per output; the part cut before it is
+    on disk before the next chunk's GPTQ peaks (not in the peak: the real-shape GLM's measured peak,
+    docs/benchmarks.md)."""
+    c = _glm(num_samples=8, seq_len=512, max_host_memory="8GB")
+    assert c.shard_bytes == 500 * 10**6 and c.memory["writer"] == 2 * c.shard_bytes  # a GLM 5.2 layer is over a shard
+    from quantkit.planner.budgets import layer_shapes
+
+    a = arch_from_config(load_preset("glm-5.2"))
+    L = layer_shapes(a).layers  # 78 decoder layers and the MTP layer
+    small = plan_convert(a, method=METHODS["gptq"], group_size=128, num_samples=8, seq_len=512, calibrate=True,
+                         max_host_memory="8GB", source_bytes=10**9, output_bytes=(L * 10**8, L * 10**7))
+    assert small.memory["writer"] == int(10**8 * 1.5) + int(10**7 * 1.5)  # 1.5 x a layer's share, under a shard
+
+
+def test_reused_experts_cost_their_weights_not_gptq():
+    """With every routed expert the source's INT4, reused (Kimi K2.6), a chunk holds its experts'
+    float32 weights for the h update (3 I D w each) and nothing of GPTQ, so it takes more experts."""
+    from quantkit.conversion.cost import _expert_mb_bytes, reused_per_expert
+    from quantkit.planner.budgets import layer_shapes
+
+    a = arch_from_config(load_preset("kimi-k2.6"))
+    x = layer_shapes(a)
+    kw = dict(method=METHODS["gptq"], group_size=32, num_samples=8, seq_len=512, calibrate=True, max_host_memory="8GB",
+              source_bytes=600 * GB, output_bytes=(600 * GB, 600 * GB))
+    reused, requantized = plan_convert(a, quantized=0.0, **kw), plan_convert(a, quantized=1.0, **kw)
+    assert reused_per_expert(x) == 3 * x.expert_width * x.hidden * 4
+    C, B = reused.expert_chunk, reused.store.micro_batch
+    assert reused.memory["experts"] == (C + 1) * reused_per_expert(x) + _expert_mb_bytes(x, B, 512)  # + one FP8 transient
+    assert C > requantized.expert_chunk and reused.peak_host < requantized.peak_host
+
+
 def test_refuses_and_names_the_knob():
     c = _glm(max_host_memory="4GB")
     assert not c.fits and "--max-host-memory" in c.reason and "raise" in c.reason
@@ -168,8 +221,8 @@ def test_a_probe_is_counted_as_tokens_gptq_twice_and_the_copies_it_keeps():
     """gptq.low_dampening's probe windows (quantkit.quant.methods.gptq.probe_windows): stored and run like
     calibration windows but enter no Hessian; every expert quantized twice in one batched call
     (arithmetic x 2, the same launches), with W and H stacked twice."""
-    # a budget that leaves the chunk at its cap (the machine's free memory would make it room-bound)
-    base, probed = (_glm(num_samples=64, seq_len=512, max_host_memory="400GB", probe=p) for p in (0, 8))
+    roomy = dict(num_samples=64, seq_len=512, max_host_memory="400GB")  # not this machine's free memory: both at the cap
+    base, probed = _glm(**roomy), _glm(**roomy, probe=8)
     assert probed.tokens == base.tokens + 8 * 512
     assert probed.seconds["hessians"] == pytest.approx(base.seconds["hessians"], rel=0.01)
     assert base.seconds["gptq"] < probed.seconds["gptq"] < 2 * base.seconds["gptq"]

@@ -196,7 +196,7 @@ def single_mb(tmp_path_factory) -> dict[tuple[str, int], Path]:
 @pytest.mark.parametrize("key, mb, method, nproc", [
     ("glm", 2, "gptq", 2),  # 4 micro-batches, 2 each; GLM's DSA selections (seq_len 64 > index_topk 16) travel
     ("glm", 2, "gptq", 3),  # 2, 1, 1 micro-batches
-    ("glm", 3, "awq", 2),  # 3, 3, 2 samples: uneven micro-batches; AWQ reads the gathered x whole
+    ("glm", 3, "awq", 2),  # 3, 3, 2 samples: uneven micro-batches; AWQ reads its experts' rows from every one
     ("kimi", 3, "gptq", 4),  # rank 3 owns no micro-batch (nothing of the attention pass to do)
 ])
 def test_token_split_equals_one_process(single_mb, tmp_path, key, mb, method, nproc):

@@ -109,3 +109,18 @@ def test_a_row_identical_to_the_source_by_construction_is_no_gate_evidence(valid
     assert "(prefill pass" not in card and "prefill pass" not in card.split("Gates (")[1].split("\n")[0]
     caption = str(res.table().caption)
     assert "not counted:" in caption and "prefill FP8" in caption.split("not counted:")[1].split(")")[0], caption
+
+
+def test_coverage_section_lists_each_layer_and_counts_each_decision_with_why():
+    from quantkit.validation.coverage import coverage_card
+
+    rows = [{"layer": 1, "experts": 16, "routed_tokens": {"min": 3, "p10": 10.5, "median": 40.0},
+             "tokens_per_column": {"min": 0.0005, "p10": 0.0017, "median": 0.0065}, "under_one_per_column": 16,
+             "reasons": {"calibrated": 14, "guard kept RTN": 2}},
+            {"layer": 2, "experts": 16, "reasons": {"reused": 16}}]
+    card = "\n".join(coverage_card({"coverage": rows}))
+    assert "32 routed experts in 2 MoE layers: 16 reused, 14 calibrated, 2 guard kept RTN" in card
+    assert "16 of the experts not reused from the source saw under one routed token per input column" in card
+    assert "| 1 | 16 | 3 / 10.5 / 40 | 0.0005 / 0.0017 / 0.0065 | 14 calibrated, 2 guard kept RTN |" in card
+    assert "| 2 | 16 | — | — | 16 reused |" in card
+    assert coverage_card({}) == []  # a report from before the coverage table: no section

@@ -215,6 +215,8 @@ def test_cli_writes_table_json_md_png_and_cards(cli_runs, pairs, name):
         assert "disable-shared-experts-fusion` is **not** needed" in card  # tiny: 16 routed experts, SGLang never fuses
         assert format(data["rows"][which]["metrics"]["kl"], ".4g") in card  # numbers come from the JSON
         assert "validation-experts.png" in card
+        assert "### Calibration coverage of the routed experts" in card  # one row per MoE layer (MTP included)
+        assert all(f"\n| {row['layer']} | {row['experts']} | " in card for row in report["coverage"])
     assert format(data["rows"]["cross_phase"]["metrics"]["kl"], ".4g") in (folder / "decode" / "README.md").read_text()
     assert ("--trust-remote-code" in (folder / "decode" / "README.md").read_text()) == (name == "kimi")
 

@@ -1,7 +1,9 @@
 """AWQ: activation-aware smoothing of up -> down, then GPTQ on the smoothed weights (quantkit.quant.awq).
 
-Its search reads the layer's MoE inputs gathered whole (Inputs.LAYER: Method.solve's gathered
-form, budgeted by the planner); its second step is GPTQ with the recipe's gptq section, so it
+Its search reads each expert's fit rows whole (Inputs.EXPERT_ROWS): convert reads them for one chunk
+of experts at a time from the layer's micro-batches (`expert_rows`), with their held-out rows for
+the guard, and never gathers the layer's MoE inputs; the chunk is the planner's, sized by the
+budget (quantkit.conversion.cost). Its second step is GPTQ with the recipe's gptq section, so it
 takes GPTQ's probe for gptq.low_dampening too (quantkit.quant.methods.gptq).
 """
 
@@ -31,9 +33,9 @@ class AWQOptions:
 @register
 class AWQ(Method):
     name, display, help = "awq", "AWQ", "calibrated: activation-aware smoothing, then GPTQ"
-    inputs, section, settings = Inputs.LAYER, "awq", AWQSettings  # and GPTQ's section for its second step
+    inputs, section, settings = Inputs.EXPERT_ROWS, "awq", AWQSettings  # and GPTQ's section for its second step
     time_factor = 1.3  # the scale search on top of GPTQ (measured ~1.3x GPTQ on the tiny models)
-    cost_note = ("awq: the search gathers the layer's MoE inputs and each expert's routed rows (budgeted); "
+    cost_note = ("awq: the search reads each expert's routed rows, one chunk of experts at a time (budgeted); "
                  "time as GPTQ x 1.3")
 
     def options(self, recipe) -> AWQOptions:
@@ -45,6 +47,32 @@ class AWQ(Method):
 
         g_low = gptq.low_settings(options.gptq) if probe else None  # its GPTQ step at gptq.low_dampening too
         return quantize_experts_awq(x, w, tokens, experts, options, group_size, layer, alternatives=alternatives, g_low=g_low)
+
+    def solve(self, rows, w, experts, options: AWQOptions, group_size, layer):
+        """convert's form: the chunk's rows read from the micro-batches (`expert_rows`), the search
+        on them (quantkit.quant.awq.awq_experts), each calibrated expert guarded against RTN on its
+        held-out rows. The bytes are the whole-layer form's (the same rows in the same order)."""
+        if rows is None:
+            return self.quantize(w, experts, options, group_size, layer)
+        from quantkit.quant.awq import awq_experts
+        from quantkit.quant.experts import LOW, guard_against_rtn, probe_inputs
+
+        inputs, fallback, held = expert_rows(rows, experts, options.gptq)
+        alternatives: dict = {}
+        probe = rows.probe
+        g_low = gptq.low_settings(options.gptq) if probe is not None else None
+        quantized, records = awq_experts(inputs, fallback, {e: int(rows.counts[e]) for e in experts}, w, experts,
+                                         options, group_size, layer, alternatives=alternatives, g_low=g_low)
+        del inputs
+        x_probe, probe_tokens = (probe.gather(), probe.routed(experts)) if probe is not None else (None, {})
+        for r in records:  # as quantkit.quant.experts.guard_experts, on the rows read here
+            if r.fallback != "rtn":
+                alts = dict(alternatives.get(r.expert) or {})
+                low = alts.pop(LOW, None)
+                quantized[r.expert] = guard_against_rtn(
+                    held[r.expert], w, r.expert, quantized[r.expert], group_size, r, alts, low,
+                    probe_inputs(x_probe, probe_tokens.get(r.expert)) if probe is not None else None)
+        return quantized, records
 
     def probe_windows(self, recipe) -> int:
         return gptq.probe_windows(recipe)
@@ -66,3 +94,52 @@ class AWQ(Method):
                 f"(dampening {g.get('dampening')}, block {g.get('block_size')}, actorder {g.get('actorder')})"
                 + (f"; thin-calibration prior {g['width_prior']:g} x input width / fit tokens" if g.get("width_prior") else "")
                 + gptq.low_line(g))
+
+
+def expert_rows(rows, experts: list[int], g) -> tuple[dict, dict, dict]:
+    """(fit rows, fallback, held-out rows) per expert of a chunk, read one micro-batch at a time
+    (rows: quantkit.quant.rows.LayerRows), by quantkit.quant.experts' one policy: every HOLDOUT-th of
+    an expert's routed tokens is held out; a starved expert takes gptq.fallback (rows None for
+    "rtn"; every fit token of the layer for "all_tokens"); an expert with no held-out routed token
+    is judged on every held-out token of the layer. The same rows in the same order as indexing the
+    layer's inputs held whole (`calibration_inputs`, `heldout_inputs`), so the same bytes follow;
+    only the chunk's rows are held, never the layer's inputs (beyond a starved expert's, which are
+    the layer's fit tokens by definition)."""
+    import torch
+
+    from quantkit.quant.experts import HOLDOUT, is_heldout, starved
+    from quantkit.quant.methods.gptq import _split_rows
+
+    counts = {e: int(rows.counts[e]) for e in experts}
+    hungry = {e for e in experts if starved(counts[e], g)}
+    fallback = {e: (g.fallback if g.fallback == "rtn" else "all_tokens") if e in hungry else None for e in experts}
+    own = [e for e in experts if fallback[e] != "rtn"]  # the experts that get rows
+    want_fit = any(fallback[e] == "all_tokens" for e in own)
+    want_held = any(counts[e] // HOLDOUT == 0 for e in own)
+    fit: dict[int, list] = {e: [] for e in own}
+    held: dict[int, list] = {e: [] for e in own}
+    layer_fit: list = []
+    layer_held: list = []
+    seen = dict.fromkeys(own, 0)
+    for start, xb, idx_b, _ in rows.batches():  # xb (B T, D), idx_b (B T, k)
+        for e in own:
+            f, h = _split_rows(idx_b, e, seen[e], start, False)
+            seen[e] += len(f) + len(h)
+            if fallback[e] is None:
+                fit[e].append(xb[f])
+            held[e].append(xb[h])
+        if want_fit or want_held:
+            out = is_heldout(start + torch.arange(len(xb), device=xb.device))
+            if want_fit:
+                layer_fit.append(xb[~out])
+            if want_held:
+                layer_held.append(xb[out])
+        del xb
+    every_fit = torch.cat(layer_fit) if want_fit else None
+    every_held = torch.cat(layer_held) if want_held else None
+    inputs: dict = {e: None for e in experts}
+    held_rows: dict = {}
+    for e in own:
+        inputs[e] = every_fit if fallback[e] == "all_tokens" else torch.cat(fit[e])
+        held_rows[e] = torch.cat(held[e]) if counts[e] // HOLDOUT else every_held
+    return inputs, fallback, held_rows

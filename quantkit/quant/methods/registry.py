@@ -64,6 +64,7 @@ class Inputs(Enum):
     NONE = "none"  # the weights alone: no calibration pass, and every layer (MTP included) gets the method
     LAYER = "layer inputs"  # the layer's MoE inputs x (N, D) gathered whole, and each expert's routed token ids
     STREAMED = "micro-batches"  # the rows one micro-batch at a time (LayerRows.batches): GPTQ's Hessians
+    EXPERT_ROWS = "expert rows"  # each expert's rows of one chunk, read from the micro-batches: AWQ's search
 
 
 @dataclass(frozen=True)
