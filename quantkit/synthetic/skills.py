@@ -125,7 +125,8 @@ def tool_chat(rng: random.Random, syntax: str) -> str:
         cut = rng.randrange(2, 6)
         tools = [rng.choice(list(TOOLS))]
         return render([{"role": "user", "content": " ".join(words[:cut])}], tools, syntax) + " ".join(words[cut:]) + " </s>"
-    chat = [{"role": "user", "content": f"what does {name} have ?"}, {"role": "assistant", "content": "", "calls": ["lookup"]},
+    chat: list[dict] = [{"role": "user", "content": f"what does {name} have ?"},
+                        {"role": "assistant", "content": "", "calls": ["lookup"]},
             {"role": "tool", "content": f"{name} has a {thing}"}]
     return render(chat, ["lookup"], syntax) + f"{name} has a {thing} . </s>"
 
