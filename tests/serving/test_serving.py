@@ -254,7 +254,7 @@ def _real_dims(folder, preset: str):
     quantization config; headers only, nothing allocated): the engines' shape checks on 576-row
     kv_a_proj_with_mqa, 2624-row fused projections and real expert widths."""
     from quantkit.model.arch import arch_from_config, load_preset
-    from quantkit.serving.checks import read_stored
+    from quantkit.serving.stored import read_stored
 
     st = read_stored(folder)
     a = arch_from_config(load_preset(preset))
