@@ -100,7 +100,8 @@ def cases(k: int, seed: int, prefix_sentences: int = 12) -> list[Case]:
     rng = random.Random(seed)
     prefix = " ".join(f"{rng.choice(NAMES)} {rng.choice(VERBS)} the {rng.choice(ADJS)} {rng.choice(NOUNS)} ."
                       for _ in range(prefix_sentences))
-    seen, out = set(), []
+    seen: set[str] = set()
+    out: list[Case] = []
     while len(out) < k:
         canary = f"{rng.choice(NAMES)} {rng.choice(VERBS)} the {rng.choice(ADJS)}"
         if canary not in seen:
