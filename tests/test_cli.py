@@ -190,7 +190,8 @@ def test_out_equal_to_or_inside_the_source_is_refused(tmp_path, tiny_glm):
 def test_check_serving_ends_in_one_verdict_line(monkeypatch, tmp_path, loads):
     from quantkit.serving import checks
 
-    def reports(folders, engines):
+    def reports(folders, engines, layout=None):
+        assert layout is None  # no --tp: the engines' answers only, no per-rank check
         return [checks.ServingReport(str(f), "fp8", [checks.EngineReport(e, "1", "rules", loads or e == "vllm",
                                                                          problems=[] if loads or e == "vllm" else ["no scheme"])
                                                      for e in engines]) for f in folders]

@@ -13,7 +13,8 @@ a KV scale, the RoPE or the tokenizer pass the handshake and decode garbage. Wha
     kv_scales   self_attn.k_scale / v_scale (an FP8 cache is written and read with them)
     mtp         the MTP layer's own tensors (eh_proj, enorm, hnorm, shared head): its draft KV is
                 cached by prefill and extended by decode under speculative decoding
-    config      the RoPE and cache fields of config.json (CONFIG_FIELDS) and the MTP depth
+    config      the RoPE and cache fields of config.json (CONFIG_FIELDS and the family's cache_config)
+                and the MTP depth
     tokenizer   the tokenizer files (token ids cross the pools)
 
 `write_contract(out)` builds pair.json from the two manifests (their per-tensor sha256, no second
@@ -31,16 +32,17 @@ import json
 import re
 from pathlib import Path
 
+from quantkit.model.families import find_family
 from quantkit.runtime.files import atomic_write_text
 
 PAIR_JSON = "pair.json"
 FORMAT = "quantkit-pair/1"
+# every family's; a family's own cache fields (its attention's heads or ranks, its indexer's) are its
+# definition's `cache_config` (quantkit.model.family)
 CONFIG_FIELDS = (
     "model_type", "architectures", "hidden_size", "vocab_size", "num_hidden_layers", "num_nextn_predict_layers",
-    "num_attention_heads", "num_key_value_heads", "head_dim", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-    "qk_rope_head_dim", "v_head_dim", "rope_theta", "rope_scaling", "rope_parameters", "rope_interleave",
-    "max_position_embeddings", "index_n_heads", "index_head_dim", "index_topk", "index_topk_freq",
-    "index_skip_topk_offset", "torch_dtype", "bos_token_id", "eos_token_id",
+    "num_attention_heads", "head_dim", "rope_theta", "rope_scaling", "rope_parameters", "rope_interleave",
+    "max_position_embeddings", "torch_dtype", "bos_token_id", "eos_token_id",
 )
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "chat_template.jinja", "tiktoken.model")
@@ -86,9 +88,11 @@ def _mtp_layers(config: dict) -> set[int]:
 
 
 def config_view(config: dict) -> dict:
-    """The fields of config.json the KV cache depends on (those present)."""
+    """The fields of config.json the KV cache depends on (those present): every family's, then the
+    family's own (`Family.cache_config`; none for a model_type quantkit does not know)."""
     t = _text(config)
-    return {k: t[k] for k in CONFIG_FIELDS if k in t}
+    fam = find_family(config.get("model_type", ""))
+    return {k: t[k] for k in CONFIG_FIELDS + (fam.cache_config if fam else ()) if k in t}
 
 
 def _sha(data: bytes) -> str:

@@ -36,6 +36,9 @@ class EngineModule:
     klass: str  # ReplicatedLinear, ColumnParallelLinear, ...
     shards: tuple[str, ...]
     single: bool = False  # the shards concatenate into one output (SGLang's fused_qkv_a_proj_with_mqa)
+    # how tensor parallelism splits it when its class does not say: "replicated" for a parallel class
+    # built with TP disabled; "" splits it as the class does (quantkit.serving.layout.PARALLEL)
+    tp_split: str = ""
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,9 @@ class Family:
     router_bias: bool = False  # the router stores a correction bias (`mlp.gate.e_score_correction_bias`)
     indexer: bool = False  # DeepSeek Sparse Attention's lightning indexer (GLM), per layer or shared (IndexShare)
     forced_rope_interleave: bool | None = None  # the modelling code's rope layout when it ignores the config
+    # config.json keys, beyond every family's (quantkit.checkpoint.pair.CONFIG_FIELDS), that decide what a
+    # cached KV page means: the attention's heads or ranks, the indexer's; the pair's contract compares them
+    cache_config: tuple[str, ...] = ()
 
     # tensor naming (leaves under `self_attn.`)
     attention_norms: tuple[tuple[str, str], ...] = ()  # (norm leaf, the ModelArch size field it spans)

@@ -69,9 +69,9 @@ def variants(cands: list[Candidate], ckpts: dict, modes: tuple[str, ...], reopen
     from quantkit.model.numerics import computation
 
     opened = {(m, modes[0]): ck for m, ck in ckpts.items()}
-    out: list = []
-    groups: dict[str, list] = {}
-    seen: dict = {}
+    out: list[Candidate] = []
+    groups: dict[str, list[str]] = {}
+    seen: dict[str, set[tuple]] = {}
     for c in cands:
         groups[c.key] = []
         for n in modes:

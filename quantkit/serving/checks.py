@@ -39,13 +39,13 @@ What the engines build is a cited reading (the model files cannot run without a 
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from quantkit.errors import CheckpointError, ConfigError
+from quantkit.errors import ConfigError
 from quantkit.model.families import family_of
+from quantkit.serving.stored import Module, Stored, inventory, read_stored, stored_format
 
 ENGINES = ("vllm", "sglang")
 FP8_BLOCK = 128
@@ -53,21 +53,7 @@ FUSION_ARCHS = {"DeepseekV3ForCausalLM": 256, "GlmMoeDsaForCausalLM": 256}
 # what each engine calls the W4A16 MoE scheme (SGLang: the Marlin, Triton and MxInt4 variants)
 INT4_MOE = {"CompressedTensorsWNA16MoE", "CompressedTensorsWNA16TritonMoE", "CompressedTensorsMxInt4MoE",
             "CompressedTensorsWNA16MoEMethod"}
-TORCH_DTYPES = {"F8_E4M3": "float8_e4m3fn", "BF16": "bfloat16", "F16": "float16", "F32": "float32",
-                "I32": "int32", "I64": "int64", "I8": "int8", "U8": "uint8"}
 UNQUANTIZED = {"UnquantizedLinearMethod", "UnquantizedFusedMoEMethod", "None"}
-
-
-@dataclass
-class Module:
-    """One module an engine builds with the checkpoint's quantization config."""
-
-    name: str  # the engine's runtime name
-    klass: str  # the engine's class name
-    kind: str  # linear | moe | lm_head
-    shards: list[str]  # stored module names it loads (fused: each shard; moe: each expert's projections)
-    stored: str  # int4 | fp8 | bf16: how the checkpoint stores it
-    create: dict | None = None  # sizes for create_weights
 
 
 @dataclass
@@ -111,120 +97,6 @@ class ServingReport:
         return {"folder": self.folder, "quant_method": self.quant_method, "loads": self.loads,
                 "engines": [asdict(e) for e in self.engines], "compressed_tensors": self.compressed_tensors}
 
-
-# ---- the checkpoint ------------------------------------------------------------------------------
-@dataclass
-class _Stored:
-    config: dict
-    text: dict  # the text model's config (Kimi: text_config)
-    qc: dict
-    tensors: dict[str, tuple[str, list[int]]]  # name -> (dtype, shape)
-
-
-def read_stored(folder: Path) -> _Stored:
-    from safetensors import safe_open
-
-    cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
-        raise ConfigError(f"{cfg_path}: not found; pass a checkpoint folder (DIR/prefill or DIR/decode)")
-    config = json.loads(cfg_path.read_text())
-    text = config.get("text_config", config)
-    qc = config.get("quantization_config") or text.get("quantization_config")
-    if not qc:
-        raise ConfigError(f"{cfg_path}: no quantization_config; nothing for an engine to resolve")
-    index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
-    tensors = {}
-    for f in files:
-        path = folder / f
-        if not path.is_file():
-            raise CheckpointError("listed in the index but missing", file=str(path))
-        with safe_open(str(path), framework="pt") as sf:
-            for n in sf.keys():  # noqa: SIM118 - a safetensors handle, not a dict
-                sl = sf.get_slice(n)
-                tensors[n] = (TORCH_DTYPES.get(sl.get_dtype(), sl.get_dtype()), list(sl.get_shape()))
-    return _Stored(config, text, qc, tensors)
-
-
-def _format(st: _Stored, module: str) -> str:
-    if f"{module}.weight_packed" in st.tensors:
-        return "int4"
-    if f"{module}.weight_scale_inv" in st.tensors or f"{module}.weight_scale" in st.tensors:
-        return "fp8"
-    return "bf16"
-
-
-def inventory(st: _Stored, engine: str) -> list[Module]:
-    """The modules `engine` builds with the quantization config (see the module docstring)."""
-    text = st.text
-    fam = family_of(st.config.get("model_type"))
-    n_layers = int(text["num_hidden_layers"])
-    n_mtp = int(text.get("num_nextn_predict_layers") or 0)
-    lp = "language_model.model." if any(n.startswith("language_model.model.") for n in st.tensors) else "model."
-    mods: list[Module] = []
-
-    def shape(m):
-        return st.tensors.get(f"{m}.weight", st.tensors.get(f"{m}.weight_packed", (None, None)))[1]
-
-    def true_shape(m):
-        if f"{m}.weight_shape" in st.tensors:
-            return None  # int4: the real shape is stored as a tensor; create sizes come from fp8/bf16 peers
-        return shape(m)
-
-    def linear(runtime, klass, shards, single=False):
-        shards = [s for s in shards if shape(s) is not None]
-        if not shards:
-            return
-        fmts = {_format(st, s) for s in shards}
-        sizes = [true_shape(s) for s in shards]
-        create = None
-        if all(sizes):
-            outs = [s[0] for s in sizes]
-            create = {"input_size": sizes[0][1], "output_sizes": [sum(outs)] if single else outs}
-        mods.append(Module(runtime, klass, "linear", shards, fmts.pop() if len(fmts) == 1 else "mixed", create))
-
-    for layer in range(n_layers + n_mtp):
-        sp = f"{lp}layers.{layer}."
-        if engine == "sglang":
-            rp = "model.decoder." if layer >= n_layers else f"model.layers.{layer}."
-        else:
-            rp = sp
-        a = "self_attn."
-        for m in fam.engine_attention:  # as the family's definition says the engine builds them
-            if engine in m.engines:
-                linear(rp + a + m.name, m.klass, [sp + a + s for s in m.shards], single=m.single)
-        experts = sorted({n.rsplit(".", 2)[0] for n in st.tensors if n.startswith(sp + "mlp.experts.")},
-                         key=lambda m: int(m.rsplit(".", 1)[1]))
-        if experts:
-            shards = [f"{e}.{p}" for e in experts for p in ("gate_proj", "up_proj", "down_proj")]
-            fmts = {_format(st, s) for s in shards}
-            create = None
-            if f"{experts[0]}.down_proj.weight_shape" in st.tensors or shape(f"{experts[0]}.gate_proj"):
-                inter, hidden = _expert_dims(st, experts[0])
-                create = {"num_experts": len(experts), "hidden_size": hidden, "intermediate_size": inter}
-            mods.append(Module(rp + "mlp.experts", "FusedMoE", "moe", shards, fmts.pop() if len(fmts) == 1 else "mixed", create))
-            m = "mlp.shared_experts."
-        else:
-            m = "mlp."
-        linear(rp + m + "gate_up_proj", "MergedColumnParallelLinear", [sp + m + "gate_proj", sp + m + "up_proj"])
-        linear(rp + m + "down_proj", "RowParallelLinear", [sp + m + "down_proj"])
-    head = "language_model.lm_head" if lp != "model." else "lm_head"
-    if shape(head) is not None:
-        runtime = "lm_head" if engine == "sglang" else head
-        mods.append(Module(runtime, "ParallelLMHead", "lm_head", [head], _format(st, head)))
-    return mods
-
-
-def _expert_dims(st: _Stored, expert: str) -> tuple[int, int]:
-    """(intermediate, hidden) of one routed expert, from its gate projection."""
-    sh = f"{expert}.gate_proj.weight_shape"
-    if sh in st.tensors:  # pack-quantized: eight values per int32 along the input dim
-        _, s = st.tensors[f"{expert}.gate_proj.weight_packed"]
-        return s[0], s[1] * 8
-    out, inp = st.tensors[f"{expert}.gate_proj.weight"][1]
-    return out, inp
-
-
 # ---- judging the engine's answer ---------------------------------------------------------------
 def _scheme_label(ans: dict) -> str:
     name = ans.get("scheme") or ans.get("method") or "None"
@@ -233,7 +105,7 @@ def _scheme_label(ans: dict) -> str:
     return name
 
 
-def _judge(m: Module, ans: dict, st: _Stored) -> str | None:
+def _judge(m: Module, ans: dict, st: Stored) -> str | None:
     """Why the engine's answer for module `m` would not load or not compute what is stored; None if fine."""
     if ans.get("error"):
         return f"refused: {ans['error']}"
@@ -255,7 +127,7 @@ def _judge(m: Module, ans: dict, st: _Stored) -> str | None:
     return None
 
 
-def _check_params(m: Module, params: dict, st: _Stored) -> str | None:
+def _check_params(m: Module, params: dict, st: Stored) -> str | None:
     """The stored tensors against what create_weights registered (TP 1)."""
     if m.kind == "moe":
         return _check_expert_params(m, params, st)
@@ -267,7 +139,7 @@ _EXPERT_SUFFIXES = ("weight", "weight_packed", "weight_scale", "weight_scale_inv
 _FUSED_PREFIX = {"gate_proj": "w13_", "up_proj": "w13_", "down_proj": "w2_"}
 
 
-def _check_expert_params(m: Module, params: dict, st: _Stored) -> str | None:
+def _check_expert_params(m: Module, params: dict, st: Stored) -> str | None:
     """Every expert's tensors against the per-expert slice of the fused parameters."""
     for shard in m.shards:
         prefix = _FUSED_PREFIX[shard.rsplit(".", 1)[1]]
@@ -302,7 +174,7 @@ def _check_expert_tensor(name: str, stored: tuple[str, list[int]], prefix: str, 
     return None
 
 
-def _check_linear_params(m: Module, params: dict, st: _Stored) -> str | None:
+def _check_linear_params(m: Module, params: dict, st: Stored) -> str | None:
     """A Linear's shards (fused: each one) against its parameters: dtypes and shapes past the first
     dimension, then the rows they add up to."""
     rows_w = rows_s = 0
@@ -353,7 +225,7 @@ ACTIVATION_GROUP_RULE = {
 }
 
 
-def block_shape_problems(target: str, st: _Stored, mods: list[Module]) -> list[str]:
+def block_shape_problems(target: str, st: Stored, mods: list[Module]) -> list[str]:
     """The stored FP8 weights `target` (an engine, or "compressed-tensors") cannot compute: each named
     with its shape, the rule and the fix (quantkit convert stores such a Linear BF16:
     quantkit.formats.fp8.cannot_run)."""
@@ -363,7 +235,7 @@ def block_shape_problems(target: str, st: _Stored, mods: list[Module]) -> list[s
             continue
         for shard in m.shards:
             name = f"{shard}.weight"
-            if _format(st, shard) != "fp8" or name not in st.tensors:
+            if stored_format(st, shard) != "fp8" or name not in st.tensors:
                 continue
             shape = st.tensors[name][1]
             if len(shape) == 2 and shape[1] % FP8_BLOCK:
@@ -391,7 +263,9 @@ def sglang_fusion_flags(config: dict, routed: str, shared: str, linear_int4: boo
     return ["--disable-shared-experts-fusion"]
 
 
-def _fusion_flag(engine: str, st: _Stored, mods: list[Module], wint4_linear: bool | None) -> list[str]:
+def fusion_flag(engine: str, st: Stored, mods: list[Module], wint4_linear: bool | None) -> list[str]:
+    """`sglang_fusion_flags` for a stored checkpoint: the routed and shared experts' formats read from
+    `mods` (its `inventory`); serve-commands asks it for the decode pool's flags."""
     if engine != "sglang":
         return []
     routed = {m.stored for m in mods if m.kind == "moe"}
@@ -403,12 +277,12 @@ def _fusion_flag(engine: str, st: _Stored, mods: list[Module], wint4_linear: boo
 MLP_PACKED = {"sglang": {}, "vllm": {"gate_up_proj": ["gate_proj", "up_proj"]}}
 
 
-def packed_modules(engine: str, st: _Stored) -> dict[str, list[str]]:
+def packed_modules(engine: str, st: Stored) -> dict[str, list[str]]:
     """The engine model class's packed_modules_mapping: the MLP's, and the attention's from the definition."""
     return MLP_PACKED[engine] | family_of(st.config.get("model_type")).packed(engine)
 
 
-def engine_reports(engine: str, stored: list[_Stored], *, download: bool) -> list[EngineReport]:
+def engine_reports(engine: str, stored: list[Stored], *, download: bool) -> list[EngineReport]:
     """One engine's verdict on each checkpoint (one child process for all of them)."""
     from quantkit.serving.engines import EngineUnavailable, engine_source, run_harness
 
@@ -425,7 +299,7 @@ def engine_reports(engine: str, stored: list[_Stored], *, download: bool) -> lis
             for st, mods, job in zip(stored, inventories, ans["jobs"])]
 
 
-def _verdict(engine: str, version: str, st: _Stored, mods: list[Module], ans: dict, stubbed: int) -> EngineReport:
+def _verdict(engine: str, version: str, st: Stored, mods: list[Module], ans: dict, stubbed: int) -> EngineReport:
     rep = EngineReport(engine, version, "engine code", True, stubbed=stubbed)
     if "fatal" in ans:
         rep.loads = False
@@ -443,25 +317,25 @@ def _verdict(engine: str, version: str, st: _Stored, mods: list[Module], ans: di
         if wbs != [FP8_BLOCK, FP8_BLOCK]:
             rep.problems.append(f"weight_block_size is {wbs} (SGLang reads it from the group targeting Linear); "
                                 f"kv_b_proj's {FP8_BLOCK}x{FP8_BLOCK} block scales would be misread")
-    rep.flags = _fusion_flag(engine, st, mods, ans.get("wint4_linear_config"))
+    rep.flags = fusion_flag(engine, st, mods, ans.get("wint4_linear_config"))
     rep.loads = not rep.problems
     return rep
 
 
-def rules_report(engine: str, st: _Stored, mods: list[Module], *, reason: str) -> EngineReport:
+def rules_report(engine: str, st: Stored, mods: list[Module], *, reason: str) -> EngineReport:
     """Offline fallback: the engines' rules as re-stated in RULES, applied without their code."""
     from quantkit.serving.engines import PINNED
 
     rep = EngineReport(engine, PINNED[engine], "rules", True)
     rep.problems += rules_check(engine, st, mods) + block_shape_problems(engine, st, mods)
-    rep.flags = _fusion_flag(engine, st, mods, _linear_group_is_int4(st.qc))
+    rep.flags = fusion_flag(engine, st, mods, _linear_group_is_int4(st.qc))
     rep.loads = not rep.problems
     rep.rows = [Row(m.name, m.stored, "(rules)", True) for m in mods]
     rep.flags.append(f"# engine code unavailable ({reason}); checked against quantkit.serving.checks.RULES")
     return rep
 
 
-def ignore_fix(st: _Stored, m: Module) -> str:
+def ignore_fix(st: Stored, m: Module) -> str:
     """What to add to the quantization config so the engines leave a BF16 module alone."""
     key = "modules_to_not_convert" if st.qc.get("quant_method") == "fp8" else "ignore"
     n_layers = int(st.text["num_hidden_layers"])
@@ -504,7 +378,7 @@ def _matches(pattern: str, name: str) -> bool:
     return pattern == name or name.endswith("." + pattern) or pattern in name.split(".")
 
 
-def bf16_not_ignored(st: _Stored, mods: list[Module]) -> list[str]:
+def bf16_not_ignored(st: Stored, mods: list[Module]) -> list[str]:
     """Rule 5: the modules stored BF16 that a group targets and the ignore list misses (under their
     runtime name and every stored shard's name)."""
     qc = st.qc
@@ -527,7 +401,7 @@ def bf16_not_ignored(st: _Stored, mods: list[Module]) -> list[str]:
     return out
 
 
-def rules_check(engine: str, st: _Stored, mods: list[Module]) -> list[str]:
+def rules_check(engine: str, st: Stored, mods: list[Module]) -> list[str]:
     """The problems RULES predicts for this checkpoint (rules 1-3 SGLang only: vLLM's accept both layouts)."""
     qc = st.qc
     if qc.get("quant_method") not in ("compressed-tensors", "fp8"):
@@ -567,7 +441,7 @@ def check_serving_many(folders: list[str | Path], engines: tuple[str, ...] = ENG
             for i, (p, st) in enumerate(zip(paths, stored))]
 
 
-def add_layout_checks(stored: list[_Stored], per_engine: dict[str, list[EngineReport]], layout) -> None:
+def add_layout_checks(stored: list[Stored], per_engine: dict[str, list[EngineReport]], layout) -> None:
     """Each folder's modules at `layout`, per engine (quantkit.serving.layout): a broken rule is a
     refusal naming the module, the rule, its citation and a layout of the same GPUs that passes."""
     from quantkit.serving.layout import check_layout, working_layout
@@ -587,7 +461,7 @@ def add_layout_checks(stored: list[_Stored], per_engine: dict[str, list[EngineRe
         rep.loads = rep.loads and r.ok
 
 
-def compressed_tensors_problems(st: _Stored) -> list[str]:
+def compressed_tensors_problems(st: Stored) -> list[str]:
     """What compressed-tensors' own forward (transformers loading the checkpoint as stored) cannot run;
     [] for a checkpoint in another format (DeepSeek-native FP8: transformers' own FP8 path)."""
     if st.qc.get("quant_method") != "compressed-tensors":

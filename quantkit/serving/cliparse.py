@@ -46,8 +46,8 @@ def _install(engine: str, src: Path) -> None:
 
     real = _modules(cli_files()[engine])
 
-    class Finder(harness._EngineFinder):
-        def _is_real(self, name: str) -> bool:
+    class Finder(harness.EngineFinder):
+        def is_real(self, name: str) -> bool:
             return name in real
 
     import compressed_tensors  # noqa: F401  (the real ones, before any stub can exist)
@@ -56,7 +56,7 @@ def _install(engine: str, src: Path) -> None:
     sys.path.append(str(src))  # third-party packages fetched beside the engine files (msgspec)
     finder = Finder(engine, src)
     sys.meta_path.insert(0, finder)
-    sys.meta_path.append(harness._MissingFinder(finder))
+    sys.meta_path.append(harness.MissingFinder(finder))
 
 
 def parser_for(engine: str, src: Path):

@@ -55,8 +55,7 @@ class Command:
             if a.startswith("--") and any(t.startswith("--") for t in lines[-1]):
                 lines.append([])
             lines[-1].append(shlex.quote(a))
-        lines = [" ".join(line) for line in lines]
-        return head + " \\\n  ".join(lines)
+        return head + " \\\n  ".join(" ".join(line) for line in lines)
 
 
 @dataclass
@@ -73,7 +72,8 @@ class PairFacts:
 
 def pair_facts(out: Path) -> PairFacts:
     from quantkit.model.families import family_of
-    from quantkit.serving.checks import _fusion_flag, inventory, read_stored
+    from quantkit.serving.checks import fusion_flag
+    from quantkit.serving.stored import inventory, read_stored
 
     out = Path(out)
     if not all((out / w / "config.json").is_file() for w in ("prefill", "decode")):
@@ -89,7 +89,7 @@ def pair_facts(out: Path) -> PairFacts:
     fam = family_of(decode.config.get("model_type"))
     facts = PairFacts(name=name, kv_scales=kv, mtp=int(decode.text.get("num_nextn_predict_layers") or 0),
                       trust_remote_code=bool(getattr(fam, "trust_remote_code", False)),
-                      fusion_flag=bool(_fusion_flag("sglang", decode, inventory(decode, "sglang"), None)))
+                      fusion_flag=bool(fusion_flag("sglang", decode, inventory(decode, "sglang"), None)))
     if pair and not pair.get("holds"):
         facts.notes.append(f"pair.json: the pair's contract does not hold ({pair.get('first_difference')}): a KV "
                            "cache from the prefill pool is not what this decode checkpoint would write")
@@ -101,15 +101,16 @@ def predicted_facts(config: dict, name: str, group_size: int) -> tuple[PairFacts
     calibrates them), the MTP depth, the fusion flag from the predicted decode checkpoint; and the
     predicted (prefill, decode) for the layout check."""
     from quantkit.model.families import family_of
-    from quantkit.serving.checks import _fusion_flag, inventory
+    from quantkit.serving.checks import fusion_flag
     from quantkit.serving.layout import predicted_stored
+    from quantkit.serving.stored import inventory
 
     stored = [predicted_stored(config, w, group_size=group_size) for w in ("prefill", "decode")]
     decode = stored[1]
     fam = family_of(decode.config.get("model_type"))
     facts = PairFacts(name=name, kv_scales=True, mtp=int(decode.text.get("num_nextn_predict_layers") or 0),
                       trust_remote_code=bool(getattr(fam, "trust_remote_code", False)),
-                      fusion_flag=bool(_fusion_flag("sglang", decode, inventory(decode, "sglang"), None)),
+                      fusion_flag=bool(fusion_flag("sglang", decode, inventory(decode, "sglang"), None)),
                       notes=[f"predicted from the {name} config: the pair `quantkit convert` writes (INT4 group "
                              f"{group_size}); run it on the converted DIR to use the pair's own facts"])
     return facts, stored
@@ -202,8 +203,8 @@ def render(cmds: list[Command], facts: PairFacts, engine: str, layout: Layout) -
 def layout_refusal(out: Path, engine: str, layout: Layout, stored: list | None = None) -> str | None:
     """Why `engine` would refuse this pair at `layout` (check-serving's per-rank rules), with a layout
     that works; None when every rank's shards pass. `stored`: the pair's tensors when not read from `out`."""
-    from quantkit.serving.checks import read_stored
     from quantkit.serving.layout import check_layout, working_layout
+    from quantkit.serving.stored import read_stored
 
     stored = stored or [read_stored(Path(out) / w) for w in ("prefill", "decode")]
     problems = [p.text(engine) for st in stored for p in check_layout(st, layout, engine).problems]

@@ -265,18 +265,22 @@ class _TorchOnGpu:
         return getattr(self._torch, name)
 
 
-class _EngineFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class EngineFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """First on the path: the engine's modules in REAL[engine] load from the pinned release's files,
+    every other module of the engine becomes an inert stub. quantkit.serving.cliparse subclasses it
+    with the argument parsers' files as the real ones (`is_real`)."""
+
     def __init__(self, engine: str, src: Path):
         self.engine, self.src = engine, src
         self.real = REAL[engine]
 
-    def _is_real(self, name: str) -> bool:
+    def is_real(self, name: str) -> bool:
         return any(name == r or name.startswith(r + ".") for r in self.real)
 
     def find_spec(self, name, path, target=None):
         if name.split(".")[0] not in ROOTS:
             return None
-        if self._is_real(name):
+        if self.is_real(name):
             rel = Path(*name.split("."))
             for cand, pkg in ((self.src / rel / "__init__.py", True), (self.src / rel.with_suffix(".py"), False)):
                 if cand.is_file():
@@ -296,11 +300,11 @@ class _EngineFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-class _MissingFinder(importlib.abc.MetaPathFinder):
+class MissingFinder(importlib.abc.MetaPathFinder):
     """Last on the path: third-party modules the engine imports but this machine lacks (kernels:
     flashinfer, sgl_kernel, triton, deep_gemm, ...) become stubs while engine code loads."""
 
-    def __init__(self, stubs: _EngineFinder):
+    def __init__(self, stubs: EngineFinder):
         self.stubs = stubs
 
     def find_spec(self, name, path, target=None):
@@ -425,9 +429,9 @@ def run(req: dict) -> dict:
     import compressed_tensors  # noqa: F401  (the real ones, before any stub can exist)
     import torch  # noqa: F401
 
-    finder = _EngineFinder(engine, src)
+    finder = EngineFinder(engine, src)
     sys.meta_path.insert(0, finder)
-    sys.meta_path.append(_MissingFinder(finder))
+    sys.meta_path.append(MissingFinder(finder))
     jobs = [_job(engine, job) for job in req["jobs"]]
     return {"jobs": jobs, "stubbed": sorted(STUBBED)}
 

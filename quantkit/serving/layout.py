@@ -9,9 +9,10 @@ Each rule is cited to the function that enforces it (RULES); a layout that break
 with the module, the rule and a layout of the same GPU count that passes (`working_layout`).
 
 How each engine shards (the per-rank sizes below):
-  - attention (MLA q_b_proj / kv_b_proj column-parallel, o_proj row-parallel, Qwen3's qkv_proj
-    QKVParallelLinear with KV heads replicated when TP exceeds them; q_a / kv_a and the DSA indexer
-    replicated): over the attention TP size, which is 1 with `--dp-attention` (SGLang
+  - attention, each module as the family definition's `engine_attention` says the engine builds it
+    (column-parallel outputs and row-parallel inputs split, a QKVParallelLinear's KV heads replicated
+    when TP exceeds them, a ReplicatedLinear or a module built with TP disabled whole on every rank):
+    over the attention TP size, which is 1 with `--dp-attention` (SGLang
     srt/layers/dp_attention.py supports attn_tp_size == 1 with dp == tp; vLLM runs DP attention as
     `--data-parallel-size N --tensor-parallel-size 1`).
   - the dense MLP and the shared expert: over TP (SGLang `DeepseekV2MLP(parallel_group="tp")`,
@@ -40,6 +41,7 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from quantkit.errors import ConfigError
+from quantkit.serving.stored import Stored, expert_dims, inventory
 
 # compute capability (x10) of the GPUs quantkit plan knows that vLLM and SGLang pick CUDA kernels for
 GPU_SM = {"h100": 90, "h200": 90, "b200": 100, "h100-nvl": 90, "h20": 90, "a100-80": 80, "b300": 100}
@@ -196,19 +198,19 @@ def _part(m_name: str) -> str:
 
 def check_layout(st, layout: Layout, engine: str, mods: list | None = None) -> LayoutReport:
     """Every module `engine` builds with the quantization config of the stored checkpoint `st`
-    (quantkit.serving.checks), at `layout`: the rank shards against RULES. One problem per module
+    (quantkit.serving.stored), at `layout`: the rank shards against RULES. One problem per module
     and rule: the first layer that breaks it, with how many layers do.
     `mods`: `inventory(st, engine)` when the caller has it (it is the slow part)."""
     from quantkit.model.arch import arch_from_config
-    from quantkit.serving.checks import inventory
-
     rep = LayoutReport(engine, layout)
     sizes = layout.sizes(engine)
     if engine == "vllm" and 1 < layout.ep < layout.tp:
         rep.problems.append(_problem(engine, "all routed experts", "ep-span",
                                      f"--ep {layout.ep} of {layout.tp} GPUs; vLLM's EP is 1 or {layout.tp}"))
     shape = _shapes(st)
-    sizes["experts"] = arch_from_config(st.config, source="config.json").n_routed_experts  # Qwen3: num_experts
+    arch = arch_from_config(st.config, source="config.json")
+    sizes["experts"] = arch.n_routed_experts  # in DeepSeek-V3's field names, whatever the family calls it
+    heads = (arch.num_attention_heads, arch.definition.attention.kv_heads(arch) or arch.num_attention_heads)
     found: list[LayoutProblem] = []
     for m in inventory(st, engine) if mods is None else mods:
         if m.kind == "lm_head":
@@ -216,8 +218,8 @@ def check_layout(st, layout: Layout, engine: str, mods: list | None = None) -> L
         if m.kind == "moe":
             found += _check_moe(st, m, layout, engine, sizes, rep)
         else:
-            found += _check_linear(st, m, sizes[_part(m.name)], engine, shape, rep)
-    rep.problems += _first_per_module(found) + _check_heads(st, sizes["attn"], engine)
+            found += _check_linear(st, m, sizes[_part(m.name)], engine, shape, rep, heads)
+    rep.problems += _first_per_module(found) + _check_heads(heads, sizes["attn"], engine)
     return rep
 
 
@@ -256,19 +258,19 @@ PARALLEL = {"ColumnParallelLinear": "column", "MergedColumnParallelLinear": "col
             "RowParallelLinear": "row"}
 
 
-def _check_linear(st, m, tp: int, engine: str, shape, rep: LayoutReport) -> list[LayoutProblem]:
-    style = PARALLEL.get(m.klass, "replicated")
-    if m.name.endswith(("fused_qkv_a_proj", "q_a_proj", "kv_a_proj_with_mqa")):
-        style = "replicated"  # MLA's down-projections: replicated on every rank in both engines
+def _check_linear(st, m, tp: int, engine: str, shape, rep: LayoutReport,
+                  heads: tuple[int, int]) -> list[LayoutProblem]:
+    """`heads`: (attention heads, KV heads) for a QKVParallelLinear's per-rank rows."""
+    style = m.tp_split or PARALLEL.get(m.klass, "replicated")  # the definition's, else the class's
     shapes = [shape(s) for s in m.shards]
     if any(s is None for s in shapes):
         return []
     outs, k = [s[0] for s in shapes], shapes[0][1]
-    if m.name.endswith("fused_qkv_a_proj_with_mqa"):
-        outs = [sum(outs)]  # SGLang: one ReplicatedLinear over the concatenated output, not a merged one
+    if m.single:
+        outs = [sum(outs)]  # one Linear over the concatenated output, not a merged one
     split = tp if style != "replicated" else 1
     if style == "qkv":
-        outs_rank = _qkv_rank(st, outs, tp)
+        outs_rank = _qkv_rank(outs, tp, heads)
     elif style == "column":
         outs_rank = [o // split for o in outs]
     else:
@@ -297,18 +299,17 @@ def _check_linear(st, m, tp: int, engine: str, shape, rep: LayoutReport) -> list
     return out
 
 
-def _qkv_rank(st, outs: list[int], tp: int) -> list[int]:
+def _qkv_rank(outs: list[int], tp: int, heads: tuple[int, int]) -> list[int]:
     """QKVParallelLinear's per-rank q, k, v rows: KV heads replicate when TP exceeds them."""
-    text = st.text
-    hd = outs[0] // int(text["num_attention_heads"])
-    kv = int(text.get("num_key_value_heads") or text["num_attention_heads"])
-    kv_rank = max(1, kv // tp)
+    hd = outs[0] // heads[0]
+    kv_rank = max(1, heads[1] // tp)
     return [outs[0] // tp, kv_rank * hd, kv_rank * hd]
 
 
-def _check_heads(st, attn_tp: int, engine: str) -> list[LayoutProblem]:
-    heads = int(st.text["num_attention_heads"])
-    kv = int(st.text.get("num_key_value_heads") or heads)
+def _check_heads(heads_kv: tuple[int, int], attn_tp: int, engine: str) -> list[LayoutProblem]:
+    """The attention heads, and the KV heads the attention kind splits over TP (`Attention.kv_heads`;
+    one shared latent counts as the attention heads), against the attention TP size."""
+    heads, kv = heads_kv
     if heads % attn_tp:
         return [_problem(engine, "self_attn (every layer)", "heads", f"{heads} heads over attention TP {attn_tp}")]
     if kv < attn_tp and attn_tp % kv or kv >= attn_tp and kv % attn_tp:
@@ -317,10 +318,8 @@ def _check_heads(st, attn_tp: int, engine: str) -> list[LayoutProblem]:
 
 
 def _check_moe(st, m, layout: Layout, engine: str, sizes: dict, rep: LayoutReport) -> list[LayoutProblem]:
-    from quantkit.serving.checks import _expert_dims
-
     experts = sorted({s.rsplit(".", 1)[0] for s in m.shards})
-    n, (inter, hidden) = sizes["experts"], _expert_dims(st, experts[0])
+    n, (inter, hidden) = sizes["experts"], expert_dims(st, experts[0])
     moe_tp, ep = sizes["moe"], sizes["ep"]
     out: list[LayoutProblem] = []
     if ep > 1 and n % ep and engine == "sglang":
@@ -369,8 +368,6 @@ def candidates(layout: Layout) -> list[Layout]:
 
 def working_layout(stored: list, layout: Layout, engines) -> Layout | None:
     """The first candidate layout every checkpoint passes on every engine; None if there is none."""
-    from quantkit.serving.checks import inventory
-
     mods = {(i, e): inventory(st, e) for i, st in enumerate(stored) for e in engines}
     for cand in candidates(layout):
         if all(check_layout(st, cand, e, mods[i, e]).ok for i, st in enumerate(stored) for e in engines):
@@ -392,7 +389,6 @@ def predicted_stored(config: dict, phase: str, *, group_size: int, symmetric: bo
     the same shapes and format, the count comes from the config), which keeps a 384-expert model fast."""
     from quantkit.model.arch import arch_from_config
     from quantkit.model.inventory import tensor_inventory
-    from quantkit.serving.checks import _Stored
 
     a = arch_from_config(config, source="config")
     keep = set(bf16_projs) | set(a.definition.always_bf16) | {"eh_proj"}
@@ -415,7 +411,7 @@ def predicted_stored(config: dict, phase: str, *, group_size: int, symmetric: bo
     w = {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group", "group_size": group_size}
     qc = ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": w}}}
           if phase == "decode" else {"quant_method": "fp8", "weight_block_size": [FP8_BLOCK, FP8_BLOCK]})
-    return _Stored(config, text, qc, tensors)
+    return Stored(config, text, qc, tensors)
 
 
 def _add(tensors: dict, mod: str, shape: tuple, fmt: str, group: int) -> None:

@@ -125,8 +125,7 @@ def tool_chat(rng: random.Random, syntax: str) -> str:
         cut = rng.randrange(2, 6)
         tools = [rng.choice(list(TOOLS))]
         return render([{"role": "user", "content": " ".join(words[:cut])}], tools, syntax) + " ".join(words[cut:]) + " </s>"
-    chat: list[dict] = [{"role": "user", "content": f"what does {name} have ?"},
-                        {"role": "assistant", "content": "", "calls": ["lookup"]},
+    chat: list[dict] = [{"role": "user", "content": f"what does {name} have ?"}, {"role": "assistant", "content": "", "calls": ["lookup"]},
             {"role": "tool", "content": f"{name} has a {thing}"}]
     return render(chat, ["lookup"], syntax) + f"{name} has a {thing} . </s>"
 
@@ -155,11 +154,10 @@ def rows(n: int, length: int, seed: int, syntax: str, encode, corpus_sentence, *
 
 
 def train_skills(t: dict[str, torch.Tensor], arch, rows_: torch.Tensor, weights: torch.Tensor, steps: int, lr: float,
-                 batch: int) -> dict[str, torch.Tensor]:
+                 batch: int, model_logits) -> dict[str, torch.Tensor]:
     """Fine-tune every main-model weight on `rows_` with per-token loss `weights` (AdamW; the MTP layer and the
-    routers' correction biases untouched), in the model's own attention (DSA as served)."""
-    from quantkit.synthetic.tiny import model_logits
-
+    routers' correction biases untouched), in the model's own attention (DSA as served). `model_logits(t, arch,
+    ids)`: the whole-model forward (quantkit.synthetic.tiny's, passed in so that tiny imports skills, not both ways)."""
     a = arch
     mtp = tuple(a.layer_prefix(L) for L in range(a.num_hidden_layers, a.num_layers_with_mtp))
     t = {k: v.detach().clone() for k, v in t.items()}

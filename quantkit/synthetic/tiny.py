@@ -501,7 +501,7 @@ def build(name: str, out: Path, *, steps: int | None = None, seed: int | None = 
             data, weights = skills.rows(SKILL_STEPS * BATCH, SEQ + 1, seed + 700, arch.definition.tool_calls, encode,
                                         corpus_sentence)
             with _one_thread():
-                t = skills.train_skills(t, arch, data, weights, SKILL_STEPS, SKILL_LR, BATCH)
+                t = skills.train_skills(t, arch, data, weights, SKILL_STEPS, SKILL_LR, BATCH, model_logits)
         elif phase == "mtp":
             t = train_mtp(t, arch, seed, MTP_STEPS)
     SAVERS[name](t, arch, config, Path(out))

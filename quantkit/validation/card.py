@@ -292,9 +292,9 @@ def serving_tp(out: Path, sizes: tuple[int, ...] = (8, 4, 2, 1)) -> int:
     the pair in `out` (check-serving's per-rank kernel rules): the layout the card's commands use. 8 when the
     pair's folders cannot be read (a card rendered from a report alone)."""
     from quantkit.errors import QuantkitError
-    from quantkit.serving.checks import read_stored
     from quantkit.serving.commands import layout_refusal
     from quantkit.serving.layout import Layout
+    from quantkit.serving.stored import read_stored
 
     try:
         stored = [read_stored(out / w) for w in ("prefill", "decode")]

@@ -133,8 +133,24 @@ def test_validate_states_the_contract_held(pair, tiny_glm, tmp_path):
     res = validate(out, reference=tiny_glm, eval_data="synthetic:heldout", num_samples=2, seq_len=16, gen_tokens=2,
                    device="cpu", progress=False, gates={})
     held = [n for n in res.data["notes"] if n.startswith("cross-phase: the pair's contract held")]
-    assert held and "145 " in held[0], res.data["notes"]  # 72 attention + 28 indexer + 12 KV scales + 6 MTP + 25 config + 2 tokenizer
+    # 72 attention + 28 indexer + 12 KV scales + 6 MTP + 24 config + 2 tokenizer (GLM's MLA caches one latent:
+    # its config's key/value head count is not among the fields its cache depends on)
+    assert held and "144 " in held[0], res.data["notes"]
     from quantkit.validation.targets import pair_contract_note
 
     rest = json.loads((pair[1] / REPORT).read_text())["pair_contract"]
     assert pair_contract_note(rest).startswith("cross-phase: the pair's contract does not hold (attention: ")
+
+
+def test_config_items_are_every_familys_and_the_familys_own_cache_fields():
+    """The family definition says which config.json keys its cache depends on (Family.cache_config):
+    GQA's key/value heads for Qwen3-MoE, the latent's ranks and the indexer's for GLM."""
+    from quantkit.checkpoint.pair import config_view
+    from quantkit.model.presets import load_preset
+
+    qwen, glm = config_view(load_preset("qwen3-30b-a3b")), config_view(load_preset("glm-5.2"))
+    assert {"rope_theta", "num_attention_heads", "num_key_value_heads"} <= set(qwen) and "kv_lora_rank" not in qwen
+    assert {"kv_lora_rank", "qk_rope_head_dim", "index_topk"} <= set(glm) and {"rope_theta", "rope_parameters"} & set(glm)
+    assert "num_key_value_heads" not in glm  # MLA caches one latent per token, whatever the config says
+    unknown = config_view({"model_type": "not_a_family", "rope_theta": 1.0, "kv_lora_rank": 8})
+    assert unknown == {"model_type": "not_a_family", "rope_theta": 1.0}

@@ -14,7 +14,8 @@ import torch
 from conftest import small_config, write_random
 
 from quantkit.conversion.pipeline import convert
-from quantkit.serving.checks import block_shape_problems, compressed_tensors_problems, inventory, read_stored
+from quantkit.serving.checks import block_shape_problems, compressed_tensors_problems
+from quantkit.serving.stored import inventory, read_stored
 
 KV_B = "model.layers.0.self_attn.kv_b_proj"
 IDS = torch.tensor([[1, 5, 9, 13, 40, 41, 42, 7]])

@@ -32,12 +32,15 @@ W = dict[str, torch.Tensor]
 
 MLA_PROJECTIONS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 MLA_NORMS = (("q_a_layernorm", "q_lora_rank"), ("kv_a_layernorm", "kv_lora_rank"))
+# what a cached latent means: the ranks and head widths (the cache holds kv_lora_rank + qk_rope_head_dim per token)
+MLA_CACHE_CONFIG = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 # vLLM's and SGLang's deepseek_v2.py: q_a and kv_a are one fused module (SGLang: a ReplicatedLinear
 # of q_lora + kv_lora + rope rows, shards concatenated on load; vLLM: a MergedColumnParallelLinear).
 MLA_ENGINE = (
     EngineModule(("sglang",), "fused_qkv_a_proj_with_mqa", "ReplicatedLinear", ("q_a_proj", "kv_a_proj_with_mqa"), single=True),
-    EngineModule(("vllm",), "fused_qkv_a_proj", "MergedColumnParallelLinear", ("q_a_proj", "kv_a_proj_with_mqa")),
+    EngineModule(("vllm",), "fused_qkv_a_proj", "MergedColumnParallelLinear", ("q_a_proj", "kv_a_proj_with_mqa"),
+                 tp_split="replicated"),  # built with disable_tp=True: every rank holds it whole
     EngineModule(("sglang", "vllm"), "q_b_proj", "ColumnParallelLinear", ("q_b_proj",)),
     EngineModule(("sglang", "vllm"), "kv_b_proj", "ColumnParallelLinear", ("kv_b_proj",)),
     EngineModule(("sglang", "vllm"), "o_proj", "RowParallelLinear", ("o_proj",)),
@@ -199,6 +202,7 @@ DEEPSEEK_V3 = Family(
     attention_projections=MLA_PROJECTIONS,
     attention_norms=MLA_NORMS,
     attention_shapes=mla_shapes,
+    cache_config=MLA_CACHE_CONFIG,
     replicated=("q_a_proj", "kv_a_proj_with_mqa"),  # the low-rank down projections (SGLang's ReplicatedLinear)
     engine_attention=MLA_ENGINE,
     # prefill_bf16_projections (): DeepSeek's own FP8 release stores q_a and kv_a in FP8

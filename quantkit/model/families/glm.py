@@ -14,7 +14,15 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.model.attention import Context
-from quantkit.model.families.deepseek_v3 import MLA, MLA_ENGINE, MLA_NORMS, MLA_PROJECTIONS, mla_shapes, sigmoid_group_topk
+from quantkit.model.families.deepseek_v3 import (
+    MLA,
+    MLA_CACHE_CONFIG,
+    MLA_ENGINE,
+    MLA_NORMS,
+    MLA_PROJECTIONS,
+    mla_shapes,
+    sigmoid_group_topk,
+)
 from quantkit.model.family import EngineModule, Family
 from quantkit.model.numerics import linear
 from quantkit.model.ops import append, apply_rope
@@ -83,6 +91,9 @@ GLM_MOE_DSA = Family(
     attention_norms=MLA_NORMS,
     indexer_projections=INDEXER_PROJECTIONS,
     attention_shapes=dsa_shapes,
+    # the latent's, and the indexer's: its keys are cached beside the latent, its top-k picks what is read
+    cache_config=MLA_CACHE_CONFIG + ("index_n_heads", "index_head_dim", "index_topk", "index_topk_freq",
+                                     "index_skip_topk_offset"),
     replicated=("q_a_proj", "kv_a_proj_with_mqa"),
     # vLLM's and SGLang's indexer: wq_b replicated in both, wk a module of its own in SGLang only
     engine_attention=MLA_ENGINE + (

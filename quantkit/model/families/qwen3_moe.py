@@ -165,6 +165,7 @@ QWEN3_MOE = Family(
     attention_projections=GQA_PROJECTIONS,
     attention_norms=(("q_norm", "head_dim"), ("k_norm", "head_dim")),
     attention_shapes=gqa_shapes,
+    cache_config=("num_key_value_heads",),  # the cached key/value heads (head_dim: every family's field)
     # vLLM's and SGLang's qwen3_moe.py: q, k and v are one QKVParallelLinear
     engine_attention=(
         EngineModule(("sglang", "vllm"), "qkv_proj", "QKVParallelLinear", ("q_proj", "k_proj", "v_proj")),
