@@ -16,7 +16,7 @@ C experts per chunk, B samples per micro-batch, w = 4 bytes per float32; compute
                   shard / disk bandwidth seconds of the cut, long before the next expert chunk's
                   GPTQ reaches its peak (loading and Hessians come first), so it is not in the
                   peak: the real-shape GLM at 8 x 512 under 8 GB peaked in GPTQ's factorization
-                  with both buffers partly filled (docs/benchmarks.md, "Prediction at real width")
+                  with both buffers partly filled (docs/benchmarks.md, "Real width: memory and the planner")
     dense_layer,  a dense layer's weights, and a MoE layer's weights other than its routed
     moe_layer     experts, float32
     load_transient dequantizing the largest tensor: 3 float32 copies (values, scales, product);

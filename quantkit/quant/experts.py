@@ -96,6 +96,23 @@ def is_heldout_window(pos: torch.Tensor, seq_len: int) -> torch.Tensor:
     return (pos // seq_len) % HOLDOUT == HOLDOUT - 1
 
 
+def split_rows(idx_b: torch.Tensor, e: int, seen: int, start: int, use_all: bool,
+               window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fit rows, held-out rows) of this micro-batch for expert e, by this module's one policy:
+    every HOLDOUT-th entry of the expert's routed-token list (or, with use_all, of the layer's
+    token list) is held out; with window = seq_len > 0 (gptq.holdout: window), every token of every
+    HOLDOUT-th calibration window instead. `seen`: the expert's routed tokens in earlier
+    micro-batches; `start`: the micro-batch's first token in the layer."""
+    if use_all:
+        rows = torch.arange(len(idx_b), device=idx_b.device)
+        pos = start + rows
+    else:
+        rows = (idx_b == e).nonzero(as_tuple=True)[0]
+        pos = seen + torch.arange(len(rows), device=rows.device)
+    held = is_heldout_window(start + rows, window) if window else is_heldout(pos)
+    return rows[~held], rows[held]
+
+
 def starved(n_routed: int, g) -> bool:
     """Whether an expert routed n_routed calibration tokens has too few fit tokens (those not held
     out) for its own Hessian: fewer than max(gptq.min_tokens, 1)."""

@@ -308,8 +308,6 @@ def generate(ckpts: dict, runs: dict, prompts: list[list[int]], max_tokens: int,
                 continue
             out[row][i][0].append(tok)
             s.ids = torch.tensor([[tok]])
-        if bar is not None:
-            bar.advance()
     return out
 
 

@@ -56,10 +56,22 @@ def tok(tiny_kimi):
     return open_tokenizer(tiny_kimi)
 
 
+# A template that writes every schema and every call's arguments as JSON: the tiny template writes names only,
+# so this one is what shows the arguments and schemas survive the normaliser.
+WRITES_ALL = ("{{ tools | tojson }}{% for m in messages %}{{ m['role'] + ': ' + (m['content'] or '') }}"
+              "{% for c in m['tool_calls'] or [] %}{{ ' call ' + c['function']['name'] + ' ' + (c['function']['arguments'] | tojson) }}"
+              "{% endfor %} {% endfor %}")
+
+
+@pytest.mark.parametrize("template", ["tiny", "writes-all"])
 @pytest.mark.parametrize("shape", sorted(STORED))
-def test_stored_transcripts_render_as_the_documented_form(tok, shape):
+def test_stored_transcripts_render_as_the_documented_form(tok, shape, template, monkeypatch):
+    if template == "writes-all":
+        monkeypatch.setattr(tok, "chat_template", WRITES_ALL)
     want = tok.apply_chat_template(OPENAI["messages"], tools=OPENAI["tools"], tokenize=False)
-    assert '"find"' in want and '"cat"' in want  # the template writes the schema and the call
+    # the template writes the schema and the call: the tiny one by name and parameter, the other in full
+    sentinels = ["find ( what )", "functions.find:0"] if template == "tiny" else ['"find a thing"', '{"what": "cat"}']
+    assert all(s in want for s in sentinels), want
     assert render(document(STORED[shape], "t.jsonl:1"), tok, True, "t.jsonl") == want
 
 

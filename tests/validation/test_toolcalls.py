@@ -150,8 +150,8 @@ def test_validate_bad_tool_task_is_one_line(validated, tmp_path):
 
 
 def test_the_tool_task_reports_progress_per_token(tiny_glm, capsys):
-    """Off a terminal, one line per generated token (every row and prompt in lockstep), so a long tool task
-    is never silent."""
+    """Off a terminal, a stderr line per sixteenth of the greedy steps (here, with 2 steps, per step; every row
+    and prompt in lockstep), so a long tool task is never silent, and the count never passes the total."""
     import torch
 
     from quantkit.checkpoint.reader import Checkpoint
@@ -163,4 +163,6 @@ def test_the_tool_task_reports_progress_per_token(tiny_glm, capsys):
         t = run_tool_task(task, {"reference": Checkpoint(tiny_glm)}, tiny_glm, {}, torch.device("cpu"), torch.float32, 16,
                           progress=True)
     assert t["rows"]["reference"]["prompts"] == 2
-    assert "validate: tool task (2 prompts x 1 rows), token 1/2" in capsys.readouterr().out
+    err = capsys.readouterr().err
+    steps = [line.split("  ")[0] for line in err.splitlines()]
+    assert steps == [f"validate: tool task, greedy step {i}/2" for i in range(3)], err

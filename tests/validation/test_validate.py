@@ -68,15 +68,17 @@ def test_source_against_itself_is_exactly_zero(tmp_path, tiny_glm, tiny_kimi):
 
 
 def _damage(pair: Path, dst: Path) -> tuple[Path, int]:
-    """Copy a convert output and multiply one routed expert's INT4 scales by 8 (the busiest expert of
-    DAMAGED_LAYER in calibration, so the eval tokens surely reach it)."""
+    """Copy a convert output and multiply one routed expert's INT4 scales by 32 (the busiest expert of
+    DAMAGED_LAYER in calibration, so the eval tokens surely reach it). The layer's error grows about
+    linearly with the factor; x8 raised it 3x above the intact pair's worst layer on one machine's build of
+    the tiny GLM but only 1.9x on another's (0.19 vs a bound of 0.30), and x32 clears the bound on both."""
     shutil.copytree(pair, dst)
     report = json.loads((pair / "convert-report.json").read_text())
     e = max((x for x in report["experts"] if x["layer"] == DAMAGED_LAYER), key=lambda x: x["tokens"])["expert"]
     name = f"model.layers.{DAMAGED_LAYER}.mlp.experts.{e}.down_proj.weight_scale"
     shard = dst / "decode" / json.loads((dst / "decode" / "model.safetensors.index.json").read_text())["weight_map"][name]
     tensors = load_file(str(shard))
-    tensors[name] = tensors[name] * 8
+    tensors[name] = tensors[name] * 32
     save_file(tensors, str(shard), metadata={"format": "pt"})
     for stale in ("validation.json", "validation.md", "validation.png"):
         (dst / stale).unlink(missing_ok=True)

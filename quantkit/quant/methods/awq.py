@@ -107,8 +107,7 @@ def expert_rows(rows, experts: list[int], g) -> tuple[dict, dict, dict]:
     the layer's fit tokens by definition)."""
     import torch
 
-    from quantkit.quant.experts import HOLDOUT, is_heldout, starved
-    from quantkit.quant.methods.gptq import _split_rows
+    from quantkit.quant.experts import HOLDOUT, is_heldout, split_rows, starved
 
     counts = {e: int(rows.counts[e]) for e in experts}
     hungry = {e for e in experts if starved(counts[e], g)}
@@ -123,7 +122,7 @@ def expert_rows(rows, experts: list[int], g) -> tuple[dict, dict, dict]:
     seen = dict.fromkeys(own, 0)
     for start, xb, idx_b, _ in rows.batches():  # xb (B T, D), idx_b (B T, k)
         for e in own:
-            f, h = _split_rows(idx_b, e, seen[e], start, False)
+            f, h = split_rows(idx_b, e, seen[e], start, False)
             seen[e] += len(f) + len(h)
             if fallback[e] is None:
                 fit[e].append(xb[f])

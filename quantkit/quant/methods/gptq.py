@@ -177,25 +177,6 @@ def low_line(g: dict) -> str:
 # ---- the streamed form
 
 
-def _split_rows(idx_b: torch.Tensor, e: int, seen: int, start: int, use_all: bool,
-                window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fit rows, held-out rows) of this micro-batch for expert e, by quantkit.quant.experts' one policy:
-    every HOLDOUT-th entry of the expert's routed-token list (or, with use_all, of the layer's
-    token list) is held out; with window = seq_len > 0 (gptq.holdout: window), every token of every
-    HOLDOUT-th calibration window instead. `seen`: the expert's routed tokens in earlier
-    micro-batches; `start`: the micro-batch's first token in the layer."""
-    import torch
-
-    from quantkit.quant.experts import is_heldout, is_heldout_window
-
-    if use_all:
-        rows = torch.arange(len(idx_b), device=idx_b.device)
-        pos = start + rows
-    else:
-        rows = (idx_b == e).nonzero(as_tuple=True)[0]
-        pos = seen + torch.arange(len(rows), device=rows.device)
-    held = is_heldout_window(start + rows, window) if window else is_heldout(pos)
-    return rows[~held], rows[held]
 
 
 def _gate_norms(rows: LayerRows, run: list[int], weighting: str) -> list[float]:
@@ -223,7 +204,7 @@ def expert_hessians(rows: LayerRows, run: list[int], all_tokens: set[int], input
     towards the layer's statistics, one with many keeps its own. Accumulated in place (the layer's
     fit-token count is known up front), so no second (C, in, in) array.
 
-    window = seq_len > 0: hold out by calibration window (gptq.holdout: window; `_split_rows`).
+    window = seq_len > 0: hold out by calibration window (gptq.holdout: window; experts.split_rows).
     weighting (gptq.hessian_weighting): "gate" weights each routed token's x x^T by its router
     weight for the expert (MoEQuant's affinity-guided Hessian), "gate2" by that weight squared (the
     factor the token's expert-output error has in the layer output); each divided by the expert's
@@ -231,7 +212,7 @@ def expert_hessians(rows: LayerRows, run: list[int], all_tokens: set[int], input
     `fit_rows`, when a list, receives each expert's fit-token count (gptq.width_prior's n)."""
     import torch
 
-    from quantkit.quant.experts import HOLDOUT
+    from quantkit.quant.experts import HOLDOUT, split_rows
 
     H = None
     N = rows.tokens
@@ -249,9 +230,9 @@ def expert_hessians(rows: LayerRows, run: list[int], all_tokens: set[int], input
     norms = _gate_norms(rows, run, weighting) if weighting != "none" else None
     for start, xb, idx_b, wt_b in rows.batches():  # xb (B T, D), idx_b and wt_b (B T, k)
         for j, e in enumerate(run):
-            fit, out = _split_rows(idx_b, e, seen[e], start, e in all_tokens, window)
+            fit, out = split_rows(idx_b, e, seen[e], start, e in all_tokens, window)
             if held is not None:  # the guard judges on the expert's own held-out routed tokens
-                routed_out = _split_rows(idx_b, e, seen[e], start, False, window)[1] if e in all_tokens else out
+                routed_out = split_rows(idx_b, e, seen[e], start, False, window)[1] if e in all_tokens else out
                 if len(routed_out):
                     parts[e].append(xb[routed_out])
             seen[e] += int((idx_b == e).sum())
@@ -272,7 +253,7 @@ def expert_hessians(rows: LayerRows, run: list[int], all_tokens: set[int], input
                     H[j].addmm_(xe.T, xe)
                 n[j] += len(xe)
             if prior and e not in all_tokens:
-                xa = xb[_split_rows(idx_b, e, seen[e], start, True, window)[0]]
+                xa = xb[split_rows(idx_b, e, seen[e], start, True, window)[0]]
                 xa = inputs(j, xa) if inputs is not None else xa
                 H[j].addmm_(xa.T, xa, alpha=w_all)
         del xb
