@@ -12,6 +12,7 @@ search's cost at real width was measured with this script on both sides of that 
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
@@ -31,4 +32,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

@@ -9,7 +9,7 @@ Cached under QUANTKIT_CACHE (default ~/.cache/quantkit)/realshape; see quantkit/
 
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 
 from quantkit.synthetic.realshape import REALSHAPE_NAMES, realshape_path
@@ -24,4 +24,6 @@ def main(names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("names", nargs="*", help=f"any of {', '.join(REALSHAPE_NAMES)} (default: all)")
+    main(ap.parse_args().names)

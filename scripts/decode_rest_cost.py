@@ -9,7 +9,7 @@ shared-tensor counts (docs/serving.md, "--decode-rest bf16").
 
 from __future__ import annotations
 
-import sys
+import argparse
 from pathlib import Path
 
 import quantkit
@@ -31,4 +31,6 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path, help="folder for the four convert outputs")
+    main(ap.parse_args().out)

@@ -11,6 +11,8 @@ CPU and with `dequantize=True`) infers the block as rows // grid_rows instead of
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 import transformers
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
@@ -35,4 +37,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

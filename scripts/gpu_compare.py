@@ -20,6 +20,7 @@ costs as much as quantization or more.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -134,7 +135,11 @@ def compare_pair(cpu_out: Path, dev_out: Path) -> dict:
 
 
 def main() -> None:
-    out, models = Path(sys.argv[1]), sys.argv[2:]
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path, help="folder holding <model>-cpu and <model>-cuda convert outputs")
+    ap.add_argument("models", nargs="+", help="model names, e.g. glm-5.2 kimi-k2.6")
+    args = ap.parse_args()
+    out, models = args.out, args.models
     verdicts = {m: compare_pair(out / f"{m}-cpu", out / f"{m}-cuda") for m in models}
     print(json.dumps(verdicts, indent=1))
     ok = all(v["passed"] for v in verdicts.values())

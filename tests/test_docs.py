@@ -188,3 +188,21 @@ def test_every_flag_a_page_gives_a_script_is_one_it_defines():
                     bad.append(f"{doc.name}: {m.group(1)} {flag}")
     assert checked > 15
     assert not bad, "flags the script does not define:\n" + "\n".join(bad)
+
+
+def test_every_script_parses_its_arguments_so_help_does_no_work():
+    """`python scripts/X.py --help` prints the usage and exits: a script that read sys.argv by hand once
+    took `--help` for its output folder and converted two models into a folder named `--help`."""
+    bare = [p.name for p in sorted((ROOT / "scripts").glob("*.py")) if "ArgumentParser(" not in p.read_text()]
+    assert not bare, f"scripts without an argparse parser (add one; `--help` must not start work): {bare}"
+
+
+def test_the_repository_tracks_no_checkpoint_outside_the_tests():
+    """A convert output committed by accident (weights under a stray top-level folder) is caught here."""
+    import subprocess
+
+    tracked = subprocess.run(["git", "ls-files", "*.safetensors"], cwd=ROOT, capture_output=True, text=True)
+    if tracked.returncode != 0:
+        pytest.skip("not a git checkout")
+    stray = [f for f in tracked.stdout.splitlines() if not f.startswith("tests/")]
+    assert not stray, f"weights tracked outside tests/ (git rm them): {stray[:3]}"
