@@ -5,7 +5,9 @@ bug there conditions one customer's tokens on another's context. From outside, t
 answer that depends on a request it should never have seen. The test:
 
   1. 3K candidate requests share one long prefix (so prefix caching and page sharing engage) and
-     end in distinct seeded canaries ("<name> <verb> the <adjective>", which the answer continues);
+     end in distinct seeded canaries ("count : <n> <n+1> <n+2>", which the answer continues with n+3:
+     a model that follows its context at all answers by the canary, where free text may continue
+     alike after every canary);
      each is sent alone, greedy, and K whose alone answers differ pairwise are kept;
   2. the K are sent alone again, in reverse order: the server is deterministic and does not leak
      across sequential requests;
@@ -34,10 +36,11 @@ NAMES = "ada bob cy dee eve fay gus hal ivy jo kai lu".split()
 ADJS = "red blue green small big quick lazy old young happy sad bright dark calm wild".split()
 NOUNS = "cat dog fox bird fish horse mouse lion bear wolf frog duck goat owl crab seal".split()
 VERBS = "sees chases likes finds follows helps meets watches".split()
+STARTS = 28  # canaries count from 0..27 (numbers every tokenizer has; the tiny corpus counts from below 30)
 # measured by tests/probe/test_isolation.py (20 seeded runs each, defaults below): see docs/serving.md
 MEASURED = ("false alarms in 0 of 20 seeded runs on a correct server (transformers serve, CPU, the tiny GLM); a server "
             "that hands one request's context to another in half of its concurrent batches flagged in 19 of 20 runs "
-            "(65 of its 67 hand-overs named)")
+            "(67 of its 67 hand-overs named)")
 
 
 @dataclass
@@ -95,18 +98,19 @@ class IsolationResult:
 
 
 def cases(k: int, seed: int, prefix_sentences: int = 12) -> list[Case]:
-    """K prompts: one shared seeded prefix, then distinct seeded canaries the answer continues from
-    ("<name> <verb> the <adjective>": the next words depend on them)."""
+    """K prompts: one shared seeded prefix, then distinct seeded canaries whose answer the canary fixes
+    ("count : <n> <n+1> <n+2>", n < STARTS: the next word is n+3). On the tiny GLM a free continuation
+    ("<name> <verb> the <adjective>") and a recall question both answered one word for every canary;
+    counting is what it, and any real model, continues by its context."""
+    if k > STARTS:
+        raise ProbeError(f"--requests: at most {STARTS} (every canary needs its own count)")
     rng = random.Random(seed)
     prefix = " ".join(f"{rng.choice(NAMES)} {rng.choice(VERBS)} the {rng.choice(ADJS)} {rng.choice(NOUNS)} ."
                       for _ in range(prefix_sentences))
-    seen: set[str] = set()
     out: list[Case] = []
-    while len(out) < k:
-        canary = f"{rng.choice(NAMES)} {rng.choice(VERBS)} the {rng.choice(ADJS)}"
-        if canary not in seen:
-            seen.add(canary)
-            out.append(Case(len(out), f"{prefix} {canary}", canary))
+    for n in rng.sample(range(STARTS), k):
+        canary = f"count : {n} {n + 1} {n + 2}"
+        out.append(Case(len(out), f"{prefix} {canary}", canary))
     return out
 
 
@@ -136,6 +140,8 @@ def isolation_probe(url: str, *, model: str | None = None, requests: int = 4, ro
     """Run the test (module docstring) against an OpenAI-compatible completions endpoint."""
     if requests < 2:
         raise ProbeError("--requests: at least 2 (a leak needs another request to come from)")
+    if requests > STARTS:
+        raise ProbeError(f"--requests: at most {STARTS} (every canary needs its own count)")
     ep = Endpoint(url, model=model, api_key_env=api_key_env, timeout=timeout, retries=retries, concurrency=requests)
     try:
         ids = ep.models()
@@ -143,7 +149,7 @@ def isolation_probe(url: str, *, model: str | None = None, requests: int = 4, ro
             if len(ids) != 1:
                 raise ProbeError(f"{ep.url}/models lists {len(ids)} models ({', '.join(map(str, ids[:5]))}); pick one with --model")
             ep.model = ids[0]
-        candidates = cases(3 * requests, seed)  # alone answers first: keep canaries whose answers differ
+        candidates = cases(min(3 * requests, STARTS), seed)  # alone answers first: keep canaries whose answers differ
         for c in candidates:
             c.alone = _ask(ep, c.prompt, max_tokens)
         cs = _distinct(candidates, requests)
