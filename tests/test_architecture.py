@@ -129,3 +129,27 @@ def test_test_processes_let_idle_openmp_threads_sleep():
     child = subprocess.run([sys.executable, "-c", "import os; print(os.environ.get('OMP_WAIT_POLICY'))"],
                            capture_output=True, text=True, check=True)
     assert child.stdout.strip() == "PASSIVE"
+
+
+# distribution name -> the module it installs, where they differ
+_MODULE_OF = {"huggingface-hub": "huggingface_hub", "compressed-tensors": "compressed_tensors", "pyyaml": "yaml"}
+
+
+def test_every_required_dependency_is_imported_by_the_package():
+    """A dependency no module under quantkit/ imports is an extra's, not a requirement (llm-compressor,
+    the benchmarks' baseline, was required once and imported only by scripts and tests)."""
+    import re
+
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    imported = set()
+    for path in (ROOT / "quantkit").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                imported.add(node.module.split(".")[0])
+    names = [re.match(r"[A-Za-z0-9_.-]+", d).group(0).lower() for d in deps]
+    unused = [n for n in names if _MODULE_OF.get(n, n.replace("-", "_")) not in imported]
+    assert len(names) > 10 and not unused, f"required in pyproject.toml, imported nowhere in quantkit/ (move to an extra): {unused}"

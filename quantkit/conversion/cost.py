@@ -89,6 +89,7 @@ from quantkit.errors import ConfigError
 from quantkit.planner.budgets import (
     BASE_BYTES,
     CHUNK_MAX,
+    CHUNK_MAX_GPU,
     CPU_DISK,
     CPU_FLOPS_PER_THREAD,
     CPU_GPTQ_EFFICIENCY,
@@ -121,9 +122,6 @@ MIN_SHARD = 256 * 2**20
 # float32: 13 s at 2 GB/s); it is saved every `state_every` layers, as many as keep its writing
 # under this fraction of the run (ConvertCost.state_every)
 STATE_OVERHEAD = 0.05
-# On a GPU, GPTQ's column loop is launch-bound (LAUNCHES_PER_COLUMN small kernels per column,
-# whatever the batch), so a larger batch of experts per call costs launches once for all of them.
-CHUNK_MAX_GPU = 64
 # On the CPU a micro-batch's work (attention activations and scores, or the experts' gathered rows)
 # is capped at this many bytes whatever the budget: its FLOPs per token do not depend on the batch
 # beyond a few thousand rows, and every byte of it is peak RSS (the random DeepSeek-V3-layout
@@ -760,22 +758,6 @@ def plan_convert(
                        notes=notes, fits=fits, reason=reason, nproc=nproc, probe=probe if calibrate else 0)
 
 
-def _model_for(model: str):
-    """(arch, checkpoint) of a preset (checkpoint None: its config only) or of anything
-    quantkit.inputs.modelspec opens (headers only)."""
-    from pathlib import Path
-
-    from quantkit.model.arch import arch_from_config, load_preset
-    from quantkit.model.presets import is_preset
-
-    if is_preset(model) and not Path(model).is_dir():
-        return arch_from_config(load_preset(model), source=f"preset {model}"), None
-    from quantkit.inputs.modelspec import open_checkpoint
-
-    ckpt = open_checkpoint(model)
-    return ckpt.arch, ckpt
-
-
 def _preset_sizes(model: str, arch: ModelArch, rec: Recipe) -> tuple[int, tuple[int, int], int, float]:
     """(source bytes, (prefill, decode) bytes, routed experts' bytes in the three, quantized
     fraction) of a preset, from the planner's checkpoint sizes at the recipe's group size."""
@@ -826,11 +808,13 @@ def plan_convert_for(
     folder, a tiny:/realshape: id or hf://org/repo@rev, headers only) with the recipe and overrides,
     on `gpu` (h200, h100, b200) or on the CPU (`cpu`); `nproc` ranks (one per GPU) split the experts."""
     from quantkit.conversion.precision import needs_calibration
+    from quantkit.planner.target import resolve_target
     from quantkit.recipe import resolve_recipe
 
     if gpu != "cpu" and gpu not in GPU_SPECS:
         raise ConfigError(f"--gpu {gpu!r}: choose one of {', '.join([*GPU_SPECS, 'cpu'])}")
-    arch, ckpt = _model_for(model)
+    target = resolve_target(model)
+    arch, ckpt = target.arch, target.checkpoint
     rec = resolve_recipe(model, arch, recipe, method=method, group_size=group_size, num_samples=num_samples,
                          seq_len=seq_len)
     source_bytes, out, expert_bytes, quantized = _preset_sizes(model, arch, rec) if ckpt is None else _checkpoint_sizes(ckpt, rec)

@@ -23,6 +23,9 @@ F32 = 4
 
 BASE_BYTES = int(0.40 * GB)  # RSS of `quantkit convert` before the first tensor (measured: 0.33-0.40 GB)
 CHUNK_MAX = 16  # experts per chunk at most (one GPTQ batch) on the CPU
+# On a GPU, GPTQ's column loop is launch-bound (LAUNCHES_PER_COLUMN small kernels per column,
+# whatever the batch), so a larger batch of experts per call costs launches once for all of them.
+CHUNK_MAX_GPU = 64
 
 # GPU: float32 (no TF32) matmul at 50% of the data sheet; NVMe at 2 GB/s; GPTQ's per-column step
 # is ~12 small kernels, launch bound.

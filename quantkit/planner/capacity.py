@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.errors import ConfigError
-from quantkit.model.arch import ModelArch, arch_from_config, load_arch, load_preset, preset_names
+from quantkit.model.arch import ModelArch, arch_from_config, load_preset, preset_names
 from quantkit.model.inventory import (
     FP8_BLOCK,
     TensorSpec,
@@ -246,16 +246,15 @@ def recipe_group_size(name: str, arch: ModelArch) -> int:
 
 
 def _resolve_model(model: str | Path | dict) -> tuple[str, ModelArch]:
-    if isinstance(model, dict):
-        return "config", arch_from_config(model, source="config dict")
+    """(the name the plan shows, the architecture): a preset's name, or the folder's name unless its config
+    is a preset's (quantkit.planner.target.resolve_target reads `model`)."""
+    from quantkit.planner.target import resolve_target
+
+    t = resolve_target(model, headers=False)
+    if t.preset or isinstance(model, dict):
+        return t.preset or "config", t.arch
     path = Path(model)
-    if isinstance(model, Path) or path.is_dir() or "/" in str(model) or str(model).endswith(".json"):
-        if path.is_file() and path.name == "config.json":
-            path = path.parent
-        arch = load_arch(path)
-        return _preset_of(arch) or path.name, arch
-    name = str(model)
-    return name, arch_from_config(load_preset(name), source=f"preset {name}")
+    return _preset_of(t.arch) or (path.parent if path.name == "config.json" else path).name, t.arch
 
 
 def _preset_of(arch: ModelArch) -> str | None:

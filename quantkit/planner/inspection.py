@@ -125,17 +125,16 @@ def inspect(model: str | Path, *, allow_unverified: bool = False) -> Inspection:
     """Summarise a model folder, tiny id, hf:// id (headers only) or preset name
     (`model.arch.preset_names()`: from the real config, no weights): family, layers, params and bytes per
     class, storage format."""
-    from quantkit.inputs.modelspec import is_hub, is_realshape, is_tiny, open_checkpoint
-    from quantkit.model.arch import preset_names
-    from quantkit.model.presets import is_preset
+    from quantkit.planner.target import resolve_target
 
-    if isinstance(model, str) and is_preset(model) and not Path(model).is_dir():
-        return inspect_preset(model)
-    if not (is_tiny(model) or is_hub(model) or is_realshape(model)) and not Path(model).is_dir():
+    target = resolve_target(model, allow_unverified=allow_unverified)
+    if target.preset:
+        return inspect_preset(target.preset)
+    ckpt = target.checkpoint
+    if ckpt is None:  # a config.json alone: no shards to summarise
         from quantkit.errors import ConfigError
 
-        raise ConfigError(f"{model}: not a folder, a tiny:<name> or hf://org/repo id, or a preset ({', '.join(preset_names())})")
-    ckpt = open_checkpoint(model, allow_unverified=allow_unverified)
+        raise ConfigError(f"{model}: inspect reads a checkpoint's shards; give its folder (or a preset name)")
     classes: dict[str, ClassSummary] = defaultdict(ClassSummary)
     for name, st in ckpt.tensors.items():
         c = classes[st.info.klass.value]

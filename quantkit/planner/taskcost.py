@@ -19,9 +19,6 @@ from quantkit.runtime.units import GB, GiB
 
 __all__ = ["PROFILES", "TaskProfile", "TaskCost", "activation_bytes", "task_cost"]
 
-HBM = 4.8e12  # bytes/s of one H200's memory: every pass reads the kept weights and writes them dequantized (float32)
-
-
 def activation_bytes(arch, T: int) -> int:
     """Float32 working memory of one sequence of T tokens in a pass: hidden states and their temporaries,
     the logits and their log-softmax, and its attention scores (heads x T x T)."""
@@ -70,9 +67,10 @@ class TaskCost:
 
 
 def task_cost(arch, task: str, checkpoint: str, checkpoint_bytes: int, *, active_params: int, gpus: int, gpu_bytes: int,
-              flops: float, disk: float, batch_bytes: int | None = None) -> TaskCost:
+              flops: float, disk: float, hbm: float, batch_bytes: int | None = None) -> TaskCost:
     """One task on one checkpoint. `gpus` x `gpu_bytes` hold the weights (what does not fit is re-read
-    every pass); the activation budget is a quarter of one GPU unless `batch_bytes`; `flops` per GPU;
+    every pass, and the kept weights are read and written dequantized (float32) every pass, at `hbm`
+    bytes/s per GPU); the activation budget is a quarter of one GPU unless `batch_bytes`; `flops` per GPU;
     `active_params` per token (quantkit.planner.capacity's params_active)."""
     if task not in PROFILES:
         raise ConfigError(f"--tasks {task}: no cost profile (known: {', '.join(PROFILES)}); the planner counts "
@@ -90,7 +88,7 @@ def task_cost(arch, task: str, checkpoint: str, checkpoint_bytes: int, *, active
         tokens, generated = p.items * T, p.items * p.max_gen_toks
     kept = int(min(checkpoint_bytes, max(gpus * gpu_bytes * 0.85 - bb, 0)))
     read = checkpoint_bytes + (passes - 1) * (checkpoint_bytes - kept)
-    dequant = passes * kept * 5 / (HBM * gpus)  # read as stored (~1 byte a weight), write float32
+    dequant = passes * kept * 5 / (hbm * gpus)  # read as stored (~1 byte a weight), write float32
     seconds = read / disk + dequant + 2 * active_params * tokens / (flops * gpus)
     return TaskCost(task, checkpoint, passes, per_pass, tokens, generated, checkpoint_bytes, kept, read, seconds, gpus)
 
@@ -113,26 +111,15 @@ def plan_tasks(model: str, tasks: str | list[str], *, gpus: int = 1, gpu: str = 
     (the sizes quantkit.planner.capacity predicts), on `gpus` GPUs of kind `gpu`."""
     from quantkit.planner.capacity import plan as size_plan
     from quantkit.planner.gpus import GPUS
+    from quantkit.planner.target import resolve_target
 
     names = [t.strip() for t in (tasks.split(",") if isinstance(tasks, str) else tasks) if t.strip()]
     spec = GPUS.get(gpu)
-    if spec is None or spec.flops is None:
-        known = ", ".join(k for k, v in GPUS.items() if v.flops)
+    if spec is None or spec.flops is None or spec.disk is None or spec.hbm is None:
+        known = ", ".join(k for k, v in GPUS.items() if v.flops and v.hbm)
         raise ConfigError(f"--gpu {gpu}: no sustained rates for a task-cost estimate (known: {known})")
     p = size_plan(model, group_size=group_size)
-    arch = _arch(model)
+    arch = resolve_target(model, headers=False).arch
     return [task_cost(arch, t, row, p.checkpoints[row].total_bytes, active_params=p.params_active, gpus=gpus, gpu_bytes=int(spec.mem_gib * GiB),
-                      flops=spec.flops, disk=spec.disk)
+                      flops=spec.flops, disk=spec.disk, hbm=spec.hbm)
             for t in names for row in ("source", "prefill", "decode")]
-
-
-def _arch(model: str):
-    import json
-    from pathlib import Path
-
-    from quantkit.model.arch import arch_from_config, load_preset
-    from quantkit.model.presets import is_preset
-
-    if is_preset(model) and not Path(model).is_dir():
-        return arch_from_config(load_preset(model), source=f"preset {model}")
-    return arch_from_config(json.loads((Path(model) / "config.json").read_text()), source=str(model))

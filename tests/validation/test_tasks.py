@@ -200,7 +200,7 @@ def test_task_cost_counts_passes_and_rereads():
     bb = 2 * activation_bytes(arch, T)
     ckpt, gpu = 400e9, 40e9
     c = task_cost(arch, "gsm8k", "decode", int(ckpt), active_params=40_000_000_000, gpus=1, gpu_bytes=int(gpu),
-                  flops=33.5e12, disk=2e9, batch_bytes=bb)
+                  flops=33.5e12, disk=2e9, hbm=4.8e12, batch_bytes=bb)
     assert c.sequences_per_pass == 2
     assert c.passes == -(-p.items // 2) * 256
     kept = int(gpu * 0.85 - bb)
@@ -208,10 +208,10 @@ def test_task_cost_counts_passes_and_rereads():
     assert c.bytes_read == int(ckpt) + (c.passes - 1) * (int(ckpt) - kept)
     assert c.tokens_generated == p.items * 256
     resident = task_cost(arch, "gsm8k", "decode", int(ckpt), active_params=40_000_000_000, gpus=8, gpu_bytes=int(141e9),
-                         flops=33.5e12, disk=2e9, batch_bytes=bb)
+                         flops=33.5e12, disk=2e9, hbm=4.8e12, batch_bytes=bb)
     assert resident.bytes_read == int(ckpt) and resident.seconds < c.seconds / 100
     with pytest.raises(ConfigError, match="no cost profile"):
-        task_cost(arch, "hellaswag", "decode", int(ckpt), active_params=1, gpus=1, gpu_bytes=int(gpu), flops=1, disk=1)
+        task_cost(arch, "hellaswag", "decode", int(ckpt), active_params=1, gpus=1, gpu_bytes=int(gpu), flops=1, disk=1, hbm=1)
 
 
 def test_plan_tasks_cli():
@@ -220,6 +220,10 @@ def test_plan_tasks_cli():
     costs = json.loads(r.stdout)["tasks"]
     assert [(c["task"], c["checkpoint"]) for c in costs][:3] == [("gsm8k", "source"), ("gsm8k", "prefill"), ("gsm8k", "decode")]
     assert all(c["passes"] > 0 and c["bytes_read"] >= c["checkpoint_bytes"] for c in costs)
+    # the GPU's own memory bandwidth prices the per-pass dequantization: the same run is slower on an H100
+    h100 = runner.invoke(app, ["plan", "glm-5.2", "--tasks", "gsm8k", "--gpus", "8", "--gpu", "h100", "--json"])
+    assert h100.exit_code == 0, h100.output
+    assert json.loads(h100.stdout)["tasks"][2]["seconds"] > costs[2]["seconds"]
     r = runner.invoke(app, ["plan", "glm-5.2", "--tasks", "nope"])
     assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1
 
