@@ -86,6 +86,7 @@ import torch
 
 from quantkit.conversion.activations import StorePlan
 from quantkit.errors import ConfigError
+from quantkit.model.ops import SCORE_CHUNK_BYTES
 from quantkit.planner.budgets import (
     BASE_BYTES,
     CHUNK_MAX,
@@ -635,12 +636,13 @@ def _long_context_seconds(arch, x, validate, again: int, r: _Rates, notes: list[
     windows = min(validate.num_samples, LONG_SAMPLES)
     tokens = windows * n
     flops = tokens * 2 * (x.attn_params + 3 * x.topk * x.expert_width * x.hidden) * x.layers * 3
-    # the reference's scores are dense: per layer (windows, heads, n, n) float32 for attention and the indexer
+    # the reference's scores are dense, (windows, heads, n, n) float32 per layer for attention and the
+    # indexer, but held in query chunks of at most SCORE_CHUNK_BYTES (quantkit.model.ops.attention)
     scores = windows * (arch.num_attention_heads + arch.index_n_heads) * n * n * 4
     seconds = again / r.disk + flops / r.flops
     notes.append(f"validate: long-context rows (DSA): {windows} windows of {n} tokens past index_topk {arch.index_topk}, "
-                 f"one more pass, {_about(seconds)}; its dense attention and indexer scores take "
-                 f"{_sz(scores)} per layer (`validate --long-context N` sets the length)")
+                 f"one more pass, {_about(seconds)}; its attention and indexer scores ({_sz(scores)} per layer) are "
+                 f"computed in query chunks of at most {_sz(SCORE_CHUNK_BYTES)} (`validate --long-context N` sets the length)")
     return seconds
 
 

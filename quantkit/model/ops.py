@@ -98,3 +98,36 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 def append(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
     """A cache grown by the new tokens along dim 1 (a new tensor: a copied cache keeps its own)."""
     return new if old is None else torch.cat([old, new], dim=1)
+
+
+# A long window's attention scores are (B, heads, T, S) float32: 8.6 GB per layer for two 4096-token
+# windows of GLM 5.2 (64 heads), more than the host that holds the layer. Queries are independent rows
+# of the softmax, so they are scored in chunks of at most this many bytes of scores; below it (every
+# short window, every tiny model) there is one chunk and the computation is the unchunked one.
+SCORE_CHUNK_BYTES = 256 * 2**20
+
+
+def query_chunk(rows_per_query: int, S: int, budget: int | None = None) -> int:
+    """Queries per chunk so that a chunk's float32 scores, `rows_per_query` (batch x heads) x S per query,
+    stay within `budget` (SCORE_CHUNK_BYTES; at least one query)."""
+    return max(1, (SCORE_CHUNK_BYTES if budget is None else budget) // (4 * rows_per_query * max(S, 1)))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(q k^T x scale, masked to `allowed`) v for q (B, h, T, d), k (B, h, S, d), v (B, h, S, dv) and
+    allowed (B, T, S): (B, h, T, dv), scored in query chunks of at most SCORE_CHUNK_BYTES."""
+    B, h, T, _ = q.shape
+    tc = query_chunk(B * h, k.shape[-2])
+    if tc >= T:
+        return _attend(q, k, v, allowed, scale)
+    out = q.new_empty(B, h, T, v.shape[-1])
+    for t0 in range(0, T, tc):
+        out[:, :, t0:t0 + tc] = _attend(q[:, :, t0:t0 + tc], k, v, allowed[:, t0:t0 + tc], scale)
+    return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, h, T, S)
+    scores = scores.masked_fill(~allowed[:, None], torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)

@@ -26,7 +26,7 @@ from quantkit.model.attention import Attention, Context
 from quantkit.model.family import EngineModule, Family
 from quantkit.model.kvcache import KVCache, ds_mla, per_tensor, scale_from_absmax
 from quantkit.model.numerics import linear
-from quantkit.model.ops import append, apply_rope, rms_norm, softmax_scale
+from quantkit.model.ops import append, apply_rope, attention, rms_norm, softmax_scale
 
 W = dict[str, torch.Tensor]
 
@@ -127,11 +127,9 @@ class MLA(Attention):
             selected = torch.zeros(B, T, S, dtype=torch.bool, device=x.device).scatter_(-1, ctx.topk, True)
             allowed = allowed & selected
 
-        scores = torch.matmul(q, k.transpose(-1, -2)) * softmax_scale(a)  # (B, nh, T, S)
-        scores = scores.masked_fill(~allowed[:, None], torch.finfo(scores.dtype).min)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs, v).transpose(1, 2).reshape(B, T, nh * dv)  # (B, T, nh*dv)
-        return linear(out, w["self_attn.o_proj.weight"])
+        out = attention(q, k, v, allowed, softmax_scale(a))  # (B, nh, T, dv), in query chunks when long
+        attn = out.transpose(1, 2).reshape(B, T, nh * dv)  # (B, T, nh*dv)
+        return linear(attn, w["self_attn.o_proj.weight"])
 
     def store(self, kv: KVCache, layer: int, w: W, latent: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The latent and rope key as the cache gives them back (quantkit.model.kvcache's docstring):

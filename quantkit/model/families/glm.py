@@ -25,7 +25,7 @@ from quantkit.model.families.deepseek_v3 import (
 )
 from quantkit.model.family import EngineModule, Family
 from quantkit.model.numerics import linear
-from quantkit.model.ops import append, apply_rope
+from quantkit.model.ops import append, apply_rope, query_chunk
 
 LayerCache = Any  # quantkit.model.reference.LayerCache (Any: see quantkit.model.attention)
 
@@ -65,16 +65,26 @@ def dsa_indexer(x: torch.Tensor, q_resid: torch.Tensor, w: W, ctx: Context, cach
         k = ctx.kv.index(k)  # vLLM scores prefill and decode alike on the stored (FP8) index keys
     if cache is not None:
         k = cache.index_k = append(cache.index_k, k)  # (B, S, hd)
-    scores = F.relu(torch.einsum("bthd,bsd->bths", q.float(), k.float()) * hd**-0.5)  # (B, T, ih, S)
     weights = linear(x, w["self_attn.indexer.weights_proj.weight"]).float() * nh**-0.5  # (B, T, ih)
+    q, k = q.float(), k.float()
+    tc = query_chunk(B * nh, k.shape[1])  # queries per chunk: a long window's (B, T, ih, S) scores are GBs
+    if tc >= T:
+        return _select(q, k, weights, allowed, a.index_topk, ctx.dsa_ties)
+    return torch.cat([_select(q[:, t0:t0 + tc], k, weights[:, t0:t0 + tc], allowed[:, t0:t0 + tc], a.index_topk, ctx.dsa_ties)
+                      for t0 in range(0, T, tc)], dim=1)
+
+
+def _select(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, allowed: torch.Tensor, topk: int, ties: str) -> torch.Tensor:
+    """The indexer's top-k for queries q (B, T, ih, hd) over keys k (B, S, hd): (B, T, min(topk, S))."""
+    scores = F.relu(torch.einsum("bthd,bsd->bths", q, k) * q.shape[-1] ** -0.5)  # (B, T, ih, S)
     index_scores = torch.einsum("bth,bths->bts", weights, scores)  # (B, T, S)
     index_scores = index_scores.masked_fill(~allowed, float("-inf"))
-    k = min(a.index_topk, index_scores.shape[-1])
-    if ctx.dsa_ties == "topk":  # torch.topk's unspecified order, as transformers does it
-        return index_scores.topk(k, dim=-1).indices
+    n = min(topk, index_scores.shape[-1])
+    if ties == "topk":  # torch.topk's unspecified order, as transformers does it
+        return index_scores.topk(n, dim=-1).indices
     # Exact ties are common (all heads' ReLU at zero); a stable sort breaks them towards earlier
     # tokens, so a token's selection is the same in a full forward and in one decode step.
-    return torch.sort(index_scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    return torch.sort(index_scores, dim=-1, descending=True, stable=True).indices[..., :n]
 
 
 GLM_MOE_DSA = Family(
