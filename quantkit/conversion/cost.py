@@ -158,6 +158,7 @@ class ConvertCost:
     validate_seconds: float | None
     validate_share: int | None = None  # bytes of the three checkpoints one rank reads (its experts only), as stored
     validate_kept: int | None = None  # of which validate keeps in memory (device, then host); the rest is re-read per pass
+    validate_peak: int | None = None  # validate's peak in the memory it computes in (host on the CPU, device on a GPU)
     state_every: int = 1  # convert saves its resume state after every this many layers (STATE_OVERHEAD)
     notes: list[str] = field(default_factory=list)
     fits: bool = True
@@ -192,7 +193,8 @@ class ConvertCost:
         ]
         if self.validate_seconds is not None:
             lines.append(f"  validate: {_about(self.validate_seconds)}; the checkpoints' share{' per rank' if ranks else ''} "
-                         f"{_sz(self.validate_share)} as stored, {_sz(self.validate_kept)} of it kept in memory")
+                         f"{_sz(self.validate_share)} as stored, {_sz(self.validate_kept)} of it kept in memory; "
+                         f"peak {'device' if self.device != 'cpu' else 'host'} {_sz(self.validate_peak)}")
         lines += [f"  note: {n}" for n in self.notes]
         if not self.fits:
             lines.append(f"  does not fit: {self.reason}")
@@ -590,8 +592,9 @@ def _overlap_disk(seconds: dict[str, float], layers: int, state_bytes: int, disk
 
 def _validate_estimate(arch, m: _Memory, r: _Rates, validate, *, device: str, gpu_mem: int | None, nproc: int,
                        source_bytes: int, output_bytes: tuple[int, int],
-                       expert_bytes: int | None) -> tuple[float, int, int, list[str]]:
-    """(seconds, the rank's share of the three checkpoints as stored, what of it it keeps, notes).
+                       expert_bytes: int | None) -> tuple[float, int, int, int, list[str]]:
+    """(seconds, the rank's share of the three checkpoints as stored, what of it it keeps, the peak of the
+    memory it computes in (the host's on the CPU, the GPU's on one), notes).
 
     quantkit.validation.pipeline: every rank runs attention for all eval tokens and its share of the
     routed experts (their output rows exchanged); it keeps its share of the three checkpoints
@@ -604,7 +607,14 @@ def _validate_estimate(arch, m: _Memory, r: _Rates, validate, *, device: str, gp
     share = int(three - experts_b + experts_b / nproc)
     streams = 3  # the prompt pass: reference, prefill, decode
     exchange = validate_exchange(arch, vt, nproc)
-    room = validate_room(arch, device, gpu_mem if m.on_gpu else m.host, exchange)
+    from quantkit.validation.longctx import long_len
+
+    n_long = long_len(arch, None, "config.json")  # validate's default long-context window (0: no indexer)
+    budget = gpu_mem if m.on_gpu else m.host
+    room = validate_room(arch, device, budget, exchange, n_long)
+    # the memory validate computes in peaks at its working set (the loop, the exchange, the long window) plus
+    # what it keeps there
+    peak = int(budget - room + min(share, max(room, 0)))
     if m.on_gpu:  # then the rank's host memory
         room = max(room, 0) + validate_room(arch, "cpu", m.host)
     kept = int(min(share, max(room, 0)))
@@ -621,7 +631,7 @@ def _validate_estimate(arch, m: _Memory, r: _Rates, validate, *, device: str, gp
         notes.append(f"validate: {kept / GB:.0f} of a rank's {share / GB:.0f} GB share kept in memory, so each "
                      f"greedy token re-reads {again / GB:.0f} GB from disk ({validate.gen_tokens} tokens); more "
                      f"ranks or a larger budget keep it all (docs/distributed.md)")
-    return seconds, share, kept, notes
+    return seconds, share, kept, peak, notes
 
 
 def _long_context_seconds(arch, x, validate, again: int, r: _Rates, notes: list[str]) -> float:
@@ -746,9 +756,9 @@ def plan_convert(
     notes += _multi_rank_terms(seconds, m, r, N=N, store=store, nproc=nproc)
     every = _overlap_disk(seconds, x.layers, state_bytes, r.disk)
 
-    validate_s = validate_share = validate_kept = None
+    validate_s = validate_share = validate_kept = validate_peak = None
     if validate is not None:
-        validate_s, validate_share, validate_kept, validate_notes = _validate_estimate(
+        validate_s, validate_share, validate_kept, validate_peak, validate_notes = _validate_estimate(
             arch, m, r, validate, device=device, gpu_mem=gpu_mem, nproc=nproc, source_bytes=source_bytes,
             output_bytes=output_bytes, expert_bytes=expert_bytes)
         notes += validate_notes
@@ -756,7 +766,7 @@ def plan_convert(
                        store=store, expert_chunk=C, shard_bytes=m.shard, memory=memory, peak_host=int(peak_host),
                        peak_device=int(peak_device) if peak_device is not None else None, disk=disk,
                        seconds={k: round(v, 1) for k, v in seconds.items()}, validate_seconds=validate_s,
-                       validate_share=validate_share, validate_kept=validate_kept, state_every=every,
+                       validate_share=validate_share, validate_kept=validate_kept, validate_peak=validate_peak, state_every=every,
                        notes=notes, fits=fits, reason=reason, nproc=nproc, probe=probe if calibrate else 0)
 
 

@@ -177,11 +177,41 @@ def validate_exchange(arch, tokens: int, nproc: int) -> int:
     return (3 + 2 * 2) * tokens * arch.num_experts_per_tok * arch.hidden_size * F32 if nproc > 1 else 0
 
 
-def validate_room(arch, device: str, budget: int, exchange: int = 0) -> int:
+def validate_room(arch, device: str, budget: int, exchange: int = 0, long_len: int = 0) -> int:
     """Bytes left for resident weights (quantkit.validation.pipeline): the budget less the layer loop's
-    working set at one expert per chunk and, with several ranks, the routed rows exchanged."""
+    working set at one expert per chunk, with several ranks the routed rows exchanged, and with a
+    long-context pass of `long_len` tokens whichever needs more: the short passes' working set, or the
+    long window's (its streams' hidden states beside the layer's weights, then the largest of the
+    weights' load transient, one expert chunk and one stream's attention step: they come one after
+    another, never together)."""
     fixed, per = validate_working_set(arch, device)
-    return budget - fixed - per - exchange
+    need = fixed + per
+    if long_len:
+        load = 3 * layer_shapes(arch).largest_tensor * F32  # in `fixed`: the transient of loading a tensor
+        hidden, step = long_pass_terms(arch, long_len)
+        need = max(need, fixed - load + hidden + max(load, per, step))
+    return budget - need - exchange
+
+
+def long_pass_terms(arch, n: int, streams: int = 4) -> tuple[int, int]:
+    """(held, step) float32 bytes of validate's long-context pass over one window of `n` tokens
+    (quantkit.validation.longctx, one window at a time). Held through a layer, per stream (reference,
+    prefill, decode, decode's FP8-KV variant): the hidden states, the normed MoE input, the expert output
+    and the next hidden states (quantkit.validation.layerstream). One stream's MLA step: q and k at
+    qk_head_dim, kv_b's output, the attention output and its transpose, per head, and three score
+    chunks (scores, masked, probabilities; at most quantkit.model.ops.SCORE_CHUNK_BYTES each)."""
+    from quantkit.model.ops import SCORE_CHUNK_BYTES
+
+    held = streams * 4 * n * arch.hidden_size * F32
+    per_head = 2 * arch.qk_head_dim + arch.qk_nope_head_dim + 3 * arch.v_head_dim
+    scores = min(SCORE_CHUNK_BYTES, max(arch.num_attention_heads, arch.index_n_heads or 0) * n * n * F32)  # one chunk's
+    return held, n * arch.num_attention_heads * per_head * F32 + 3 * scores
+
+
+def long_pass_bytes(arch, n: int, streams: int = 4) -> int:
+    """Both terms of long_pass_terms together (0 without a long pass): what an expert chunk sized beside
+    the long window leaves room for."""
+    return sum(long_pass_terms(arch, n, streams)) if n else 0
 
 
 def validate_expert_chunk(arch, device: str, max_host_memory=None, max_gpu_memory=None, *, kept: int = 0,

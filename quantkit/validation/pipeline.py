@@ -207,7 +207,7 @@ def validate(
     arch = inp.ckpts["reference"].arch
     owners = expert_owners(arch, inp.t.report, group)
     plan = weights_plan(inp.ckpts, owners, group, dev, weights, max_host_memory, max_gpu_memory,
-                        validate_exchange(arch, inp.tokens.ids.numel(), group.world))
+                        validate_exchange(arch, inp.tokens.ids.numel(), group.world), long_n)
     kv, kv_info = kv_variants(kv_cache_dtype, inp.ckpts, inp.t.pair, inp.s.gen_tokens)
     m = _measure(inp, dev, dtype, progress and group.leader, kv, kv_info, plan, group, owners)
     if spec is not None:

@@ -38,16 +38,17 @@ def expert_owners(arch, report: dict | None, group: Group) -> dict[int, dict[int
 
 
 def weights_plan(ckpts: dict[str, Checkpoint], owners, group: Group, dev: torch.device, weights: str, max_host_memory,
-                 max_gpu_memory, exchange: int) -> dict:
+                 max_gpu_memory, exchange: int, long_len: int = 0) -> dict:
     """What this rank reads and what it keeps. Its share: the decoder layers' tensors but the routed
     experts of other ranks, and the embedding, norm and head. `auto` keeps as much of the share as
     fits (the shared tensors first, then the experts layer by layer) on `dev` beside the layer
     loop's working set (quantkit.conversion.cost.validate_room), and on a GPU then in this rank's part of host
     memory; `resident` insists on all of it; `stream` keeps nothing. Kept tensors stay as stored
     from their first read (Checkpoint.keep), so a greedy token re-reads only what was not kept. The
-    expert chunk is sized from what is left on `dev`."""
+    expert chunk is sized from what is left on `dev`. `long_len`: the long-context pass's window length,
+    whose activations the room on `dev` leaves space for (quantkit.planner.budgets.long_pass_bytes)."""
     from quantkit.model.tensors import TensorClass
-    from quantkit.planner.budgets import validate_budget, validate_expert_chunk, validate_room
+    from quantkit.planner.budgets import long_pass_bytes, validate_budget, validate_expert_chunk, validate_room
 
     arch = ckpts["reference"].arch
     L = arch.num_hidden_layers
@@ -70,7 +71,7 @@ def weights_plan(ckpts: dict[str, Checkpoint], owners, group: Group, dev: torch.
     sizes = {(m, n): ckpts[m].storage_bytes(n) for m, n in share}
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", group.world)) if group.distributed else 1
     budget = validate_budget(dev.type, max_host_memory, max_gpu_memory, ranks_here)
-    tiers = [[dev, validate_room(arch, dev.type, budget, exchange), 0]] if weights != "stream" else []
+    tiers = [[dev, validate_room(arch, dev.type, budget, exchange, long_len), 0]] if weights != "stream" else []
     if dev.type == "cuda" and weights != "stream":  # then this rank's part of host memory
         tiers.append([torch.device("cpu"), validate_room(arch, "cpu", validate_budget("cpu", max_host_memory, None, ranks_here)), 0])
     for item in share:
@@ -87,7 +88,7 @@ def weights_plan(ckpts: dict[str, Checkpoint], owners, group: Group, dev: torch.
                           "(quantkit validate --nproc N), a larger --max-host-memory/--max-gpu-memory, or --weights auto")
     on_dev = tiers[0][2] if tiers else 0
     chunk = validate_expert_chunk(arch, dev.type, max_host_memory, max_gpu_memory, kept=on_dev, ranks_here=ranks_here,
-                                  exchange=exchange)
+                                  exchange=exchange + long_pass_bytes(arch, long_len))
     experts = sum(1 for m, n in share if ckpts[m].tensors[n].info.klass == TensorClass.ROUTED_EXPERT
                   and ckpts[m].tensors[n].info.proj == "down_proj" and ckpts[m].tensors[n].info.layer < L)  # the split ones
     return {"share_bytes": total, "kept_bytes": kept, "kept_on_device_bytes": on_dev if dev.type == "cuda" else 0,
