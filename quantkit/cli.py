@@ -318,7 +318,8 @@ def validate(
     quiet: Quiet = False,
     json_out: Json = False,
 ):
-    """Measure the pair against its source layer by layer; write validation.json/.md/.png and model cards. Exit 3 if a gate fails."""
+    """Measure the pair against its source layer by layer; write validation.json/.md/.png, the per-expert map
+    validation-experts.png and model cards. Exit 3 if a gate fails."""
     from quantkit.validation.pipeline import validate as run_validate
 
     _relaunch_under_torchrun(ctx, nproc, folder, resume_hint=False)
