@@ -206,3 +206,107 @@ def test_the_repository_tracks_no_checkpoint_outside_the_tests():
         pytest.skip("not a git checkout")
     stray = [f for f in tracked.stdout.splitlines() if not f.startswith("tests/")]
     assert not stray, f"weights tracked outside tests/ (git rm them): {stray[:3]}"
+
+
+# ---- defaults and figures a page states, against the code ------------------------------------------
+def _cli_defaults() -> dict[str, dict[str, object]]:
+    import typer
+
+    from quantkit.cli import app
+
+    group = typer.main.get_command(app)
+    return {name: {o: p.default for p in cmd.params for o in p.opts} for name, cmd in group.commands.items()}
+
+
+# (page, text the page states, command, option, the default that text claims)
+STATED_DEFAULTS = [
+    ("serving.md", "**Engine numerics (`--numerics engine`, validate's default;", "validate", "--numerics", "engine"),
+    ("serving.md", "under engine numerics, validate's default", "validate", "--numerics", "engine"),
+    ("recipes.md", "measured under engine numerics (validate's default)", "validate", "--numerics", "engine"),
+    ("serving.md", "By default (`--numerics auto`) `quantkit probe`", "probe", "--numerics", "auto"),
+    ("serving.md", "`--concurrency` (4) at a time", "probe", "--concurrency", 4),
+    ("serving.md", "each with a `--timeout` (60 s)", "probe", "--timeout", 60.0),
+    ("serving.md", "retried `--retries` (4)", "probe", "--retries", 4),
+    ("serving.md", "[--requests 4] [--rounds 6] [--seed 0]", "probe", "--requests", 4),
+    ("serving.md", "[--requests 4] [--rounds 6] [--seed 0]", "probe", "--rounds", 6),
+    ("serving.md", "[--requests 4] [--rounds 6] [--seed 0]", "probe", "--seed", 0),
+    ("distributed.md", "`--weights auto` (the default)", "validate", "--weights", "auto"),
+    ("planner.md", "| gpus | 8 |", "plan", "--gpus", 8),
+    ("planner.md", "| gpu | h200 |", "plan", "--gpu", "h200"),
+    ("planner.md", "| context | 21,400 |", "plan", "--context", 21400),
+    ("planner.md", "| mem_fraction | 0.90 |", "plan", "--mem-fraction", 0.9),
+    ("planner.md", "| overhead_gib | 12.0 |", "plan", "--overhead-gib", 12.0),
+]
+
+
+@pytest.mark.parametrize("page,text,command,option,claimed", STATED_DEFAULTS,
+                         ids=[f"{c} {o} {v}" for _, _, c, o, v in STATED_DEFAULTS])
+def test_a_default_a_page_states_is_the_commands_default(page, text, command, option, claimed):
+    doc = ROOT / "docs" / page
+    assert text in " ".join(doc.read_text().split()), f"{page} no longer says {text!r}: update this table"
+    assert _cli_defaults()[command][option] == claimed, f"{page} says {command} {option} defaults to {claimed!r}"
+
+
+def test_the_recipe_settings_the_pages_state_are_the_recipes():
+    """benchmarks.md's "shipped" settings and recipes.md's table of shipped recipes against recipes/*.yaml."""
+    from quantkit.recipe import load_recipe
+
+    real = {n: load_recipe(n) for n in ("glm-5.2", "kimi-k2.6", "deepseek-v3", "qwen3-moe")}
+    for r in real.values():
+        g, c = r.gptq, r.calibration
+        assert (g.actorder, g.dampening, g.observer, c.extra_random) == (True, 0.01, "hessian", 0.25), r.name
+        assert (c.num_samples, c.seq_len, c.random_windows()) == (410, 2048, 102), r.name
+        assert (r.validate.dataset, r.validate.num_samples, r.validate.seq_len) == (
+            "hf:HuggingFaceH4/ultrachat_200k@test_sft", 8, 512), r.name
+    bench = " ".join((ROOT / "docs" / "benchmarks.md").read_text().split())
+    assert ("GPTQ with act-order, dampening 0.01, group scales from the Hessian observer, and a quarter more "
+            "calibration windows of uniform random token ids (`calibration.extra_random: 0.25`)") in bench
+    table = (ROOT / "docs" / "recipes.md").read_text()
+    for name, group in (("kimi-k2.6", 32), ("glm-5.2", 128), ("deepseek-v3", 128), ("qwen3-moe", 128)):
+        assert real[name].group_size == group
+        assert re.search(rf"^\| `{re.escape(name)}` \| [^|]+ \| {group} \|", table, flags=re.M), name
+    assert "| 32, 128, 128 | `synthetic:train`, 64 x 64 | `synthetic:heldout`, 8 x 64 |" in table
+    for name, group in (("tiny-kimi-k2.6", 32), ("tiny-glm-5.2", 128), ("tiny-qwen3-moe", 128)):
+        r = load_recipe(name)
+        assert (r.group_size, r.calibration.num_samples, r.calibration.seq_len) == (group, 64, 64), name
+        assert (r.validate.dataset, r.validate.num_samples, r.validate.seq_len) == ("synthetic:heldout", 8, 64), name
+    assert f"fewer than `gptq.min_tokens` ({load_recipe('tiny-glm-5.2').gptq.min_tokens})" in (
+        ROOT / "docs" / "quickstart.md").read_text()
+
+
+def test_the_full_scale_predictions_the_pages_state_are_the_planners():
+    """The disk and device figures of `quantkit plan MODEL --convert --gpu h200 --max-host-memory 1000GB`
+    as benchmarks.md's table and the quickstart state them (the planner changed under them once)."""
+    from quantkit.conversion.cost import plan_convert_for
+
+    bench = (ROOT / "docs" / "benchmarks.md").read_text().split("## Full-scale predictions", 1)[1].split("\n## ", 1)[0]
+    quick = " ".join((ROOT / "docs" / "quickstart.md").read_text().split())
+    for model in ("glm-5.2", "kimi-k2.6"):
+        c = plan_convert_for(model, gpu="h200", max_host_memory="1000GB")
+        disk = " + ".join(f"{c.disk[k] / 1e9:.1f}" for k in ("prefill", "decode", "resume_state")) + " GB |"
+        row = next(ln for ln in bench.splitlines() if ln.startswith(f"| {model} |"))
+        assert disk in row, f"benchmarks.md's {model} disk figures: the planner says {disk}"
+        assert f"{c.peak_device / 1e9:.1f} GB" in row, f"benchmarks.md's {model} peak device: {c.peak_device / 1e9:.1f} GB"
+        if model == "glm-5.2":
+            total = sum(c.disk[k] for k in ("prefill", "decode", "resume_state")) / 1e12
+            assert (f"{total:.2f} TB of disk ({c.disk['prefill'] / 1e9:.1f} GB prefill, {c.disk['decode'] / 1e9:.1f} GB "
+                    f"decode, {c.disk['resume_state'] / 1e9:.1f} GB resume state at its peak)") in quick
+
+
+def test_the_tiny_numbers_pages_quote_are_one_run():
+    """The quickstart's printed table, its card excerpt, benchmarks.md's quality table and serving.md's
+    reading table quote the same tiny GLM run (each CPU trains its own tiny model, so they are not
+    checked against a new run, only against each other)."""
+    quick = (ROOT / "docs" / "quickstart.md").read_text()
+    printed = re.search(r"│ decode INT4 │ prompts │ +([0-9.e-]+) │ ([0-9.]+) │ ([+-][0-9.]+)% │", quick)
+    kl, top1, ppl = float(printed.group(1)), float(printed.group(2)), float(printed.group(3))
+    card = re.search(r"^\| this checkpoint on prompts \| ([0-9.e-]+) \| ([0-9.]+) \| ([+-][0-9.]+)% \|", quick, flags=re.M)
+    assert abs(float(card.group(1)) - kl) <= 0.005 * kl + 1e-5 and abs(float(card.group(2)) - top1) < 1e-3
+    assert card.group(3).startswith(printed.group(3))
+    bench = re.search(r"^\| tiny GLM 5.2 \(GPTQ experts\) \| [^|]+ \| ([0-9.e-]+) / ([0-9.]+) / ([+-][0-9.]+)% \|",
+                      (ROOT / "docs" / "benchmarks.md").read_text(), flags=re.M)
+    assert abs(float(bench.group(1)) - kl) <= 0.005 * kl + 1e-5 and abs(float(bench.group(2)) - top1) < 1e-3
+    assert abs(float(bench.group(3)) - ppl) < 0.01
+    serving = re.search(r"^\| decode: KL / top-1 / ppl delta \| ([0-9.e-]+) / ([0-9.]+) / ([+-][0-9.]+)% \(GPTQ\)",
+                        (ROOT / "docs" / "serving.md").read_text(), flags=re.M)
+    assert abs(float(serving.group(1)) - kl) <= 0.05 * kl and abs(float(serving.group(2)) - top1) < 1e-3
