@@ -310,3 +310,14 @@ def test_the_tiny_numbers_pages_quote_are_one_run():
     serving = re.search(r"^\| decode: KL / top-1 / ppl delta \| ([0-9.e-]+) / ([0-9.]+) / ([+-][0-9.]+)% \(GPTQ\)",
                         (ROOT / "docs" / "serving.md").read_text(), flags=re.M)
     assert abs(float(serving.group(1)) - kl) <= 0.05 * kl and abs(float(serving.group(2)) - top1) < 1e-3
+
+
+def test_the_kv_capacity_the_pages_state_is_the_planners():
+    """serving.md's and planner.md's FP8 KV capacity of Kimi K2.6's decode checkpoint on 8xH200."""
+    from quantkit.planner.capacity import plan
+
+    tokens = plan("kimi-k2.6").checkpoints["decode"].kv["fp8"].tokens
+    short = f"{tokens / 1e6:.2f}M"
+    assert f"{short}\nFP8 for the decode checkpoint" in (ROOT / "docs" / "serving.md").read_text()
+    planner = (ROOT / "docs" / "planner.md").read_text()
+    assert f"# FP8 KV: {short} tokens (2.0x) on decode" in planner and f"| {tokens:,} |" in planner
