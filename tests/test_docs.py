@@ -170,6 +170,14 @@ def test_quickstart_card_rows_and_serve_commands_are_the_cards(tiny_pair):
     assert len(serve) >= 8
     for line in serve:
         assert line in card, f"the quickstart's serve command differs from the card's: {line}"
+    from typer.testing import CliRunner
+
+    from quantkit.cli import app
+
+    printed = "".join(CliRunner().invoke(app, ["serve-commands", str(tiny_pair.out), "--engine", e, "--tp", "1"]).output
+                      for e in ("sglang", "vllm"))
+    for line in serve:  # "serve-commands prints the commands ... the card carries the same commands"
+        assert line in printed, f"serve-commands prints other commands than the card and the quickstart: {line}"
 
 
 def test_every_flag_a_page_gives_a_script_is_one_it_defines():
