@@ -280,6 +280,19 @@ def test_the_recipe_settings_the_pages_state_are_the_recipes():
         assert (r.validate.dataset, r.validate.num_samples, r.validate.seq_len) == ("synthetic:heldout", 8, 64), name
     assert f"fewer than `gptq.min_tokens` ({load_recipe('tiny-glm-5.2').gptq.min_tokens})" in (
         ROOT / "docs" / "quickstart.md").read_text()
+    for spec, windows in real["glm-5.2"].calibration.sources():  # recipes.md, "The shipped mix"
+        assert re.search(rf"^\| `{re.escape(spec)}`[^\n]*\| {windows} \|", table, flags=re.M), (spec, windows)
+    # the gates recipes.md states ("The real recipes' gates", "Gates for the tiny models")
+    gates = {n: (real[n].validate.gates if n in real else load_recipe(n).validate.gates)
+             for n in (*real, "tiny-glm-5.2", "tiny-kimi-k2.6")}
+    assert {k: gates["kimi-k2.6"][k] for k in ("kl_max", "ppl_delta_max", "kv_delta_max")} == {
+        "kl_max": 0.03, "ppl_delta_max": 0.02, "kv_delta_max": 0.01}
+    assert gates["glm-5.2"]["kv_delta_max"] == 0.02 and gates["deepseek-v3"]["kv_delta_max"] == 0.01
+    assert all(gates[n]["kl_max"] == 0.05 and gates[n]["ppl_delta_max"] == 0.03 and gates[n]["top1_min"] == 0.9
+               for n in ("glm-5.2", "deepseek-v3", "qwen3-moe"))
+    assert gates["glm-5.2"]["indexer_overlap_min"] == 0.9 and gates["tiny-glm-5.2"]["indexer_overlap_min"] == 0.95
+    assert gates["tiny-glm-5.2"]["decode.layer_rel_err_max"] == 0.06
+    assert gates["tiny-kimi-k2.6"]["kl_max"] == 0.03 and gates["tiny-kimi-k2.6"]["cross_phase.kl_max"] == 0.1
 
 
 def test_the_full_scale_predictions_the_pages_state_are_the_planners():
