@@ -144,7 +144,8 @@ def _plan_tasks(model: str, tasks: str, gpus: int, gpu: str, group_size: int | N
 @app.command(cls=_Command)
 @user_errors
 def plan(
-    model: Annotated[str, typer.Argument(help=f"A preset ({', '.join(preset_names())}), a folder with config.json, or a tiny id.")],
+    model: Annotated[str, typer.Argument(help=f"A preset ({', '.join(preset_names())}), a folder with config.json, "
+                                                    "a tiny:/realshape: id or an hf://org/repo@rev id (shard headers only).")],
     gpus: Annotated[int, typer.Option(help="GPUs in the set.")] = 8,
     gpu: Annotated[str, typer.Option(help="GPU kind: h200, h100, b200, ...")] = "h200",
     tp: Annotated[Optional[int], typer.Option(help="Tensor-parallel size (default: --gpus).")] = None,
@@ -318,7 +319,8 @@ def validate(
     quiet: Quiet = False,
     json_out: Json = False,
 ):
-    """Measure the pair against its source layer by layer; write validation.json/.md/.png and model cards. Exit 3 if a gate fails."""
+    """Measure the pair against its source layer by layer; write validation.json/.md/.png, the per-expert map
+    validation-experts.png and model cards. Exit 3 if a gate fails."""
     from quantkit.validation.pipeline import validate as run_validate
 
     _relaunch_under_torchrun(ctx, nproc, folder, resume_hint=False)

@@ -711,12 +711,12 @@ def render(res: dict) -> str:
              f"held-out " + ", ".join(f"{s} {'x'.join(map(str, v))}" for s, v in res["eval"].items())
              + (f"; llmc actorder {res['llmc_actorder']}" if "llmc" in rows else "")
              + (f"; {res['settings']}" if "settings" in res else "")]
-    hdr = f"{'run':<{max(12, *(len(k) for k in rows))}} {'wall s':>6} {'RSS MB':>6}  {'KL in-dist':>10} {'vs RTN (z)':>24} {'vs llmc (z)':>24}"
+    hdr = f"{'run':<{max(12, *(len(k) for k in rows))}} {'wall s':>6} {'RSS MiB':>7}  {'KL in-dist':>10} {'vs RTN (z)':>24} {'vs llmc (z)':>24}"
     hdr += "".join(f"  {'KL ' + s:>14} {'vs RTN (z)':>24}" for s in sets[1:]) + "  guard: better/judged, stored"
     lines += [hdr, "-" * len(hdr)]
     width = max(12, *(len(k) for k in rows))
     for k, r in rows.items():
-        line = f"{k:<{width}} {r['wall_s']:6.1f} {r['peak_rss_bytes'] / 2**20:6.0f}  {r[sets[0]]['kl']:10.3e} "
+        line = f"{k:<{width}} {r['wall_s']:6.1f} {r['peak_rss_bytes'] / 2**20:7.0f}  {r[sets[0]]['kl']:10.3e} "
         line += f"{_d(r[sets[0]]['vs_rtn']) if k != 'RTN' else '':>24} {_d(r[sets[0]].get('vs_llmc')) if k != 'llmc' else '':>24}"
         for s in sets[1:]:
             line += f"  {r[s]['kl']:14.3e} {_d(r[s]['vs_rtn']) if k != 'RTN' else '':>24}"

@@ -357,13 +357,13 @@ def render(res: dict) -> str:
     r, q = res["runs"], res["quality"]
     lines = [f"model {res['model']} ({res['model_type']}); calibration {res['calibration']}; INT4 group {res['group_size']}; "
              f"held-out {res['eval']}; {res['threads']} thread(s) per process"]
-    hdr = (f"{'run':<44} {'wall s':>7} {'cpu s':>7} {'peak RSS MB':>11}   {'KL vs source':>17} {'top-1':>6}   "
+    hdr = (f"{'run':<44} {'wall s':>7} {'cpu s':>7} {'peak RSS MiB':>12}   {'KL vs source':>17} {'top-1':>6}   "
            f"{'KL experts-only':>17} {'top-1':>6}")
     lines += [hdr, "-" * len(hdr)]
     for key, label in res["labels"].items():
         m = r.get(key)
         qs, qe = q["vs_source"].get(key), q["experts_only"].get(key)
-        cols = [f"{m['wall_s']:7.1f}", f"{m['cpu_s']:7.1f}", f"{_mb(m['peak_rss_bytes']):>11}"] if m else [" " * 7, " " * 7, " " * 11]
+        cols = [f"{m['wall_s']:7.1f}", f"{m['cpu_s']:7.1f}", f"{_mb(m['peak_rss_bytes']):>12}"] if m else [" " * 7, " " * 7, " " * 12]
         cols += ["", _kl(qs, 17), f"{qs['top1']:6.3f}" if qs else " " * 6]
         cols += ["", _kl(qe, 17), f"{qe['top1']:6.3f}" if qe else " " * 6]
         lines.append(f"{label:<44} " + " ".join(cols).rstrip())

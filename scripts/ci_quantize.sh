@@ -6,7 +6,7 @@
 #   scripts/ci_quantize.sh hf://zai-org/GLM-5.2-FP8@main glm-5.2 /data/out/glm 128
 #
 # usage: scripts/ci_quantize.sh MODEL RECIPE OUTDIR [GROUP_SIZE]
-#   MODEL       a folder, hf://org/repo@rev, or tiny:kimi-k2.6 / tiny:glm-5.2
+#   MODEL       a folder, hf://org/repo@rev, or tiny:kimi-k2.6 / tiny:glm-5.2 / tiny:qwen3-moe
 #   RECIPE      a recipe name (recipes/*.yaml) or file; "" for the model family's default
 #   OUTDIR      where the artifacts go (must not already hold prefill/ or decode/)
 #   GROUP_SIZE  optional INT4 group size override (32, 64, 128)
@@ -23,6 +23,7 @@
 #   prefill/ decode/          the checkpoint pair (model cards README.md written by validate)
 #   convert-report.json       what convert did (quantkit convert --json prints the same object)
 #   validation.json .md .png  what validate measured, the gates and their verdicts
+#   validation-experts.png    every routed expert's output error, layers x experts
 #   ci-summary.md             the short summary printed at the end (CI appends it to the job page)
 #
 # Exit status: 0 when converted and every gate passed; quantkit's exit status otherwise

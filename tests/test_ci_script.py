@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "ci_quantize.sh"
 WORKFLOW = ROOT / ".github" / "workflows" / "quantize.yml"
 ARTIFACTS = ("prefill/config.json", "decode/config.json", "convert-report.json",
-             "validation.json", "validation.md", "validation.png", "ci-summary.md")
+             "validation.json", "validation.md", "validation.png", "validation-experts.png", "ci-summary.md")
 
 
 # ---- the workflow file ---------------------------------------------------------------------------
@@ -55,7 +55,8 @@ def test_workflow_steps(workflow):
     uploads = [s for s in steps if s.get("uses", "").startswith("actions/upload-artifact@")]
     published = [s for s in uploads if "if" not in s]  # default `if: success()`: only after the script passed
     paths = "\n".join(s["with"]["path"] for s in published)
-    for part in ("prefill/", "decode/", "convert-report.json", "validation.json", "validation.md", "validation.png"):
+    for part in ("prefill/", "decode/", "convert-report.json", "validation.json", "validation.md", "validation.png",
+                 "validation-experts.png"):
         assert part in paths, part
     # the checkpoints are never uploaded from a failed run; artifact steps come after the script
     for s in uploads:

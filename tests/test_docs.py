@@ -170,6 +170,14 @@ def test_quickstart_card_rows_and_serve_commands_are_the_cards(tiny_pair):
     assert len(serve) >= 8
     for line in serve:
         assert line in card, f"the quickstart's serve command differs from the card's: {line}"
+    from typer.testing import CliRunner
+
+    from quantkit.cli import app
+
+    printed = "".join(CliRunner().invoke(app, ["serve-commands", str(tiny_pair.out), "--engine", e, "--tp", "1"]).output
+                      for e in ("sglang", "vllm"))
+    for line in serve:  # "serve-commands prints the commands ... the card carries the same commands"
+        assert line in printed, f"serve-commands prints other commands than the card and the quickstart: {line}"
 
 
 def test_every_flag_a_page_gives_a_script_is_one_it_defines():
@@ -206,3 +214,131 @@ def test_the_repository_tracks_no_checkpoint_outside_the_tests():
         pytest.skip("not a git checkout")
     stray = [f for f in tracked.stdout.splitlines() if not f.startswith("tests/")]
     assert not stray, f"weights tracked outside tests/ (git rm them): {stray[:3]}"
+
+
+# ---- defaults and figures a page states, against the code ------------------------------------------
+def _cli_defaults() -> dict[str, dict[str, object]]:
+    import typer
+
+    from quantkit.cli import app
+
+    group = typer.main.get_command(app)
+    return {name: {o: p.default for p in cmd.params for o in p.opts} for name, cmd in group.commands.items()}
+
+
+# (page, text the page states, command, option, the default that text claims)
+STATED_DEFAULTS = [
+    ("serving.md", "**Engine numerics (`--numerics engine`, validate's default;", "validate", "--numerics", "engine"),
+    ("serving.md", "under engine numerics, validate's default", "validate", "--numerics", "engine"),
+    ("recipes.md", "measured under engine numerics (validate's default)", "validate", "--numerics", "engine"),
+    ("serving.md", "By default (`--numerics auto`) `quantkit probe`", "probe", "--numerics", "auto"),
+    ("serving.md", "`--concurrency` (4) at a time", "probe", "--concurrency", 4),
+    ("serving.md", "each with a `--timeout` (60 s)", "probe", "--timeout", 60.0),
+    ("serving.md", "retried `--retries` (4)", "probe", "--retries", 4),
+    ("serving.md", "[--requests 4] [--rounds 6] [--seed 0]", "probe", "--requests", 4),
+    ("serving.md", "[--requests 4] [--rounds 6] [--seed 0]", "probe", "--rounds", 6),
+    ("serving.md", "[--requests 4] [--rounds 6] [--seed 0]", "probe", "--seed", 0),
+    ("distributed.md", "`--weights auto` (the default)", "validate", "--weights", "auto"),
+    ("planner.md", "| gpus | 8 |", "plan", "--gpus", 8),
+    ("planner.md", "| gpu | h200 |", "plan", "--gpu", "h200"),
+    ("planner.md", "| context | 21,400 |", "plan", "--context", 21400),
+    ("planner.md", "| mem_fraction | 0.90 |", "plan", "--mem-fraction", 0.9),
+    ("planner.md", "| overhead_gib | 12.0 |", "plan", "--overhead-gib", 12.0),
+]
+
+
+@pytest.mark.parametrize("page,text,command,option,claimed", STATED_DEFAULTS,
+                         ids=[f"{c} {o} {v}" for _, _, c, o, v in STATED_DEFAULTS])
+def test_a_default_a_page_states_is_the_commands_default(page, text, command, option, claimed):
+    doc = ROOT / "docs" / page
+    assert text in " ".join(doc.read_text().split()), f"{page} no longer says {text!r}: update this table"
+    assert _cli_defaults()[command][option] == claimed, f"{page} says {command} {option} defaults to {claimed!r}"
+
+
+def test_the_recipe_settings_the_pages_state_are_the_recipes():
+    """benchmarks.md's "shipped" settings and recipes.md's table of shipped recipes against recipes/*.yaml."""
+    from quantkit.recipe import load_recipe
+
+    real = {n: load_recipe(n) for n in ("glm-5.2", "kimi-k2.6", "deepseek-v3", "qwen3-moe")}
+    for r in real.values():
+        g, c = r.gptq, r.calibration
+        assert (g.actorder, g.dampening, g.observer, c.extra_random) == (True, 0.01, "hessian", 0.25), r.name
+        assert (c.num_samples, c.seq_len, c.random_windows()) == (410, 2048, 102), r.name
+        assert (r.validate.dataset, r.validate.num_samples, r.validate.seq_len) == (
+            "hf:HuggingFaceH4/ultrachat_200k@test_sft", 8, 512), r.name
+    bench = " ".join((ROOT / "docs" / "benchmarks.md").read_text().split())
+    assert ("GPTQ with act-order, dampening 0.01, group scales from the Hessian observer, and a quarter more "
+            "calibration windows of uniform random token ids (`calibration.extra_random: 0.25`)") in bench
+    table = (ROOT / "docs" / "recipes.md").read_text()
+    for name, group in (("kimi-k2.6", 32), ("glm-5.2", 128), ("deepseek-v3", 128), ("qwen3-moe", 128)):
+        assert real[name].group_size == group
+        assert re.search(rf"^\| `{re.escape(name)}` \| [^|]+ \| {group} \|", table, flags=re.M), name
+    assert "| 32, 128, 128 | `synthetic:train`, 64 x 64 | `synthetic:heldout`, 8 x 64 |" in table
+    for name, group in (("tiny-kimi-k2.6", 32), ("tiny-glm-5.2", 128), ("tiny-qwen3-moe", 128)):
+        r = load_recipe(name)
+        assert (r.group_size, r.calibration.num_samples, r.calibration.seq_len) == (group, 64, 64), name
+        assert (r.validate.dataset, r.validate.num_samples, r.validate.seq_len) == ("synthetic:heldout", 8, 64), name
+    assert f"fewer than `gptq.min_tokens` ({load_recipe('tiny-glm-5.2').gptq.min_tokens})" in (
+        ROOT / "docs" / "quickstart.md").read_text()
+    for spec, windows in real["glm-5.2"].calibration.sources():  # recipes.md, "The shipped mix"
+        assert re.search(rf"^\| `{re.escape(spec)}`[^\n]*\| {windows} \|", table, flags=re.M), (spec, windows)
+    # the gates recipes.md states ("The real recipes' gates", "Gates for the tiny models")
+    gates = {n: (real[n].validate.gates if n in real else load_recipe(n).validate.gates)
+             for n in (*real, "tiny-glm-5.2", "tiny-kimi-k2.6")}
+    assert {k: gates["kimi-k2.6"][k] for k in ("kl_max", "ppl_delta_max", "kv_delta_max")} == {
+        "kl_max": 0.03, "ppl_delta_max": 0.02, "kv_delta_max": 0.01}
+    assert gates["glm-5.2"]["kv_delta_max"] == 0.02 and gates["deepseek-v3"]["kv_delta_max"] == 0.01
+    assert all(gates[n]["kl_max"] == 0.05 and gates[n]["ppl_delta_max"] == 0.03 and gates[n]["top1_min"] == 0.9
+               for n in ("glm-5.2", "deepseek-v3", "qwen3-moe"))
+    assert gates["glm-5.2"]["indexer_overlap_min"] == 0.9 and gates["tiny-glm-5.2"]["indexer_overlap_min"] == 0.95
+    assert gates["tiny-glm-5.2"]["decode.layer_rel_err_max"] == 0.06
+    assert gates["tiny-kimi-k2.6"]["kl_max"] == 0.03 and gates["tiny-kimi-k2.6"]["cross_phase.kl_max"] == 0.1
+
+
+def test_the_full_scale_predictions_the_pages_state_are_the_planners():
+    """The disk and device figures of `quantkit plan MODEL --convert --gpu h200 --max-host-memory 1000GB`
+    as benchmarks.md's table and the quickstart state them (the planner changed under them once)."""
+    from quantkit.conversion.cost import plan_convert_for
+
+    bench = (ROOT / "docs" / "benchmarks.md").read_text().split("## Full-scale predictions", 1)[1].split("\n## ", 1)[0]
+    quick = " ".join((ROOT / "docs" / "quickstart.md").read_text().split())
+    for model in ("glm-5.2", "kimi-k2.6"):
+        c = plan_convert_for(model, gpu="h200", max_host_memory="1000GB")
+        disk = " + ".join(f"{c.disk[k] / 1e9:.1f}" for k in ("prefill", "decode", "resume_state")) + " GB |"
+        row = next(ln for ln in bench.splitlines() if ln.startswith(f"| {model} |"))
+        assert disk in row, f"benchmarks.md's {model} disk figures: the planner says {disk}"
+        assert f"{c.peak_device / 1e9:.1f} GB" in row, f"benchmarks.md's {model} peak device: {c.peak_device / 1e9:.1f} GB"
+        if model == "glm-5.2":
+            total = sum(c.disk[k] for k in ("prefill", "decode", "resume_state")) / 1e12
+            assert (f"{total:.2f} TB of disk ({c.disk['prefill'] / 1e9:.1f} GB prefill, {c.disk['decode'] / 1e9:.1f} GB "
+                    f"decode, {c.disk['resume_state'] / 1e9:.1f} GB resume state at its peak)") in quick
+
+
+def test_the_tiny_numbers_pages_quote_are_one_run():
+    """The quickstart's printed table, its card excerpt, benchmarks.md's quality table and serving.md's
+    reading table quote the same tiny GLM run (each CPU trains its own tiny model, so they are not
+    checked against a new run, only against each other)."""
+    quick = (ROOT / "docs" / "quickstart.md").read_text()
+    printed = re.search(r"│ decode INT4 │ prompts │ +([0-9.e-]+) │ ([0-9.]+) │ ([+-][0-9.]+)% │", quick)
+    kl, top1, ppl = float(printed.group(1)), float(printed.group(2)), float(printed.group(3))
+    card = re.search(r"^\| this checkpoint on prompts \| ([0-9.e-]+) \| ([0-9.]+) \| ([+-][0-9.]+)% \|", quick, flags=re.M)
+    assert abs(float(card.group(1)) - kl) <= 0.005 * kl + 1e-5 and abs(float(card.group(2)) - top1) < 1e-3
+    assert card.group(3).startswith(printed.group(3))
+    bench = re.search(r"^\| tiny GLM 5.2 \(GPTQ experts\) \| [^|]+ \| ([0-9.e-]+) / ([0-9.]+) / ([+-][0-9.]+)% \|",
+                      (ROOT / "docs" / "benchmarks.md").read_text(), flags=re.M)
+    assert abs(float(bench.group(1)) - kl) <= 0.005 * kl + 1e-5 and abs(float(bench.group(2)) - top1) < 1e-3
+    assert abs(float(bench.group(3)) - ppl) < 0.01
+    serving = re.search(r"^\| decode: KL / top-1 / ppl delta \| ([0-9.e-]+) / ([0-9.]+) / ([+-][0-9.]+)% \(GPTQ\)",
+                        (ROOT / "docs" / "serving.md").read_text(), flags=re.M)
+    assert abs(float(serving.group(1)) - kl) <= 0.05 * kl and abs(float(serving.group(2)) - top1) < 1e-3
+
+
+def test_the_kv_capacity_the_pages_state_is_the_planners():
+    """serving.md's and planner.md's FP8 KV capacity of Kimi K2.6's decode checkpoint on 8xH200."""
+    from quantkit.planner.capacity import plan
+
+    tokens = plan("kimi-k2.6").checkpoints["decode"].kv["fp8"].tokens
+    short = f"{tokens / 1e6:.2f}M"
+    assert f"{short}\nFP8 for the decode checkpoint" in (ROOT / "docs" / "serving.md").read_text()
+    planner = (ROOT / "docs" / "planner.md").read_text()
+    assert f"# FP8 KV: {short} tokens (2.0x) on decode" in planner and f"| {tokens:,} |" in planner

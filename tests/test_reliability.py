@@ -1166,7 +1166,7 @@ def test_stale_validation_files_and_another_runs_report_are_never_left_beside_a_
     shutil.copytree(whole[0], out)
     for which in ("prefill", "decode"):
         shutil.rmtree(out / which)  # an older pair removed by hand, its report and results left
-    results = {f"validation.{x}": f"PASSED {x}" for x in ("json", "md", "png")}
+    results = {f"validation{x}": f"PASSED {x}" for x in (".json", ".md", ".png", "-experts.png")}
     for name, text in results.items():
         (out / name).write_text(text)
     (out / ".quantkit.lock").unlink(missing_ok=True)  # a dead owner's, left by an earlier test
@@ -1178,7 +1178,8 @@ def test_stale_validation_files_and_another_runs_report_are_never_left_beside_a_
     res = runner.invoke(app, ["convert", str(src), "--out", str(out), "--method", "rtn", "--no-validate"])
     ok = ok and res.exit_code == 0 and all(n in res.output for n in results) and "removed" in res.output
     ok = ok and not any((out / n).exists() for n in results) and _same_pair(out, whole[0])
-    record("stale files in --out", "another run's convert-report.json: refused; validation.json/.md/.png of a pair "
+    record("stale files in --out", "another run's convert-report.json: refused; validation.json/.md/.png and "
+           "validation-experts.png of a pair "
            "no longer there: removed and named", 2, ok)
     assert ok, res.output
 

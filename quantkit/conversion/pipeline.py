@@ -295,7 +295,8 @@ def _clear_previous(out: Path, state_dir: Path, *, restart: bool, leader: bool) 
     if any((out / w).exists() for w in ("prefill", "decode")):
         return  # a finished pair: refused next, its results with it
     removed = [report.name] if restart and report.is_file() else []
-    removed += [n for n in ("validation.json", "validation.md", "validation.png", RESULTS_PENDING) if (out / n).exists()]
+    removed += [n for n in ("validation.json", "validation.md", "validation.png", "validation-experts.png", RESULTS_PENDING)
+                if (out / n).exists()]
     for name in removed:
         (out / name).unlink()
     if removed:

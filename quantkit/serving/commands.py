@@ -82,7 +82,8 @@ def pair_facts(out: Path) -> PairFacts:
     decode = read_stored(out / "decode")
     report = _json(out / "convert-report.json")
     spec = ((report.get("source") or {}).get("spec") or out.name).removeprefix("hf://").split("@")[0]
-    name = spec.rstrip("/").split("/")[-1].removeprefix("tiny:").lower() or "model"
+    # the model cards' name (quantkit.validation.card.serving_section): tiny:glm-5.2 mounts at /models/tiny-glm-5.2
+    name = "".join(c if c.isalnum() or c in "._-" else "-" for c in spec.rstrip("/").split("/")[-1].lower()) or "model"
     pair = _json(out / "pair.json")
     kv = bool((pair.get("counts") or {}).get("kv_scales")) if pair else any(
         n.endswith((".k_scale", ".v_scale")) for n in decode.tensors)

@@ -72,7 +72,7 @@ def test_sglang_commands_parse_as_the_layout(parsed, layout):
         assert a["ep_size"] == str(layout.ep)
         assert a["attn_dp_size"] == (str(layout.tp) if layout.dp_attention else a["attn_dp_size"])
         assert a["kv_cache_dtype"] == "fp8_e4m3" and a["page_size"] == "64"  # the pair carries KV scales
-        assert a["speculative_algorithm"] == "EAGLE" and a["model_path"] == "/models/glm-5.2"  # MTP, one path
+        assert a["speculative_algorithm"] == "EAGLE" and a["model_path"] == "/models/tiny-glm-5.2"  # MTP, one path
     assert got["prefill"]["args"]["disaggregation_bootstrap_port"] == "8998"
     r = got["router"]["args"]
     assert r["pd_disaggregation"] == "True" and "8998" in r["prefill_urls"] and "DECODE_HOST" in r["decode_urls"]
@@ -92,7 +92,7 @@ def test_vllm_commands_parse_as_the_layout(parsed, layout):
         assert a["kv_cache_dtype"] == "fp8_e4m3" and a["block_size"] == "64"
         assert "kv_connector='NixlConnector'" in a["kv_transfer_config"]  # validated into KVTransferConfig
         assert json.loads(a["speculative_config"].replace("'", '"'))["method"] == "mtp"
-        assert a["served_model_name"] == "['glm-5.2']"
+        assert a["served_model_name"] == "['tiny-glm-5.2']"
     assert got["prefill"]["args"] == got["decode"]["args"] | {k: got["prefill"]["args"][k] for k in ("kv_transfer_config",)}
 
 
