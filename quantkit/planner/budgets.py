@@ -197,13 +197,13 @@ def long_pass_terms(arch, n: int, streams: int = 4) -> tuple[int, int]:
     """(held, step) float32 bytes of validate's long-context pass over one window of `n` tokens
     (quantkit.validation.longctx, one window at a time). Held through a layer, per stream (reference,
     prefill, decode, decode's FP8-KV variant): the hidden states, the normed MoE input, the expert output
-    and the next hidden states (quantkit.validation.layerstream). One stream's MLA step: q and k at
-    qk_head_dim, kv_b's output, the attention output and its transpose, per head, and three score
+    and the next hidden states (quantkit.validation.layerstream). One stream's attention step: q and k at
+    qk_head_dim, the key/value projection's output, the attention output and its transpose, per head, and three score
     chunks (scores, masked, probabilities; at most quantkit.model.ops.SCORE_CHUNK_BYTES each)."""
     from quantkit.model.ops import SCORE_CHUNK_BYTES
 
     held = streams * 4 * n * arch.hidden_size * F32
-    per_head = 2 * arch.qk_head_dim + arch.qk_nope_head_dim + 3 * arch.v_head_dim
+    per_head = 3 * (arch.qk_head_dim + arch.v_head_dim)  # q, k; the key/value projection's output (at most qk + v); out x2
     scores = min(SCORE_CHUNK_BYTES, max(arch.num_attention_heads, arch.index_n_heads or 0) * n * n * F32)  # one chunk's
     return held, n * arch.num_attention_heads * per_head * F32 + 3 * scores
 

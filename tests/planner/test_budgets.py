@@ -16,7 +16,7 @@ def test_the_long_window_is_counted_where_validate_keeps_weights():
     a = arch_from_config(load_preset("glm-5.2"))
     n = 2 * a.index_topk
     held, step = long_pass_terms(a, n)
-    assert held == 4 * 4 * n * 6144 * 4 and step == n * 64 * (2 * 256 + 192 + 3 * 256) * 4 + 3 * SCORE_CHUNK_BYTES
+    assert held == 4 * 4 * n * 6144 * 4 and step == n * 64 * 3 * (256 + 256) * 4 + 3 * SCORE_CHUNK_BYTES
     assert 3.5 * GB < long_pass_bytes(a, n) == held + step < 4.5 * GB and long_pass_bytes(a, 0) == 0
     fixed, per = validate_working_set(a, "cpu")
     load = 3 * layer_shapes(a).largest_tensor * 4
