@@ -344,7 +344,7 @@ def validate(
 @app.command("check-serving", cls=_Command)
 @user_errors
 def check_serving(
-    path: Annotated[Path, typer.Argument(help="A checkpoint folder, or a convert output (checks prefill/ and decode/).")],
+    path: Annotated[Path, typer.Argument(metavar="DIR", help="A checkpoint folder, or a convert output (checks prefill/ and decode/).")],
     engine: Annotated[str, typer.Option(help="vllm, sglang or all.")] = "all",
     tp: Annotated[Optional[int], typer.Option(help="GPUs per serving instance (tensor-parallel size): check every module's shard per rank against the kernel rules of each engine.")] = None,
     ep: Annotated[int, typer.Option(help="With --tp: expert-parallel size for the routed experts (divides --tp; MoE TP = tp / ep). vLLM's EP is 1 or --tp.")] = 1,

@@ -128,6 +128,31 @@ def test_every_flag_a_page_names_is_accepted_by_its_command():
     assert not bad, "flags the command does not take:\n" + "\n".join(bad)
 
 
+def test_serving_page_shows_the_commands_serve_commands_prints():
+    """docs/serving.md's launch commands are generated, not written by hand: each block that opens like
+    serve-commands' output is what the `quantkit serve-commands ...` quoted just before it prints now
+    (--check only adds the parsers' verdicts on stderr)."""
+    import shlex
+
+    from typer.testing import CliRunner
+
+    from quantkit.cli import app
+
+    text = (ROOT / "docs" / "serving.md").read_text()
+    blocks = list(re.finditer(r"```bash\n(# (?:sglang|vllm): .*?)```", text, flags=re.S))
+    assert len(blocks) >= 2
+    start = 0
+    for b in blocks:
+        asked = re.findall(r"`quantkit (serve-commands [^`]+)`", text[start:b.start()])
+        assert asked, f"docs/serving.md: the block at line {text[:b.start()].count(chr(10)) + 1} names no command"
+        argv = [a for a in shlex.split(asked[-1]) if a != "--check"]
+        res = CliRunner().invoke(app, argv)
+        assert res.exit_code == 0, res.output
+        assert res.stdout.strip() == b.group(1).strip(), (
+            f"docs/serving.md: the commands shown for `quantkit {asked[-1]}` are stale; paste its output:\n{res.stdout}")
+        start = b.end()
+
+
 # ---- the quickstart against a real convert --------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory, tiny_glm):

@@ -380,10 +380,13 @@ _BF16_CLASSES = {"router", "norm", "embedding", "head", "vision", "kv_scale"}
 
 
 def predicted_stored(config: dict, phase: str, *, group_size: int, symmetric: bool = True,
-                     bf16_projs: tuple[str, ...] = (), all_experts: bool = False):
+                     bf16_projs: tuple[str, ...] | None = None, all_experts: bool = False):
     """The tensor names, dtypes and shapes `quantkit convert` writes for `phase` (prefill: FP8 block
     Linears; decode: INT4 routed experts, the rest as prefill) from a config alone: what check_layout
     reads, without the bytes (`quantkit plan` checks a preset's layout with it).
+
+    `bf16_projs`: attention projections kept BF16; None: the family's `prefill_bf16_projections`,
+    what the shipped recipe keeps (Kimi K2.6's q_a_proj and kv_a_proj_with_mqa).
 
     `all_experts`: list every routed expert; by default only expert 0 of each layer (every expert has
     the same shapes and format, the count comes from the config), which keeps a 384-expert model fast."""
@@ -391,6 +394,8 @@ def predicted_stored(config: dict, phase: str, *, group_size: int, symmetric: bo
     from quantkit.model.inventory import tensor_inventory
 
     a = arch_from_config(config, source="config")
+    if bf16_projs is None:
+        bf16_projs = a.definition.prefill_bf16_projections
     keep = set(bf16_projs) | set(a.definition.always_bf16) | {"eh_proj"}
     tensors: dict[str, tuple[str, list[int]]] = {}
     for spec in tensor_inventory(a):

@@ -185,24 +185,109 @@ def test_engines_own_create_weights_agree_with_the_rules(engine_src):
         assert (w2_scale[1] * 128 == inter) == (inter == 256), w2_scale
 
 
-def test_check_serving_cli_refuses_a_tiny_pair_at_tp2(tmp_path, tiny_glm):
+# ---- tiny pairs as convert writes them ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_pairs(tmp_path_factory):
+    from quantkit.conversion.pipeline import convert
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {name: convert(f"tiny:{name}", root / name, method="rtn", validate=False, progress=False)
+            for name in ("glm-5.2", "kimi-k2.6")}
+
+
+def _built(st, engine: str) -> dict[str, tuple]:
+    """What check_layout reads of each module the engine builds: its format and its shards' weight shapes."""
+    from quantkit.serving.stored import inventory
+
+    def shape(mod: str):
+        return next((tuple(st.tensors[f"{mod}.{s}"][1]) for s in ("weight", "weight_packed")
+                     if f"{mod}.{s}" in st.tensors), None)
+    return {m.name: (m.stored, m.klass, [shape(s) for s in sorted(m.shards)]) for m in inventory(st, engine)}
+
+
+@pytest.mark.parametrize("name", ["glm-5.2", "kimi-k2.6"])
+def test_the_predicted_pair_is_what_convert_writes(tiny_pairs, name):
+    """The shipped-pair checks read the checkpoint predicted from config.json (predicted_stored): on the
+    tiny configs it is, module by module, what convert writes (format, class, shard shapes, INT4 scheme),
+    Kimi's BF16 q_a_proj / kv_a_proj_with_mqa included."""
+    import json
+
+    from quantkit.serving.layout import int4_scheme
+    from quantkit.serving.stored import read_stored
+
+    out = tiny_pairs[name]
+    config = json.loads((out.prefill / "config.json").read_text())
+    config.pop("quantization_config", None)
+    for phase in ("prefill", "decode"):
+        real = read_stored(getattr(out, phase))
+        pred = predicted_stored(config, phase, group_size=RECIPE_GROUP[name], all_experts=True)
+        for engine in ENGINES:
+            assert _built(pred, engine) == _built(real, engine), (phase, engine)
+        w_real, w_pred = int4_scheme(real.qc) or {}, int4_scheme(pred.qc) or {}
+        assert {k: w_real.get(k) for k in ("group_size", "symmetric")} == \
+            {k: w_pred.get(k) for k in ("group_size", "symmetric")}, phase
+
+
+@pytest.mark.parametrize("ep_on", [False, True], ids=["ep-off", "ep-on"])
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_tiny_pairs_at_every_tp_and_ep(tiny_pairs, tp, ep_on, tmp_path, monkeypatch):
+    """The tiny pairs' 128-wide attention and experts split FP8 blocks and INT4 groups at any TP > 1:
+    each refusal names the module, the rule and a layout that works, and that layout passes both
+    engines on both checkpoints. (The engines' scheme check runs on the offline rules here.)"""
+    from quantkit.serving.checks import check_serving_many
+    from quantkit.serving.layout import RULES
+    from quantkit.serving.stored import read_stored
+
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "empty"))
+    layout = Layout(tp, tp if ep_on else 1)
+    for name, out in tiny_pairs.items():
+        folders = [out.prefill, out.decode]
+        reps = check_serving_many(folders, download=False, layout=layout)
+        if tp == 1:
+            assert all(r.loads for r in reps), [p for r in reps for e in r.engines for p in e.problems]
+            continue
+        works = set()
+        for r in reps:
+            for e in r.engines:
+                assert not e.loads, (name, r.folder, e.engine)
+                head = next(p for p in e.problems if "break a kernel rule" in p)
+                works.add(head.split("a layout that works: ")[1])
+                named = [p for p in e.problems if p.startswith(f"at {layout.flags()}: ") and "(rule " in p]
+                assert named, e.problems
+                for p in named:
+                    module = p.split(": ")[1]
+                    rule = p.split("(rule ")[1].split(":")[0]
+                    assert rule in RULES and RULES[rule][1][e.engine] in p, p  # the rule and its citation
+                    assert module.startswith(("model.", "language_model.", "self_attn", "all routed")), p
+        assert len(works) == 1, works
+        flags = works.pop().split()
+        found = Layout(int(flags[1]), int(flags[3]) if "--ep" in flags else 1, "--dp-attention" in flags,
+                       flags[flags.index("--gpu") + 1])
+        for engine in ENGINES:
+            for folder in folders:
+                assert check_layout(read_stored(folder), found, engine).ok, (name, found, engine)
+
+
+def test_check_serving_cli_refuses_a_tiny_pair_at_tp2(tiny_pairs):
     """Tiny GLM: 128-wide attention and experts. At TP 2 every FP8 block and INT4 group splits: exit 2
     naming the module, the rule and a layout that works."""
     import subprocess
     import sys
 
-    from quantkit.conversion.pipeline import convert
-
-    out = convert("tiny:glm-5.2", tmp_path / "glm", method="rtn", validate=False, progress=False)
+    out = tiny_pairs["glm-5.2"]
     proc = subprocess.run([sys.executable, "-m", "quantkit", "check-serving", str(out.decode), "--tp", "2",
                            "--engine", "vllm"], capture_output=True, text=True, env=_env(), check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     err = " ".join(proc.stderr.split())
     assert "model.layers.1.mlp.experts" in err and "rule int4-group-per-rank" in err
     assert "a layout that works: --tp 2 --ep 2 --dp-attention --gpu h200" in err
+    last = proc.stdout.strip().splitlines()[-1]  # one verdict line ends the report
+    assert last.startswith("verdict: REFUSED: vllm refuses ") and last.endswith("(exit 2)"), proc.stdout[-500:]
+    assert proc.stdout.count("verdict:") == 1
     ok = subprocess.run([sys.executable, "-m", "quantkit", "check-serving", str(out.decode), "--tp", "1",
-                         "--engine", "vllm", "--json"], capture_output=True, text=True, env=_env(), check=False)
+                         "--engine", "vllm"], capture_output=True, text=True, env=_env(), check=False)
     assert ok.returncode == 0, ok.stderr[-2000:]
+    assert ok.stdout.strip().splitlines()[-1].startswith("verdict: loads: vllm would load "), ok.stdout[-500:]
 
 
 def _env():
