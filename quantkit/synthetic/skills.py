@@ -9,16 +9,25 @@ same rendering in Python (`render`), chats drawn from the shipped tool task's ki
 (`tool_chat`: a request answered by a call in the family's syntax, glm45 or kimi_sections, or a
 plain answer), and a fine-tuning phase on them (`rows`, `train_skills`).
 
-The phase is in no tiny model's `PHASES` yet. Measured on the tiny GLM (one build, rows 60% chats
-with the reply weighted 5, lr 2e-3): after 120 steps the call / no-call decision is right on 39 of
-40 held-out chats, but the tool name and the argument keys only on 24 and 23 of 27, and on the
-shipped task's 6 prompts the model calls on 4, 2 of them schema-valid; after 240 steps (about twice
-the corpus steps' time) it calls on 5 with 4 valid (80%), the held-out keys 26 of 27 but the
-argument types 17 of 27. The tiny Kimi after 160 steps at 2e-3: 4 calls on the 6 prompts, 3 valid;
-held-out names 18 of 27, every miss a subtract request answered with add (the word "minus" four
-tokens back is what the model does not yet read), keys 24 and types 22. That is below what a
-tool-call row needs from its source (schema accuracy >= 90%), and a phase on the main model moves
-every number measured on it, so it waits for a phase that reaches the bar in seconds.
+The phase is in no tiny model's `PHASES` yet. Its settings (quantkit.synthetic.tiny: 240 steps at
+lr 2e-3, rows of 97 tokens, each a chat then corpus sentences, the reply weighted 10) were chosen on
+two builds of each of the tiny GLM and Kimi (seeds 0, 1) among 120-800 steps, lr 1e-3 to 3e-3, a chat
+in 60-100% of the rows, rows of 49 or 97 tokens and reply weights 5 or 10, then run once on three
+more builds of each (seeds 2-4). Measured in memory (fp32 weights, quantkit's reference forward) on
+the shipped task's 6 prompts, 4 of which ask for a call:
+- tuning builds: 4 calls on the 4, all schema-valid, plain answers on the other 2, on all four;
+- confirmation builds: the same on five of six; the tiny Kimi at seed 2 called on the 4 with 3
+  valid (75%, under the 90% a source's tool row needs);
+- the corpus perplexity stays within 0.9-1.1x the main steps' on the GLM, rises 1.06-1.36x on the Kimi,
+  and the GLM's RTN-expert KL moved 1.0-3.7x (0.0047 -> 0.0143 at seed 2), so every gate measured
+  on the tiny GLM would be re-derived over its builds (scripts/gate_margins.py) in the same change;
+- rows of 49 tokens (a chat fills most of the row) reached the call bar too, but the corpus perplexity
+  rose to 1.3-1.8x and the RTN KL 2-6x; with 60% chats and weight 5 the tiny Kimi chose the wrong
+  tool (3 of 4 or 2 of 3 valid).
+What no setting taught: argument values. A tiny model copies no number from its prompt in 800 steps
+(`add` with a = b = 14 whatever the request says), nor does the main model answer the corpus's own
+recall sentences ("remember ada has a fox . ... what does ada have ? a" -> fox on 5 of 40 at a
+one-sentence gap, chance 2.5), so a retrieval (needle) row waits for a model that retrieves too.
 """
 
 from __future__ import annotations
@@ -131,8 +140,8 @@ def tool_chat(rng: random.Random, syntax: str) -> str:
 
 
 # ---- the phase ----------------------------------------------------------------------------------------
-def rows(n: int, length: int, seed: int, syntax: str, encode, corpus_sentence, *, share: float = 0.6,
-         reply_weight: float = 5.0) -> tuple[torch.Tensor, torch.Tensor]:
+def rows(n: int, length: int, seed: int, syntax: str, encode, corpus_sentence, *, share: float = 1.0,
+         reply_weight: float = 10.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(n, length) training rows and their loss weights: a tool chat first (`share` of the rows, at position 0
     as a chat is served), then corpus sentences to the row's end, so the language model stays what it was.
     The assistant's reply weighs `reply_weight`, every other token 1."""

@@ -88,10 +88,11 @@ STEPS, BATCH, SEQ, LR = 100, 8, 48, 3e-3
 TINY_STEPS = {"qwen3-moe": 40}
 # What a tiny model learns after its main steps, in order (a few seconds each): "mtp" trains the MTP
 # layer to draft the main model's next greedy token (train_mtp); "tools" fine-tunes the main model on
-# tool chats (quantkit.synthetic.skills: listed for no model yet, its docstring says why).
+# tool chats (quantkit.synthetic.skills: listed for no model yet, its docstring gives the measurement
+# and why). Where listed, tools goes before mtp: the MTP layer drafts what the finished main model says.
 PHASES = {"glm-5.2": ("mtp",)}
 MTP_STEPS = 20
-SKILL_STEPS, SKILL_LR = 120, 2e-3
+SKILL_STEPS, SKILL_LR, SKILL_SEQ = 240, 2e-3, 96  # rows twice the main steps' length: a chat, then corpus
 
 
 def tiny_config(name: str) -> dict:
@@ -498,7 +499,7 @@ def build(name: str, out: Path, *, steps: int | None = None, seed: int | None = 
     t = train(arch, seed=seed, steps=TINY_STEPS.get(name, STEPS) if steps is None else steps)
     for phase in PHASES.get(name, ()):
         if phase == "tools":
-            data, weights = skills.rows(SKILL_STEPS * BATCH, SEQ + 1, seed + 700, arch.definition.tool_calls, encode,
+            data, weights = skills.rows(SKILL_STEPS * BATCH, SKILL_SEQ + 1, seed + 700, arch.definition.tool_calls, encode,
                                         corpus_sentence)
             with _one_thread():
                 t = skills.train_skills(t, arch, data, weights, SKILL_STEPS, SKILL_LR, BATCH, model_logits)

@@ -66,7 +66,7 @@ def test_the_phase_trains_the_main_model_only():
     arch = arch_from_config(tiny_config("glm-5.2"))
     t = init_weights(arch, torch.Generator().manual_seed(0))
     ids, weights = rows(4, 33, 0, "glm45", encode, corpus_sentence)
-    assert ids.shape == weights.shape == (4, 33) and set(weights.unique().tolist()) <= {1.0, 5.0}
+    assert ids.shape == weights.shape == (4, 33) and set(weights.unique().tolist()) <= {1.0, 10.0}
     out = train_skills(t, arch, ids, weights, 2, 1e-3, 2, model_logits)
     mtp = arch.layer_prefix(arch.num_hidden_layers)
     moved = {k for k in t if not torch.equal(t[k], out[k])}
