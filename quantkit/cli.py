@@ -173,7 +173,7 @@ def plan(
         if not convert:
             return
     if convert:
-        from quantkit.conversion.cost import plan_convert_for
+        from quantkit.planner.cost import plan_convert_for
 
         cost = plan_convert_for(model, recipe=recipe, gpu=gpu, method=method, num_samples=num_samples, seq_len=seq_len,
                                 group_size=group_size, max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory,

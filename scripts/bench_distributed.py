@@ -78,7 +78,7 @@ def run(model: str, nproc: int, args) -> dict:
 
 
 def predicted(model: str, nproc: int, args) -> float:
-    from quantkit.conversion.cost import plan_convert_for
+    from quantkit.planner.cost import plan_convert_for
 
     c = plan_convert_for(model, gpu="cpu", method="gptq", num_samples=args.samples, seq_len=args.seq_len,
                          group_size=args.group_size, max_host_memory=args.budget, validate=False, nproc=nproc)
@@ -120,7 +120,7 @@ def main() -> None:
                   f"{'yes' if r['digest'] == base['digest'] else 'NO'} |")
         print()
 
-    from quantkit.conversion.cost import plan_convert_for
+    from quantkit.planner.cost import plan_convert_for
 
     for model in ("glm-5.2", "kimi-k2.6"):
         for n in (1, 8):  # an 8 x H200 node has about 2 TB of host memory, shared by its ranks

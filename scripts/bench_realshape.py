@@ -9,7 +9,7 @@ For each (model, calibration samples) it runs, in a child process,
 (Kimi with --group-size 128, so that its INT4 g32 experts are re-quantized with GPTQ rather than
 reused), then tabulates the measured peak RSS (getrusage of the convert process, also in
 convert-report.json), disk of both outputs, wall and CPU time against the prediction convert
-recorded (report["cost"], the same quantkit.conversion.cost.plan_convert that `quantkit plan --convert`
+recorded (report["cost"], the same quantkit.planner.cost.plan_convert that `quantkit plan --convert`
 prints; the time column is recomputed with the current model and this process's torch threads, so
 run it with the OMP_NUM_THREADS the converts ran with). With --reuse, a finished ROOT/... folder is tabulated without running it again.
 Then it prints the full-scale predictions (`quantkit plan MODEL --convert --gpu h200`) for the
@@ -57,8 +57,8 @@ def run(model: str, samples: int, root: Path, budget: str, reuse: bool) -> dict:
     r = json.loads(report.read_text())
     m = json.loads(meta.read_text()) if meta.is_file() else {"wall": r["seconds"], "cpu": None}
     c = r["cost"]
-    # time: the current model (quantkit.conversion.cost) for the same run and thread count; memory/disk: as recorded
-    from quantkit.conversion.cost import plan_convert_for
+    # time: the current model (quantkit.planner.cost) for the same run and thread count; memory/disk: as recorded
+    from quantkit.planner.cost import plan_convert_for
 
     now = plan_convert_for(f"realshape:{model}", gpu="cpu", method="gptq", num_samples=samples, seq_len=512,
                            group_size=128 if model == "kimi-k2.6" else None, max_host_memory=budget, validate=False)
@@ -86,7 +86,7 @@ def matmul_rate() -> float:
 
 
 def full_scale() -> list[str]:
-    from quantkit.conversion.cost import plan_convert_for
+    from quantkit.planner.cost import plan_convert_for
 
     lines = []
     for model in ("glm-5.2", "kimi-k2.6"):

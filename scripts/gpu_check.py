@@ -244,7 +244,7 @@ def recipe_path(a) -> Path:
 
 def _plan(a, device: str, budget: str | None):
     """`quantkit plan MODEL --convert --gpu h200 --recipe R` (--gpu cpu on the CPU)."""
-    from quantkit.conversion.cost import plan_convert_for
+    from quantkit.planner.cost import plan_convert_for
 
     return plan_convert_for(a.model, recipe=str(recipe_path(a)), gpu="h200" if device.startswith("cuda") else "cpu",
                             max_host_memory=budget)
@@ -402,7 +402,7 @@ def step_gptq(a) -> dict:
         runs[str(chunk)] = {"experts": count, "calls": -(-count // chunk), "seconds": {k: round(v, 3) for k, v in secs.items()},
                             "seconds_per_expert": round(sum(per.values()), 4),
                             **({"peak_device_allocated": torch.cuda.max_memory_allocated()} if cuda else {})}
-    # the cost model's figure for the same call (quantkit.conversion.cost._phase_seconds' gptq terms)
+    # the cost model's figure for the same call (quantkit.planner.cost._phase_seconds' gptq terms)
     _, per_expert_flops = expert_flops(D, I)
     if cuda:
         spec = GPU_SPECS["h200"]
@@ -463,7 +463,7 @@ def matmul_rate(dev) -> float:
 
 def step_predict(a) -> dict:
     """Full-scale predictions, and the same scaled by this run's measured/predicted per phase."""
-    from quantkit.conversion.cost import plan_convert_for
+    from quantkit.planner.cost import plan_convert_for
 
     results = Path(a.work) / "results"
     device = a.device
@@ -719,7 +719,7 @@ def cmd_imports(a) -> None:
     if not here.is_relative_to(Path(a.site).resolve()):
         sys.exit(f"quantkit imports from {here}, not from the install in {a.site}")
     modules = ["quantkit.cli", "quantkit.conversion.pipeline", "quantkit.validation.pipeline", "quantkit.synthetic.realshape",
-               "quantkit.synthetic.tiny", "quantkit.quant.gptq", "quantkit.conversion.cost", "quantkit.validation.forward",
+               "quantkit.synthetic.tiny", "quantkit.quant.gptq", "quantkit.planner.cost", "quantkit.validation.forward",
                "quantkit.recipe", "matplotlib.pyplot"]
     for m in modules:
         importlib.import_module(m)

@@ -323,7 +323,7 @@ def test_the_recipe_settings_the_pages_state_are_the_recipes():
 def test_the_full_scale_predictions_the_pages_state_are_the_planners():
     """The disk and device figures of `quantkit plan MODEL --convert --gpu h200 --max-host-memory 1000GB`
     as benchmarks.md's table and the quickstart state them (the planner changed under them once)."""
-    from quantkit.conversion.cost import plan_convert_for
+    from quantkit.planner.cost import plan_convert_for
 
     bench = (ROOT / "docs" / "benchmarks.md").read_text().split("## Full-scale predictions", 1)[1].split("\n## ", 1)[0]
     quick = " ".join((ROOT / "docs" / "quickstart.md").read_text().split())

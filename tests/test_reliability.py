@@ -815,7 +815,7 @@ def test_ctrl_c_says_resume_continues(src, whole, tmp_path, monkeypatch):
 
 def test_disk_precheck_message_has_real_sizes(src, tmp_path):
     from quantkit.checkpoint.reader import Checkpoint
-    from quantkit.conversion.precision import decide
+    from quantkit.planner.precision import decide
     from quantkit.recipe import default_recipe
 
     ck = Checkpoint(src)
@@ -1188,7 +1188,7 @@ def test_the_disk_precheck_counts_two_layers_of_resume_state(src, tmp_path):
     """At a save the next layer's hidden states are written beside the last saved ones (the old file
     is removed after state.json names the new one): the peak is two copies."""
     from quantkit.checkpoint.reader import Checkpoint
-    from quantkit.conversion.cost import plan_convert_for
+    from quantkit.planner.cost import plan_convert_for
 
     ck = Checkpoint(src)
     c = plan_convert_for(str(src), gpu="cpu", method="gptq", num_samples=64, seq_len=16)

@@ -9,7 +9,7 @@ bf16 copy 12.9 GB. So the store holds exactly these two arrays and nothing else 
     h  (N, T, D)   the residual stream                      stored dtype: float32 or bfloat16
     x  (N, T, D)   MoE input of the current layer           same dtype (MoE layers only)
 
-in one of two places, chosen by `quantkit.conversion.cost` from the budget:
+in one of two places, chosen by `quantkit.planner.cost` from the budget:
 
     memory   a tensor on the compute device, or in host memory (the same on a CPU-only run)
     disk     raw files in the state folder, read and written with pread/pwrite a micro-batch at a
@@ -25,27 +25,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from quantkit.planner.cost import StorePlan
 from quantkit.quant.rows import Batch
 
-STORE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# numpy has no bfloat16: its bits are kept as uint16 and viewed back by torch
-_NP = {torch.float32: np.float32, torch.bfloat16: np.uint16}
-
-
-@dataclass
-class StorePlan:
-    """Where and how the activations live (decided by quantkit.conversion.cost.plan_convert)."""
-
-    dtype: torch.dtype = torch.float32
-    backing: str = "memory"  # memory | disk
-    location: str = "device"  # memory backing: on the compute device, or in host memory
-    micro_batch: int = 8  # samples per read/write
+_NP = {torch.float32: np.float32, torch.bfloat16: np.uint16}  # numpy has no bfloat16: its bits are kept as uint16
 
 
 class TokenArray:

@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from quantkit.checkpoint.reader import Checkpoint
-from quantkit.conversion.precision import Decision
 from quantkit.conversion.resume import State
+from quantkit.planner.precision import Decision
 
 if TYPE_CHECKING:
-    from quantkit.conversion.cost import ConvertCost
     from quantkit.model.arch import ModelArch
+    from quantkit.planner.cost import ConvertCost
     from quantkit.quant.methods import Method
     from quantkit.recipe import Recipe
     from quantkit.runtime.distributed import Group
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 @dataclass
 class Job:
     """The source and every tensor's decision, the recipe and its method, where the work runs (device,
-    ranks), the plan (set once quantkit.conversion.cost has sized the run), and the progress."""
+    ranks), the plan (set once quantkit.planner.cost has sized the run), and the progress."""
 
     ckpt: Checkpoint
     rec: Recipe  # overrides applied
@@ -38,7 +38,7 @@ class Job:
     dtype: torch.dtype
     state: State
     state_dir: Path
-    cost: ConvertCost | None = None  # set by the pipeline once quantkit.conversion.cost has sized the run
+    cost: ConvertCost | None = None  # set by the pipeline once quantkit.planner.cost has sized the run
     method: Method = field(init=False)  # the recipe's method, resolved once: every stage asks this object
 
     def __post_init__(self) -> None:

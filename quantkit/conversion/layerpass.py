@@ -8,7 +8,7 @@ reads one micro-batch of samples as float32, works on it, and writes it back.
                      dense layer: h += MLP(x)
                      MoE layer:   store x; route x (kept: top-k ids and weights, 12 B per slot);
                                   h += shared_expert(x)
-    per chunk of routed experts (their count from the budget, quantkit.conversion.cost):
+    per chunk of routed experts (their count from the budget, quantkit.planner.cost):
       quantize       the recipe's method solves the chunk from the layer's rows (the store's x and
                      the routing as a quantkit.quant.rows.LayerRows: Method.solve), guarded
                      against RTN on rows it was not fitted on; what it reads of them, one
@@ -170,7 +170,7 @@ def convert_experts(ckpt, pair, decisions, layer: int, rows: StoreRows | None, r
     single-process one, expert by expert in ascending order. `shares`, when a dict, receives each
     rank's experts, their routed tokens and the seconds it spent quantizing them (the balance).
     The probe windows' h is updated like the calibration's, every rank all of it."""
-    from quantkit.conversion.precision import layer_experts
+    from quantkit.planner.precision import layer_experts
     from quantkit.quant.experts import PROJS, ExpertRecord, expert_weights
 
     pre = ckpt.arch.layer_prefix(layer)

@@ -21,7 +21,9 @@ from quantkit.checkpoint.reader import Checkpoint
 from quantkit.checkpoint.writer import CheckpointWriter
 from quantkit.conversion.job import Job
 from quantkit.conversion.kvscales import kv_cache_scheme
-from quantkit.conversion.precision import (
+from quantkit.errors import OutputError
+from quantkit.formats import fp8, int4
+from quantkit.planner.precision import (
     BF16,
     FP8,
     PASS,
@@ -33,8 +35,6 @@ from quantkit.conversion.precision import (
     set_quantization_config,
     stored_as,
 )
-from quantkit.errors import OutputError
-from quantkit.formats import fp8, int4
 from quantkit.quant.gptq import QuantizedWeight
 from quantkit.runtime.units import decimal_bytes
 

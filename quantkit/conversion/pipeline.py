@@ -6,7 +6,7 @@ activations, whatever the depth):
     h = embed(calibration tokens)
     for each layer:
         load the layer from the shards (dequantized on the fly)
-        decide each tensor's storage in both outputs (quantkit.conversion.precision)
+        decide each tensor's storage in both outputs (quantkit.planner.precision)
         run attention with the weights both outputs will hold          h += attention(h)
         MoE layers: route the normed h's tokens; per routed expert, build GPTQ Hessians from the tokens the
                     router actually sends it (gate and up share one; down's from the quantized
@@ -48,7 +48,6 @@ from quantkit.conversion.outputs import (
     refuse_existing,
     shard_digits,
 )
-from quantkit.conversion.precision import Decision, decide_all, needs_calibration, predicted_bytes
 from quantkit.conversion.report import ConvertResult, convert_report, source_identity
 from quantkit.conversion.resume import (
     STATE_DIR,
@@ -63,6 +62,7 @@ from quantkit.conversion.resume import (
 from quantkit.conversion.stages import Calibration, Prefetcher, convert_layer, outside_layers, start_calibration
 from quantkit.errors import ConfigError, OutputError
 from quantkit.inputs.modelspec import open_checkpoint
+from quantkit.planner.precision import Decision, decide_all, needs_calibration, predicted_bytes
 from quantkit.runtime import distributed
 from quantkit.runtime.machine import peak_rss
 from quantkit.runtime.progress import LayerProgress
@@ -124,7 +124,7 @@ def convert(
         allow_unverified: with an `hf://` source, accept files the Hub lists without a checksum
             (size only); the report lists them.
         max_host_memory, max_gpu_memory: budgets in bytes or "8GB"-style strings (default: the
-            machine's available memory, the device's total); quantkit.conversion.cost sizes the activation
+            machine's available memory, the device's total); quantkit.planner.cost sizes the activation
             store, micro-batches and expert chunks to keep to them, prints the prediction, and
             refuses to start when even the smallest settings don't fit.
         activation_dtype: force the calibration hidden states' dtype, "float32" or "bfloat16"
@@ -333,7 +333,7 @@ def _join_ranks(device: str, out: Path, delete_source_after: bool):
 
 def _decide(ckpt: Checkpoint, rec: Recipe) -> tuple[dict[str, Decision], bool]:
     """Every tensor's storage in both outputs, and whether the run reads calibration data
-    (quantkit.conversion.precision: the same calls `plan --convert` makes)."""
+    (quantkit.planner.precision: the same calls `plan --convert` makes)."""
     return decide_all(ckpt, rec), needs_calibration(rec)
 
 
@@ -401,10 +401,10 @@ def _calibration_tokens(rec: Recipe, recipe: str | Path | None, ckpt: Checkpoint
 
 def _plan(job: Job, calibrate: bool, progress: bool, *, validate: bool, max_host_memory, max_gpu_memory,
           max_shard_bytes: int, activation_dtype: str | None):
-    """The run sized to the budgets (quantkit.conversion.cost: the activation store, micro-batches,
+    """The run sized to the budgets (quantkit.planner.cost: the activation store, micro-batches,
     expert chunks, shard size, how often the state is saved), printed, and refused before any
     work when even the smallest settings don't fit."""
-    from quantkit.conversion.cost import plan_convert, quantized_fraction  # looked up per run: tests replace it
+    from quantkit.planner.cost import plan_convert, quantized_fraction  # looked up per run: tests replace it
 
     ckpt, rec, decisions = job.ckpt, job.rec, job.decisions
     cost = plan_convert(ckpt.arch, method=job.method, group_size=job.G, num_samples=rec.calibration.windows(),

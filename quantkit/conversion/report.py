@@ -17,8 +17,8 @@ from quantkit import __version__
 from quantkit.checkpoint.reader import Checkpoint
 from quantkit.conversion.job import Job
 from quantkit.conversion.kvscales import kv_cache_report
-from quantkit.conversion.precision import PASS, precision_summary
 from quantkit.conversion.resume import State
+from quantkit.planner.precision import PASS, precision_summary
 from quantkit.quant.experts import LOW, ExpertRecord
 from quantkit.quant.methods import METHODS
 from quantkit.runtime.files import file_sha256

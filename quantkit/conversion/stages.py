@@ -236,7 +236,7 @@ def _routed_experts(job: Job, pair: PairWriter, calib: Calibration, bar, layer: 
 class Prefetcher:
     """Brings the next layer's bytes close while this one computes, in a background thread: a
     streamed source downloads its shards; a local one has the kernel read them into the page cache
-    (Checkpoint.readahead), so that quantkit.conversion.cost can count reading as overlapped with compute."""
+    (Checkpoint.readahead), so that quantkit.planner.cost can count reading as overlapped with compute."""
 
     def __init__(self, ckpt: Checkpoint):
         from concurrent.futures import ThreadPoolExecutor

@@ -1,6 +1,6 @@
 """The memory budgets validate and convert run under, and what one layer of a model costs in them.
 
-Shared by convert's cost estimate (quantkit.conversion.cost, whose docstring gives the whole
+Shared by convert's cost estimate (quantkit.planner.cost, whose docstring gives the whole
 memory and time accounting) and validate's expert chunking (quantkit.validation.pipeline): one
 set of layer shapes, one GPU table (quantkit.planner.gpus) and the CPU, disk and interconnect
 rates beside it, one parser for sizes such as 8GB.
@@ -35,7 +35,7 @@ GPU_SPECS: dict[str, dict[str, float]] = {
     for name, g in GPUS.items() if g.flops is not None
 }
 
-# The other sustained rates convert's cost model (quantkit.conversion.cost) assumes, beside the GPUs'.
+# The other sustained rates convert's cost model (quantkit.planner.cost) assumes, beside the GPUs'.
 # CPU: float32 matmul per torch thread, in CPU time, on the 2-core AMD EPYC test machine
 # (2048x6144 @ 6144x2048 and 6144x4096 @ 4096x6144: 104-105 GFLOP/s as scripts/bench_realshape.py
 # prints it); times torch's threads. Wall time on a shared machine is longer by the load.
@@ -222,3 +222,27 @@ def validate_expert_chunk(arch, device: str, max_host_memory=None, max_gpu_memor
     budget = validate_budget(device, max_host_memory, max_gpu_memory, ranks_here)
     fixed, per = validate_working_set(arch, device)
     return int(min(max((budget - fixed - kept - exchange) // per, 1), CHUNK_MAX))
+
+
+# ---- validate's long-context window (quantkit.validation.longctx runs it; the cost model sizes it)
+LONG_SAMPLES = 2  # long windows measured (at most validate's num_samples): each costs long_len / seq_len short ones
+
+
+def long_len(arch, requested: int | None, folder) -> int:
+    """The long window's length: `requested` (0: no long-context rows), else 2 x index_topk bounded by
+    max_position_embeddings; 0 for a model without a DSA indexer."""
+    if not arch.has_dsa or requested == 0:
+        return 0
+    topk, max_pos = arch.index_topk, arch.max_position_embeddings
+    if requested is None:
+        n = min(2 * topk, max_pos)
+        return n if n > topk else 0
+    if not isinstance(requested, int) or requested < 0:
+        raise ConfigError(f"--long-context: must be an integer >= 0 (got {requested!r})")
+    if requested > max_pos:
+        raise ConfigError(f"--long-context {requested}: longer than max_position_embeddings {max_pos} in "
+                          f"{folder}/config.json; pass --long-context <= {max_pos} (or 0 to skip the long-context rows)")
+    if requested <= topk:
+        raise ConfigError(f"--long-context {requested}: not past index_topk {topk} in {folder}/config.json, where DSA "
+                          f"equals dense attention; pass --long-context > {topk} (default {min(2 * topk, max_pos)})")
+    return requested

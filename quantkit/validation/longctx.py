@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from quantkit.checkpoint.reader import Checkpoint
-from quantkit.errors import ConfigError
 from quantkit.validation.forward import Stream, heads, step
 from quantkit.validation.metrics import kl_top1
 
@@ -33,30 +32,7 @@ if TYPE_CHECKING:
     from quantkit.model.kvcache import KVCache
     from quantkit.runtime.distributed import Group
 
-__all__ = ["LONG_SAMPLES", "long_card", "long_context", "long_len", "long_markdown"]
-
-LONG_SAMPLES = 2  # long windows measured (at most validate's num_samples): each costs long_len / seq_len short ones
-
-
-def long_len(arch, requested: int | None, folder) -> int:
-    """The long window's length: `requested` (0: no long-context rows), else 2 x index_topk bounded by
-    max_position_embeddings; 0 for a model without a DSA indexer."""
-    if not arch.has_dsa or requested == 0:
-        return 0
-    topk, max_pos = arch.index_topk, arch.max_position_embeddings
-    if requested is None:
-        n = min(2 * topk, max_pos)
-        return n if n > topk else 0
-    if not isinstance(requested, int) or requested < 0:
-        raise ConfigError(f"--long-context: must be an integer >= 0 (got {requested!r})")
-    if requested > max_pos:
-        raise ConfigError(f"--long-context {requested}: longer than max_position_embeddings {max_pos} in "
-                          f"{folder}/config.json; pass --long-context <= {max_pos} (or 0 to skip the long-context rows)")
-    if requested <= topk:
-        raise ConfigError(f"--long-context {requested}: not past index_topk {topk} in {folder}/config.json, where DSA "
-                          f"equals dense attention; pass --long-context > {topk} (default {min(2 * topk, max_pos)})")
-    return requested
-
+__all__ = ["long_card", "long_context", "long_markdown"]
 
 def long_context(ckpts: dict[str, Checkpoint], ids: torch.Tensor, device, dtype, chunk: int = 16, group: Group | None = None,
                  owners: dict[int, dict[int, int]] | None = None, kv: KVCache | None = None) -> dict:

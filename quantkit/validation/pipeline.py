@@ -58,11 +58,11 @@ from quantkit import __version__
 from quantkit.checkpoint.reader import Checkpoint
 from quantkit.errors import ConfigError
 from quantkit.model.numerics import NUMERICS, numerics_record
+from quantkit.planner.budgets import long_len
 from quantkit.runtime.device import resolve_device
 from quantkit.runtime.progress import LayerProgress
 from quantkit.validation.gates import GATES_FAILED_EXIT, METRICS, check_gates, identical_rows, load_gates
 from quantkit.validation.kvrows import kv_variants
-from quantkit.validation.longctx import long_len
 from quantkit.validation.measure import cross_phase_logits, measure
 from quantkit.validation.report import ValidationResult, render_markdown, write_files
 from quantkit.validation.targets import Settings, Target, config_sha256, settings, target, target_notes
@@ -269,7 +269,8 @@ def _long_context(inp: _Inputs, dev: torch.device, dtype, plan: dict, group: Gro
     index_topk, with an FP8-KV decode row when `kv` is the FP8 cache; None when `n` is 0 (no indexer,
     or --long-context 0)."""
     from quantkit.inputs.tokens import load_tokens
-    from quantkit.validation.longctx import LONG_SAMPLES, long_context
+    from quantkit.planner.budgets import LONG_SAMPLES
+    from quantkit.validation.longctx import long_context
 
     if not n:
         return None

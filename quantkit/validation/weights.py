@@ -42,7 +42,7 @@ def weights_plan(ckpts: dict[str, Checkpoint], owners, group: Group, dev: torch.
     """What this rank reads and what it keeps. Its share: the decoder layers' tensors but the routed
     experts of other ranks, and the embedding, norm and head. `auto` keeps as much of the share as
     fits (the shared tensors first, then the experts layer by layer) on `dev` beside the layer
-    loop's working set (quantkit.conversion.cost.validate_room), and on a GPU then in this rank's part of host
+    loop's working set (quantkit.planner.cost.validate_room), and on a GPU then in this rank's part of host
     memory; `resident` insists on all of it; `stream` keeps nothing. Kept tensors stay as stored
     from their first read (Checkpoint.keep), so a greedy token re-reads only what was not kept. The
     expert chunk is sized from what is left on `dev`. `long_len`: the long-context pass's window length,

@@ -432,7 +432,7 @@ def test_written_checkpoint_reads_back(tmp_path, ds_weights):
 
 
 def test_readahead_requests_exactly_a_layers_stored_bytes(tiny_glm):
-    """convert reads the next layer ahead (conversion.Prefetcher); quantkit.conversion.cost counts the read as
+    """convert reads the next layer ahead (conversion.Prefetcher); quantkit.planner.cost counts the read as
     overlapped on the strength of it, so it must cover the layer's bytes, where they are, no more."""
     ckpt = Checkpoint(tiny_glm)
     for layer in (0, 1):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantkit.conversion.activations import ActivationStore, LayerRouting, StorePlan, StoreRows
+from quantkit.conversion.activations import ActivationStore, LayerRouting, StoreRows
+from quantkit.planner.cost import StorePlan
 
 
 @pytest.mark.parametrize("backing", ["memory", "disk"])

@@ -413,7 +413,7 @@ def _kv_lora_64(dst: Path, tiny_glm: Path, rank: int = 64) -> Path:
 
 
 def test_decode_of_a_kv_lora_64_model_runs_as_stored_and_is_named(pair, tmp_path, tiny_glm):
-    """kv_lora_rank 64: convert stores kv_b_proj BF16 (tests/conversion/test_precision.py), so transformers
+    """kv_lora_rank 64: convert stores kv_b_proj BF16 (tests/planner/test_precision.py), so transformers
     runs decode/ as stored, and the probe names it decode/, by its engine-numerics variant."""
     _, prompts, _ = pair
     out = convert(_kv_lora_64(tmp_path / "src", tiny_glm), tmp_path / "out", method="rtn", validate=False,

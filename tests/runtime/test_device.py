@@ -215,8 +215,9 @@ def test_reference_layers_on_device(model, ties):
 def test_calibration_attention_on_device(model):
     """convert's attention pass through the activation store (micro-batched, DSA selections carried
     between layers) and the routing it keeps."""
-    from quantkit.conversion.activations import ActivationStore, StorePlan
+    from quantkit.conversion.activations import ActivationStore
     from quantkit.conversion.layerpass import attention_pass
+    from quantkit.planner.cost import StorePlan
 
     arch, weights = model
     with on_fake_device():

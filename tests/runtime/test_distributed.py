@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantkit.conversion.cost import plan_convert_for
 from quantkit.planner.budgets import expert_fixed_tokens
+from quantkit.planner.cost import plan_convert_for
 from quantkit.quant.gptq import gptq
 from quantkit.runtime import distributed
 
@@ -129,7 +129,7 @@ def test_gptq_bytes_do_not_depend_on_the_batch_cuda():
 
 def test_expert_chunk_does_not_change_the_output(tmp_path, monkeypatch):
     """convert at 16, 3 and 1 experts per chunk: one output (each rank chunks its own experts)."""
-    import quantkit.conversion.cost as cost
+    import quantkit.planner.cost as cost
     from quantkit.conversion.pipeline import convert
 
     plan = cost.plan_convert
@@ -424,7 +424,7 @@ def test_plan_divides_the_split_phases_and_keeps_the_redundant_ones():
 
 
 def test_token_share_is_by_micro_batches():
-    from quantkit.conversion.cost import token_share
+    from quantkit.planner.cost import token_share
 
     assert token_share(512, 4, 8) == 1 / 8
     assert token_share(8, 3, 2) == 2 / 3  # 3 micro-batches: rank 0 has two

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from quantkit.conversion.pipeline import convert
 from quantkit.errors import ConfigError
-from quantkit.validation.longctx import long_len
+from quantkit.planner.budgets import long_len
 from quantkit.validation.pipeline import validate
 
 INDEXER_LAYER = 2  # owns an indexer in the tiny GLM (IndexShare: layers 0, 2, 4)

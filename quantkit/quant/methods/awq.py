@@ -3,7 +3,7 @@
 Its search reads each expert's fit rows whole (Inputs.EXPERT_ROWS): convert reads them for one chunk
 of experts at a time from the layer's micro-batches (`expert_rows`), with their held-out rows for
 the guard, and never gathers the layer's MoE inputs; the chunk is the planner's, sized by the
-budget (quantkit.conversion.cost). Its second step is GPTQ with the recipe's gptq section, so it
+budget (quantkit.planner.cost). Its second step is GPTQ with the recipe's gptq section, so it
 takes GPTQ's probe for gptq.low_dampening too (quantkit.quant.methods.gptq).
 """
 

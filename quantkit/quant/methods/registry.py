@@ -12,7 +12,7 @@ convert and the other stages need from any method:
   the whole recipe);
 * the extra windows it wants run through the quantized layers beside the calibration
   (`probe_windows`: GPTQ's probe for gptq.low_dampening), and what they cost (`probe_cost`);
-* its cost for the planner (quantkit.conversion.cost: `time_factor`, `cost_note`,
+* its cost for the planner (quantkit.planner.cost: `time_factor`, `cost_note`,
   `flops_per_weight`, and what `inputs` gathers);
 * its card and report lines (`settings_line`, `guard_words`, `probe_report`, `kept_words`), its
   display name and `--method` help, and its recipe section (`section`, `settings`: quantkit.recipe
@@ -59,7 +59,7 @@ class Settings(BaseModel):
 
 class Inputs(Enum):
     """What a method reads of a layer's calibration rows (quantkit.quant.rows.LayerRows); the planner
-    budgets by it (quantkit.conversion.cost)."""
+    budgets by it (quantkit.planner.cost)."""
 
     NONE = "none"  # the weights alone: no calibration pass, and every layer (MTP included) gets the method
     LAYER = "layer inputs"  # the layer's MoE inputs x (N, D) gathered whole, and each expert's routed token ids
@@ -70,7 +70,7 @@ class Inputs(Enum):
 @dataclass(frozen=True)
 class ProbeCost:
     """What a method's probe windows (Method.probe_windows) add to a conversion's plan, beyond running
-    the windows themselves (quantkit.conversion.cost)."""
+    the windows themselves (quantkit.planner.cost)."""
 
     expert_bytes: int  # per expert of a chunk, on top of its usual work space
     work: float  # the quantizing phase's arithmetic, as a multiple of the run without the probe
@@ -88,7 +88,7 @@ class Method:
     inputs: ClassVar[Inputs]
     section: ClassVar[str | None] = None  # its recipe section (a quantkit.recipe.Recipe field), if it has settings
     settings: ClassVar[type[Settings] | None] = None  # that section's fields; quantkit.recipe adds it to Recipe
-    # planner (quantkit.conversion.cost): a calibrated method's quantizing phase as a multiple of GPTQ's,
+    # planner (quantkit.planner.cost): a calibrated method's quantizing phase as a multiple of GPTQ's,
     # and what the plan's notes say about it; a data-free one's work per weight entry, in FLOPs
     time_factor: ClassVar[float] = 1.0
     cost_note: ClassVar[str | None] = None

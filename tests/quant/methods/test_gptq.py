@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantkit.conversion.activations import ActivationStore, LayerRouting, StorePlan, StoreRows
+from quantkit.conversion.activations import ActivationStore, LayerRouting, StoreRows
+from quantkit.planner.cost import StorePlan
 from quantkit.quant.experts import PROJS, guard_experts
 from quantkit.quant.methods import METHODS, quantize_experts
 from quantkit.quant.methods.gptq import expert_hessians, gptq_experts

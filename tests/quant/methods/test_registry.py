@@ -241,7 +241,8 @@ def test_the_toy_methods_streamed_form_is_its_whole_layer_form(toy):
     """The same method through convert's rows, two micro-batches, and through its whole-layer form."""
     import torch
 
-    from quantkit.conversion.activations import ActivationStore, LayerRouting, StorePlan, StoreRows
+    from quantkit.conversion.activations import ActivationStore, LayerRouting, StoreRows
+    from quantkit.planner.cost import StorePlan
 
     g = torch.Generator().manual_seed(0)
     n, t, D, I, E = 4, 16, 64, 32, 3

@@ -94,8 +94,8 @@ def test_check_serving_names_the_tensor_each_target_refuses(kv64):
 def test_tiny_models_have_no_shape_fallback(spec):
     """The tiny models' Linears all have input dims that are multiples of 128: no decision (and no
     output byte) moves for them."""
-    from quantkit.conversion.precision import decide_all
     from quantkit.inputs.modelspec import open_checkpoint
+    from quantkit.planner.precision import decide_all
     from quantkit.recipe import load_recipe
 
     ckpt = open_checkpoint(spec)

@@ -84,7 +84,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from quantkit.conversion.activations import StorePlan
 from quantkit.errors import ConfigError
 from quantkit.model.ops import SCORE_CHUNK_BYTES
 from quantkit.planner.budgets import (
@@ -98,11 +97,13 @@ from quantkit.planner.budgets import (
     GLOO_BYTES,
     GPU_SPECS,
     LAUNCHES_PER_COLUMN,
+    LONG_SAMPLES,
     NVLINK_BYTES,
     LayerShapes,
     device_memory,
     expert_flops,
     layer_shapes,
+    long_len,
     parse_bytes,
     validate_exchange,
     validate_room,
@@ -378,6 +379,21 @@ def _memory_terms(x: LayerShapes, *, method: Method, group_size: int, calibrate:
         E4=E4, room=budget - dev_fixed - received, chunk_extra=chunk_extra)
 
 
+# The activation store's dtypes (quantkit.conversion.activations keeps h and x in one of them).
+STORE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class StorePlan:
+    """Where and how the calibration activations live (quantkit.conversion.activations.ActivationStore
+    is built with it; `plan_convert` decides it from the budget)."""
+
+    dtype: torch.dtype = torch.float32
+    backing: str = "memory"  # memory | disk
+    location: str = "device"  # memory backing: on the compute device, or in host memory
+    micro_batch: int = 8  # samples per read/write
+
+
 # ---- the settings: micro-batch, activation store, experts per chunk
 
 
@@ -386,8 +402,6 @@ def _store_options(activation_dtype: str | None) -> list[tuple[torch.dtype, str]
     the forced dtype in memory, then on disk."""
     if activation_dtype is None:
         return [(torch.float32, "memory"), (torch.bfloat16, "memory"), (torch.bfloat16, "disk")]
-    from quantkit.conversion.activations import STORE_DTYPES
-
     if activation_dtype not in STORE_DTYPES:
         raise ConfigError(f"activation dtype {activation_dtype!r}: use float32 or bfloat16")
     forced = STORE_DTYPES[activation_dtype]
@@ -607,8 +621,6 @@ def _validate_estimate(arch, m: _Memory, r: _Rates, validate, *, device: str, gp
     share = int(three - experts_b + experts_b / nproc)
     streams = 3  # the prompt pass: reference, prefill, decode
     exchange = validate_exchange(arch, vt, nproc)
-    from quantkit.validation.longctx import long_len
-
     n_long = long_len(arch, None, "config.json")  # validate's default long-context window (0: no indexer)
     budget = gpu_mem if m.on_gpu else m.host
     room = validate_room(arch, device, budget, exchange, n_long)
@@ -638,8 +650,6 @@ def _long_context_seconds(arch, x, validate, again: int, r: _Rates, notes: list[
     """validate's long-context pass for a DSA model (quantkit.validation.longctx): one more prompt pass of
     the three checkpoints over a few windows past index_topk, re-reading what the ranks do not keep;
     0 for a model without an indexer."""
-    from quantkit.validation.longctx import LONG_SAMPLES, long_len
-
     n = long_len(arch, None, "config.json")
     if not n:
         return 0.0
@@ -773,9 +783,9 @@ def plan_convert(
 def _preset_sizes(model: str, arch: ModelArch, rec: Recipe) -> tuple[int, tuple[int, int], int, float]:
     """(source bytes, (prefill, decode) bytes, routed experts' bytes in the three, quantized
     fraction) of a preset, from the planner's checkpoint sizes at the recipe's group size."""
-    from quantkit.conversion.precision import source_int4_group
     from quantkit.model.tensors import TensorClass
     from quantkit.planner.capacity import plan as size_plan
+    from quantkit.planner.precision import source_int4_group
 
     G = rec.group_size
     sg = source_int4_group(arch)
@@ -789,8 +799,8 @@ def _preset_sizes(model: str, arch: ModelArch, rec: Recipe) -> tuple[int, tuple[
 
 def _checkpoint_sizes(ckpt: Checkpoint, rec: Recipe) -> tuple[int, tuple[int, int], int, float]:
     """The same as `_preset_sizes` for a checkpoint, from convert's own per-tensor decisions."""
-    from quantkit.conversion.precision import decide_all, predicted_bytes
     from quantkit.model.tensors import TensorClass
+    from quantkit.planner.precision import decide_all, predicted_bytes
 
     G = rec.group_size
     decisions = decide_all(ckpt, rec)
@@ -819,7 +829,7 @@ def plan_convert_for(
     """`quantkit plan MODEL --convert`: the cost `convert` would predict for MODEL (a preset, a
     folder, a tiny:/realshape: id or hf://org/repo@rev, headers only) with the recipe and overrides,
     on `gpu` (h200, h100, b200) or on the CPU (`cpu`); `nproc` ranks (one per GPU) split the experts."""
-    from quantkit.conversion.precision import needs_calibration
+    from quantkit.planner.precision import needs_calibration
     from quantkit.planner.target import resolve_target
     from quantkit.recipe import resolve_recipe
 
@@ -843,8 +853,8 @@ def plan_convert_for(
 
 def quantized_fraction(ckpt, decisions) -> float:
     """The fraction of the decoder layers' routed experts (MTP aside) that decode stores as new INT4."""
-    from quantkit.conversion.precision import INT4
     from quantkit.model.tensors import TensorClass
+    from quantkit.planner.precision import INT4
 
     downs = [n for n, st in ckpt.tensors.items()
              if st.info.klass == TensorClass.ROUTED_EXPERT and st.info.proj == "down_proj" and not st.info.mtp]

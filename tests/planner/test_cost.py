@@ -10,10 +10,10 @@ import torch
 from typer.testing import CliRunner
 
 from quantkit.cli import app
-from quantkit.conversion.cost import plan_convert, plan_convert_for
 from quantkit.errors import ConfigError
 from quantkit.model.arch import arch_from_config, load_preset
 from quantkit.planner.budgets import parse_bytes
+from quantkit.planner.cost import plan_convert, plan_convert_for
 from quantkit.quant.methods import METHODS
 from quantkit.runtime.units import GB
 
@@ -62,8 +62,8 @@ def test_cpu_micro_batch_work_is_capped_whatever_the_budget():
     budget (a 64-sample micro-batch took the random DeepSeek-V3-layout benchmark's peak to
     975 MB); on a GPU the budget alone decides. The tiny recipes' 64 x 64 windows stay one
     micro-batch, so their output bytes do not change."""
-    from quantkit.conversion.cost import MICRO_BATCH_CPU_BYTES, _attention_bytes
     from quantkit.planner.budgets import layer_shapes
+    from quantkit.planner.cost import MICRO_BATCH_CPU_BYTES, _attention_bytes
     from quantkit.synthetic.tiny import tiny_config
 
     x = layer_shapes(arch_from_config(load_preset("glm-5.2")))
@@ -84,8 +84,8 @@ def test_cpu_awq_chunk_rows_are_capped_whatever_the_budget():
     budget (16 experts at 512 x 512 calibration tokens took a hidden-512 model's AWQ to
     8.4 GB; 2 at a time, 3.5 GB and the same bytes); GPTQ's chunk and a GPU's are the budget's alone,
     and the tiny recipes' calibration keeps its 16-expert chunk (their bytes do not change)."""
-    from quantkit.conversion.cost import AWQ_ROWS_CPU_BYTES, _awq_rows
     from quantkit.planner.budgets import layer_shapes
+    from quantkit.planner.cost import AWQ_ROWS_CPU_BYTES, _awq_rows
     from quantkit.synthetic.tiny import tiny_config
 
     x = layer_shapes(arch_from_config(load_preset("glm-5.2")))
@@ -105,8 +105,8 @@ def test_awq_budgets_its_chunk_rows_and_never_the_layer_inputs_whole():
     """AWQ reads each expert's rows per chunk from the micro-batches (Inputs.EXPERT_ROWS): its experts
     phase is the chunk's experts (rows included) and one micro-batch, with no N T D term; a method
     that gathers the layer's inputs (Inputs.LAYER) adds exactly that."""
-    from quantkit.conversion.cost import _awq_per_expert, _expert_mb_bytes
     from quantkit.planner.budgets import layer_shapes
+    from quantkit.planner.cost import _awq_per_expert, _expert_mb_bytes
     from quantkit.quant.methods import Inputs
 
     x = layer_shapes(arch_from_config(load_preset("glm-5.2")))
@@ -140,8 +140,8 @@ def test_writer_term_is_the_part_being_filled_per_output():
 def test_reused_experts_cost_their_weights_not_gptq():
     """With every routed expert the source's INT4, reused (Kimi K2.6), a chunk holds its experts'
     float32 weights for the h update (3 I D w each) and nothing of GPTQ, so it takes more experts."""
-    from quantkit.conversion.cost import _expert_mb_bytes, reused_per_expert
     from quantkit.planner.budgets import layer_shapes
+    from quantkit.planner.cost import _expert_mb_bytes, reused_per_expert
 
     a = arch_from_config(load_preset("kimi-k2.6"))
     x = layer_shapes(a)
@@ -182,7 +182,7 @@ def test_resume_state_saves_are_bounded_by_the_overhead():
     """Rank 0 saves h (26 GB at full scale) every `state_every` layers, as many as keep the saves
     at STATE_OVERHEAD of the run: every layer when a save is quick, every few layers otherwise.
     A count of layers, not a clock, so every run (and every rank) saves after the same layers."""
-    from quantkit.conversion.cost import STATE_OVERHEAD, state_every
+    from quantkit.planner.cost import STATE_OVERHEAD, state_every
 
     assert state_every(0.001, 1.0) == 1  # tiny: after every layer
     assert state_every(13.0, 78.0) == 4  # GLM 5.2, one H200
