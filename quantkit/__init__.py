@@ -14,6 +14,8 @@ The public API (each also a `quantkit` command; help(qk.<name>) for its argument
 
     inspect(model)            family, layers, parameters and bytes by tensor class, shard count
     plan(model)               checkpoint sizes, weight memory per GPU, KV cache and capacity
+    plan_convert(model)       what a convert will cost (memory, disk, time) and the settings that fit a budget
+    plan_tasks(model, tasks)  what an lm-eval task run costs at full scale on source, prefill and decode
     pull(repo, out)           download a Hub repo at one pinned commit, every file checksum-verified
     convert(model, out)       the FP8 prefill and INT4 decode checkpoints from one streaming pass
     validate(dir)             measure a converted pair against its source; writes validation.json and cards
@@ -44,6 +46,8 @@ __version__ = "0.1.0"
 _API = {
     "inspect": ("quantkit.planner.inspection", "inspect"),
     "plan": ("quantkit.planner.capacity", "plan"),
+    "plan_convert": ("quantkit.planner.cost", "plan_convert_for"),
+    "plan_tasks": ("quantkit.planner.taskcost", "plan_tasks"),
     "logits": ("quantkit.validation.forward", "logits"),
     "convert": ("quantkit.conversion.pipeline", "convert"),
     "validate": ("quantkit.validation.pipeline", "validate"),

@@ -50,3 +50,18 @@ def test_results_have_typed_attributes_for_the_headline_numbers(tmp_path):
     res = qk.ConvertResult(tmp_path, tmp_path / "prefill", tmp_path / "decode", report)
     assert (res.method, res.prefill_bytes, res.decode_bytes, res.seconds) == ("gptq", 10, 4, 3.5)
     assert res.experts == {"total": 8, "gptq": 6, "rtn": 2}
+
+
+def test_each_planning_question_has_one_api_name_and_one_command_row():
+    """inspect, plan, plan --convert and plan --tasks: each answered by one function in quantkit.planner, named in
+    the API, and its command listed in the README's table."""
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    for name, command in (("inspect", "quantkit inspect MODEL"), ("plan", "quantkit plan MODEL`"),
+                          ("plan_convert", "quantkit plan MODEL --convert"), ("plan_tasks", "quantkit plan MODEL --tasks")):
+        module, _ = qk._API[name]
+        assert module.startswith("quantkit.planner."), name
+        assert callable(getattr(qk, name)) and f"| `{command}" in readme, name
+    cost = qk.plan_convert("tiny:glm-5.2", gpu="cpu", max_host_memory="4GB")
+    assert cost.peak_host > 0 and cost.fits and cost.to_json()["store"]["backing"] in ("memory", "disk")
