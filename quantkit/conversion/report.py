@@ -19,8 +19,8 @@ from quantkit.conversion.job import Job
 from quantkit.conversion.kvscales import kv_cache_report
 from quantkit.conversion.resume import State
 from quantkit.planner.precision import PASS, precision_summary
-from quantkit.quant.experts import LOW, ExpertRecord
-from quantkit.quant.methods import METHODS
+from quantkit.quant.experts import ExpertRecord
+from quantkit.quant.methods import METHODS, Method
 from quantkit.runtime.files import file_sha256
 from quantkit.runtime.machine import peak_rss
 from quantkit.runtime.progress import rich_html
@@ -97,22 +97,23 @@ def made_by(summary: dict) -> str:
                      if summary.get(m))
 
 
-def expert_entry(r: ExpertRecord) -> dict:
+def expert_entry(r: ExpertRecord, method: Method) -> dict:
     """An expert's report entry; `rank` (who quantized it) only in a multi-rank convert. `decision`
     and `why` say in words what the record's fields say: whether the stored weights are the
-    calibrated ones, a fallback, data-free or reused, and what decided it."""
+    calibrated ones, a fallback, data-free or reused, and what decided it (method: the run's, whose own
+    options may add words: Method.record_words)."""
     entry = {k: v for k, v in vars(r).items() if k != "rank" or v is not None}
-    return entry | dict(zip(("decision", "why"), decision(entry)))
+    return entry | dict(zip(("decision", "why"), decision(entry, method)))
 
 
-def decision(e: dict) -> tuple[str, str]:
+def decision(e: dict, method: Method | None = None) -> tuple[str, str]:
     """(calibrated | fallback | data-free | reused, why) for an expert's report entry.
 
     fallback: the expert was starved (too few routed calibration tokens for its own Hessian, so
     gptq.fallback applied: RTN, or a fit on every token of the layer), or the held-out guard found
     RTN's output error no higher than the calibrated weights' and stored RTN."""
     held = f"on {e.get('heldout', 0)} held-out tokens"
-    probe = _probe_words(e)
+    probe = method.record_words(e) if method is not None else ""
     if e["method"] == "reused":
         return "reused", "the source's INT4 weights, bit for bit"
     starved = f"starved: {e['tokens']} routed calibration tokens, below gptq.min_tokens; "
@@ -126,11 +127,11 @@ def decision(e: dict) -> tuple[str, str]:
         return "fallback", starved + f"fitted on every calibration token of the layer{judged}{probe}"
     if e.get("fallback"):
         return "fallback", e["fallback"]
-    method = METHODS.get(e["method"])
-    if method is None or not method.calibrated:
+    stored = METHODS.get(e["method"])
+    if stored is None or not stored.calibrated:
         return "data-free", f"method {e['method']}"
     if e.get("err") is not None and e.get("err_rtn") is not None:
-        kept = method.kept_words(e.get("guard"))  # the method's words for an alternative it stored
+        kept = stored.kept_words(e.get("guard"))  # the method's words for an alternative it stored
         return "calibrated", f"output error {e['err']:.4g} < RTN's {e['err_rtn']:.4g} {held}{kept}{probe}"
     return "calibrated", "not judged (no held-out tokens)"
 
@@ -191,16 +192,6 @@ def coverage(experts: list[dict], width: int) -> list[dict]:
         row["reasons"] = dict(sorted(reasons.items(), key=lambda kv: -kv[1]))
         out.append(row)
     return out
-
-
-def _probe_words(e: dict) -> str:
-    """What the probe decided for gptq.low_dampening (quantkit.quant.experts, "Probe"), or nothing."""
-    if not e.get("probe"):
-        return ""
-    ok = e["err_probe_low"] <= e["err_probe_rtn"]
-    return (f"; on {e['probe']} probe tokens the low dampening's error {e['err_probe_low']:.4g} "
-            f"{'<=' if ok else '>'} RTN's {e['err_probe_rtn']:.4g}, so it was {'' if ok else 'not '}a candidate "
-            f"(held-out error there {e['err_low']:.4g})")
 
 
 def source_identity(ckpt: Checkpoint) -> dict[str, str]:
@@ -269,7 +260,7 @@ def reproducibility(dev, used: list[dict]) -> dict:
     }
 
 
-def mtp_report(ckpt, state: State | None = None) -> dict:
+def mtp_report(ckpt, method: Method, state: State | None = None) -> dict:
     """The MTP layers converted, and those config.json declared that the shards did not hold
     (dropped: the outputs' configs say num_nextn_predict_layers 0, and the cards say so); with the
     state, how the MTP layers' routed experts were made (method counts, fallbacks, guard) and which
@@ -282,7 +273,7 @@ def mtp_report(ckpt, state: State | None = None) -> dict:
         return out
     first = ckpt.arch.num_hidden_layers
     experts = [e for e in state.experts if e["layer"] >= first]
-    summary = _experts_summary(experts)
+    summary = _experts_summary(experts, method)
     made = made_by(summary)
     return out | {"calibrated_layers": [lay["layer"] for lay in state.layers if lay["kind"] == "mtp" and lay["calibrated"]],
                   "experts": made or "none", "experts_summary": summary,
@@ -291,7 +282,7 @@ def mtp_report(ckpt, state: State | None = None) -> dict:
                            "0..T-2 (vLLM's deepseek_mtp), then the layer's attention and experts like a main MoE layer"}
 
 
-def _experts_summary(experts: list[dict]) -> dict:
+def _experts_summary(experts: list[dict], method: Method) -> dict:
     """The experts' counts by method, fallback and guard outcome."""
     counts = {m: sum(1 for e in experts if e["method"] == m) for m in (*METHODS, "reused")}
     fallbacks = [e for e in experts if e["fallback"]]
@@ -301,11 +292,7 @@ def _experts_summary(experts: list[dict]) -> dict:
             "guard_kept_rtn": sum(1 for e in experts if e.get("guard") == "rtn"),
             "awq_kept_s1": sum(1 for e in experts if e.get("guard") == "awq-s1"),
             "width_prior": sum(1 for e in experts if e.get("prior")),
-            # gptq.low_dampening: experts judged on the probe, those it admitted, those stored at it
-            **({"probe_judged": sum(1 for e in experts if e.get("probe")),
-                "probe_admitted_low": sum(1 for e in experts if e.get("probe") and e["err_probe_low"] <= e["err_probe_rtn"]),
-                "low_dampening": sum(1 for e in experts if e.get("guard") == LOW)}
-               if any(e.get("probe") for e in experts) else {}),
+            **method.summary_counts(experts),  # what the method's own options decided (Method.summary_counts)
             "decisions": {d: n for d in ("calibrated", "fallback", "data-free", "reused")
                           if (n := sum(1 for e in experts if decision(e)[0] == d))}}
 
@@ -326,7 +313,7 @@ def _pair_report(model, job: Job, tokens, source_files: dict[str, str], out: Pat
                    "commit": ckpt.remote.commit if ckpt.remote else None,
                    "unverified_files": ckpt.remote.unverified if ckpt.remote else [],
                    "files": source_files},
-        "mtp": mtp_report(ckpt, state),
+        "mtp": mtp_report(ckpt, job.method, state),
         "recipe": rec.model_dump(mode="json"),
         "method": rec.method,
         "group_size": G,
@@ -341,7 +328,7 @@ def _pair_report(model, job: Job, tokens, source_files: dict[str, str], out: Pat
         "calibration_choice": "each layer calibrated on the hidden states of the quantized decode model (sequential)",
         "layers": state.layers,
         "experts": experts,
-        "experts_summary": _experts_summary(experts),
+        "experts_summary": _experts_summary(experts, job.method),
         "coverage": coverage(experts, width),
         "guard": f"each calibrated expert is compared with RTN on its held-out routed tokens ({job.method.guard_words(rec)}, "
                  "never fitted on); the lower output error is stored",

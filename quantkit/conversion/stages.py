@@ -154,7 +154,7 @@ def convert_layer(job: Job, pair: PairWriter, calib: Calibration, bar, layer: in
     pair.flush()
     faults.point("layer:written")
 
-    state.experts += [expert_entry(r) for r in records]
+    state.experts += [expert_entry(r, job.method) for r in records]
     state.layers.append({"layer": layer, "kind": "mtp" if mtp else ("moe" if arch.is_moe(layer) else "dense"),
                          "seconds": round(time.time() - t0, 3), "attention_seconds": round(t_attention, 3),
                          "calibrated": calibrate and arch.is_moe(layer),

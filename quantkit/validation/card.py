@@ -15,7 +15,7 @@ from pathlib import Path
 
 from quantkit.checkpoint.manifest import atomic_write_text
 from quantkit.model.families import find_family
-from quantkit.quant.methods import METHODS, method_for
+from quantkit.quant.methods import METHODS, Method, method_for
 from quantkit.runtime.units import decimal_bytes
 
 ROLE = {
@@ -201,7 +201,7 @@ def _recipe(report: dict) -> list[str]:
     out.append(f"- routed experts: {e['total']} ({made}, {e['reused']} reused bit for bit from "
                f"the source); {e['fallbacks']} fallbacks" + (": " + ", ".join(f"{n} x {why}" for why, n in sorted(reasons.items()))
                                                             if reasons else ""))
-    out.append(_guard_line(report))
+    out.append(_guard_line(report, method))
     if e.get("decisions"):
         out.append(_decisions_line(e["decisions"]))
     m = report.get("mtp") or {}
@@ -220,7 +220,7 @@ def _decisions_line(decisions: dict) -> str:
             + ", ".join(f"{n} {d}" for d, n in decisions.items()))
 
 
-def _guard_line(report: dict) -> str:
+def _guard_line(report: dict, method: Method) -> str:
     """The guard's counts and the share of routed experts stored calibrated (not RTN, not reused)."""
     e = report["experts_summary"]
     made = e["total"] - e.get("reused", 0)
@@ -232,9 +232,7 @@ def _guard_line(report: dict) -> str:
             + f"; {calibrated}/{made} quantized routed experts stored calibrated"
             + (f", {e['width_prior']} under the thin-calibration prior (per expert in the report's `prior`)"
                if e.get("width_prior") else "")
-            + (f"; probe: {e['probe_judged']} judged at gptq.low_dampening on token ids the calibration never "
-               f"contains, {e['probe_admitted_low']} no worse than RTN there, {e['low_dampening']} stored at it"
-               if e.get("probe_judged") else ""))
+            + method.guard_note(e))
 
 
 def _measured(which: str, v: dict) -> list[str]:

@@ -12,6 +12,7 @@ from oracle import read_raw
 
 from quantkit.conversion.pipeline import convert
 from quantkit.quant.experts import LOW
+from quantkit.quant.methods import METHODS
 from quantkit.recipe import load_recipe
 
 N, T = 16, 32  # calibration windows x tokens: 2 probe windows
@@ -65,7 +66,7 @@ def test_the_report_says_what_the_probe_judged(runs):
         assert "probe tokens" in e["why"]
     from quantkit.validation.card import _guard_line
 
-    assert f"probe: {s['probe_judged']} judged at gptq.low_dampening" in _guard_line(r)
+    assert f"probe: {s['probe_judged']} judged at gptq.low_dampening" in _guard_line(r, METHODS["gptq"])
 
 
 def test_probe_tokens_never_reach_the_fit_or_the_kv_scales(runs):

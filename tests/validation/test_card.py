@@ -9,14 +9,15 @@ import shutil
 import pytest
 
 from quantkit.conversion.report import decision
+from quantkit.quant.methods import METHODS
 from quantkit.validation.card import _decisions_line, _guard_line
 
 
 def test_guard_line_counts_experts_under_the_width_prior():
     e = {"total": 8, "reused": 0, "gptq": 8, "guarded": 8, "guard_kept_rtn": 1, "width_prior": 6}
-    line = _guard_line({"experts_summary": e})
+    line = _guard_line({"experts_summary": e}, METHODS["gptq"])
     assert "8 judged against RTN" in line and "6 under the thin-calibration prior" in line
-    assert "thin-calibration" not in _guard_line({"experts_summary": e | {"width_prior": 0}})
+    assert "thin-calibration" not in _guard_line({"experts_summary": e | {"width_prior": 0}}, METHODS["gptq"])
 
 
 def test_each_expert_is_calibrated_or_a_fallback_with_why_and_the_card_counts_them():

@@ -41,6 +41,16 @@ class AWQ(Method):
     def options(self, recipe) -> AWQOptions:
         return AWQOptions(awq=recipe.awq, gptq=recipe.gptq)
 
+    # its GPTQ step takes GPTQ's probe for gptq.low_dampening, so the report says what GPTQ's would
+    def record_words(self, e: dict) -> str:
+        return gptq.probe_words(e)
+
+    def summary_counts(self, experts: list[dict]) -> dict[str, int]:
+        return gptq.probe_counts(experts)
+
+    def guard_note(self, summary: dict) -> str:
+        return gptq.probe_note(summary)
+
     def quantize(self, w, experts, options: AWQOptions, group_size, layer, *, x=None, tokens=None, alternatives=None,
                  probe=False):
         from quantkit.quant.awq import quantize_experts_awq

@@ -105,6 +105,15 @@ class GPTQ(Method):
     def kept_words(self, guard: str | None) -> str:
         return kept_words(guard)
 
+    def record_words(self, e: dict) -> str:
+        return probe_words(e)
+
+    def summary_counts(self, experts: list[dict]) -> dict[str, int]:
+        return probe_counts(experts)
+
+    def guard_note(self, summary: dict) -> str:
+        return probe_note(summary)
+
     def settings_line(self, recipe: dict) -> str | None:
         g = recipe.get("gptq") or {}
         return (f"- GPTQ: dampening {g.get('dampening')}, block {g.get('block_size')}, actorder {g.get('actorder')}, "
@@ -160,6 +169,37 @@ def low_settings(g: GPTQSettings) -> GPTQSettings | None:
     """The gptq section with gptq.low_dampening as its dampening (the candidate the probe judges), or
     None when the recipe sets none."""
     return None if g.low_dampening is None else g.model_copy(update={"dampening": g.low_dampening})
+
+
+def probe_words(e: dict) -> str:
+    """What the probe decided for gptq.low_dampening (quantkit.quant.experts, "Probe") on one expert's report
+    entry, or nothing."""
+    if not e.get("probe"):
+        return ""
+    ok = e["err_probe_low"] <= e["err_probe_rtn"]
+    return (f"; on {e['probe']} probe tokens the low dampening's error {e['err_probe_low']:.4g} "
+            f"{'<=' if ok else '>'} RTN's {e['err_probe_rtn']:.4g}, so it was {'' if ok else 'not '}a candidate "
+            f"(held-out error there {e['err_low']:.4g})")
+
+
+def probe_counts(experts: list[dict]) -> dict[str, int]:
+    """gptq.low_dampening's counts for experts_summary: experts judged on the probe, those it admitted, those
+    stored at it; none when no probe ran."""
+    from quantkit.quant.experts import LOW
+
+    if not any(e.get("probe") for e in experts):
+        return {}
+    return {"probe_judged": sum(1 for e in experts if e.get("probe")),
+            "probe_admitted_low": sum(1 for e in experts if e.get("probe") and e["err_probe_low"] <= e["err_probe_rtn"]),
+            "low_dampening": sum(1 for e in experts if e.get("guard") == LOW)}
+
+
+def probe_note(summary: dict) -> str:
+    """The card's guard line on those counts."""
+    if not summary.get("probe_judged"):
+        return ""
+    return (f"; probe: {summary['probe_judged']} judged at gptq.low_dampening on token ids the calibration never "
+            f"contains, {summary['probe_admitted_low']} no worse than RTN there, {summary['low_dampening']} stored at it")
 
 
 def kept_words(guard: str | None) -> str:

@@ -14,7 +14,8 @@ convert and the other stages need from any method:
   (`probe_windows`: GPTQ's probe for gptq.low_dampening), and what they cost (`probe_cost`);
 * its cost for the planner (quantkit.planner.cost: `time_factor`, `cost_note`,
   `flops_per_weight`, and what `inputs` gathers);
-* its card and report lines (`settings_line`, `guard_words`, `probe_report`, `kept_words`), its
+* its card and report lines (`settings_line`, `guard_words`, `probe_report`, `kept_words`, and for
+  what its own options decided per expert `record_words`, `summary_counts`, `guard_note`), its
   display name and `--method` help, and its recipe section (`section`, `settings`: quantkit.recipe
   adds it to every recipe from the registry) with the checks between that section and the rest of a
   recipe (`recipe_problems`).
@@ -164,6 +165,19 @@ class Method:
     def kept_words(self, guard: str | None) -> str:
         """The report's words for a stored alternative (an ExpertRecord's `guard`, other than RTN)."""
         return "" if guard is None else f" (stored: its {guard} alternative)"
+
+    def record_words(self, e: dict) -> str:
+        """Words this method's own options add to an expert's `why` in the report (e: the expert's report
+        entry, stored by whichever method the guard kept), or ''."""
+        return ""
+
+    def summary_counts(self, experts: list[dict]) -> dict[str, int]:
+        """Counts this method's own options add to the report's experts_summary, or none."""
+        return {}
+
+    def guard_note(self, summary: dict) -> str:
+        """The card's guard line's words on those counts (summary: the report's experts_summary), or ''."""
+        return ""
 
     def settings_line(self, recipe: dict) -> str | None:
         """The model card's line on this method's settings (recipe: as in convert-report.json)."""

@@ -104,6 +104,22 @@ def test_architecture_doc_names_the_files_a_new_method_touches():
         assert not_needed not in part, not_needed
 
 
+def test_a_gptq_option_lives_in_gptqs_module_alone():
+    """gptq.low_dampening, the last option GPTQ gained, as code: its field, its settings, its probe, its report
+    counts, its per-expert words and its card line are all in quant/methods/gptq.py; the report and the card
+    ask the run's method (Method.summary_counts, record_words, guard_note). Comments may name it elsewhere."""
+    import tokenize
+
+    where = set()
+    for path in sorted((ROOT / "quantkit").rglob("*.py")):
+        with open(path, "rb") as f:
+            for t in tokenize.tokenize(f.readline):
+                if (t.type == tokenize.NAME and t.string == "low_dampening") or (
+                        t.type == tokenize.STRING and t.string.strip("\"'") == "low_dampening"):
+                    where.add(path.relative_to(ROOT).as_posix())
+    assert where == {"quantkit/quant/methods/gptq.py"}
+
+
 def test_a_methods_recipe_section_is_declared_by_the_method():
     """Recipe's method sections are the registry's (each method's `settings`), and recipe.py names none of
     them: adding a method does not touch it."""
