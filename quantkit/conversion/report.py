@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from quantkit import __version__
 from quantkit.checkpoint.reader import Checkpoint
@@ -19,7 +19,7 @@ from quantkit.conversion.job import Job
 from quantkit.conversion.kvscales import kv_cache_report
 from quantkit.conversion.resume import State
 from quantkit.planner.precision import PASS, precision_summary
-from quantkit.quant.experts import ExpertRecord
+from quantkit.quant.experts import MTP_FALLBACKS, ExpertRecord, fallback_words
 from quantkit.quant.methods import METHODS, Method
 from quantkit.runtime.files import file_sha256
 from quantkit.runtime.machine import peak_rss
@@ -106,7 +106,11 @@ def expert_entry(r: ExpertRecord, method: Method) -> dict:
     return entry | dict(zip(("decision", "why"), decision(entry, method)))
 
 
-def decision(e: dict, method: Method | None = None) -> tuple[str, str]:
+# What an expert's stored weights are, in the report's `decision`.
+Decision = Literal["calibrated", "fallback", "data-free", "reused"]
+
+
+def decision(e: dict, method: Method | None = None) -> tuple[Decision, str]:
     """(calibrated | fallback | data-free | reused, why) for an expert's report entry.
 
     fallback: the expert was starved (too few routed calibration tokens for its own Hessian, so
@@ -126,7 +130,7 @@ def decision(e: dict, method: Method | None = None) -> tuple[str, str]:
         judged = f"; output error {e['err']:.4g} < RTN's {e['err_rtn']:.4g} {held}" if e.get("err") is not None else ""
         return "fallback", starved + f"fitted on every calibration token of the layer{judged}{probe}"
     if e.get("fallback"):
-        return "fallback", e["fallback"]
+        return "fallback", fallback_words(e["fallback"], e["method"])
     stored = METHODS.get(e["method"])
     if stored is None or not stored.calibrated:
         return "data-free", f"method {e['method']}"
@@ -149,7 +153,7 @@ def reason(e: dict) -> str:
     if e.get("guard") == "rtn":
         return "guard kept RTN"
     if d == "fallback":
-        return str(e.get("fallback"))
+        return decision(e)[1]
     if e.get("err") is None:
         return "calibrated, not judged"
     return f"calibrated ({e['guard']})" if e.get("guard") else "calibrated"
@@ -167,7 +171,7 @@ def _quantile(values: list[float], q: float) -> float:
 
 def _calibration_fed(e: dict) -> bool:
     """Whether the calibration reached this expert's layer for it (its routed tokens, however few)."""
-    return reason(e) not in ("reused", "data-free") and not str(e.get("fallback") or "").startswith("mtp:")
+    return reason(e) not in ("reused", "data-free") and e.get("fallback") not in MTP_FALLBACKS
 
 
 def coverage(experts: list[dict], width: int) -> list[dict]:

@@ -225,11 +225,9 @@ def _routed_experts(job: Job, pair: PairWriter, calib: Calibration, bar, layer: 
     records = convert_experts(job.ckpt, pair, job.decisions, layer, None, rec, job.G, job.method, job.dtype,
                               job.dev, bar, job.cost.expert_chunk)
     if mtp:
-        made = job.method.data_free().display
         for r in records:
             if r.method != "reused":
-                r.fallback = (f"mtp: only the first MTP layer is calibrated ({made})" if calib.store is not None
-                              else f"mtp: no calibration path ({made})")
+                r.fallback = "mtp-later-layer" if calib.store is not None else "mtp-no-path"
     return records
 
 

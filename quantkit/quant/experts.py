@@ -38,6 +38,7 @@ One policy, in one place, for GPTQ (quantkit.quant.methods.gptq) and AWQ (quantk
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -54,6 +55,25 @@ PROJS = ("gate_proj", "up_proj", "down_proj")
 HOLDOUT = 8  # every 8th calibration token of a layer is held out of fitting, to judge the result
 LOW = "low-dampening"  # the record's guard value when the stored weights are gptq.low_dampening's
 
+# Why an expert did not get its own calibrated solution (ExpertRecord.fallback), and the report's words
+# for each ({method}: the display name of what was stored instead).
+Fallback = Literal["rtn", "all_tokens", "mtp-later-layer", "mtp-no-path"]
+MTP_FALLBACKS = ("mtp-later-layer", "mtp-no-path")  # an MTP layer the calibration does not reach
+FALLBACK_WORDS: dict[str, str] = {
+    "rtn": "starved: rounded to nearest",
+    "all_tokens": "starved: fitted on every calibration token of the layer",
+    "mtp-later-layer": "mtp: only the first MTP layer is calibrated ({method})",
+    "mtp-no-path": "mtp: no calibration path ({method})",
+}
+
+
+def fallback_words(fallback: str, method: str) -> str:
+    """The words for a record's fallback; a report written before fallbacks were named keeps its own text."""
+    from quantkit.quant.methods import METHODS
+
+    shown = METHODS[method].display if method in METHODS else method
+    return FALLBACK_WORDS.get(fallback, fallback).format(method=shown)
+
 
 @dataclass
 class ExpertRecord:
@@ -61,7 +81,7 @@ class ExpertRecord:
     expert: int
     tokens: int  # routed calibration tokens (fit + held out)
     method: str  # what is stored: gptq | awq | rtn | reused
-    fallback: str | None = None  # why this expert did not get its own Hessian
+    fallback: Fallback | None = None  # why this expert did not get its own Hessian (FALLBACK_WORDS)
     loss: float | None = None
     guard: str | None = None  # what the held-out guard stored instead: "rtn", or an alternative's name
     heldout: int = 0  # tokens the guard judged on
@@ -129,7 +149,7 @@ def split_heldout(tok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return fit, tok[HOLDOUT - 1 :: HOLDOUT]
 
 
-def calibration_inputs(x: torch.Tensor, routed: torch.Tensor, g) -> tuple[torch.Tensor | None, str | None]:
+def calibration_inputs(x: torch.Tensor, routed: torch.Tensor, g) -> tuple[torch.Tensor | None, Fallback | None]:
     """The inputs an expert is fitted on and the fallback taken, for x (N, D) the layer's MoE
     inputs and `routed` the indices of the tokens the router sends it.
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.model.moe import route
-from quantkit.quant.experts import ExpertRecord, calibration_inputs, expert_weights, prior_of, rtn_expert, run_gptq
+from quantkit.quant.experts import ExpertRecord, Fallback, calibration_inputs, expert_weights, prior_of, rtn_expert, run_gptq
 from quantkit.quant.gptq import QuantizedWeight, hessian_from_inputs
 
 
@@ -34,7 +34,8 @@ def quantize_experts_gptq(
     policy (held-out tokens never enter a Hessian). GPTQ: gate and up share the Hessian of their
     input; down's Hessian comes from the *quantized* gate/up output on the same tokens.
     """
-    records, quantized, inputs, fallback = [], {}, {}, {}
+    records, quantized, inputs = [], {}, {}
+    fallback: dict[int, Fallback | None] = {}
     for e in experts:
         inputs[e], fallback[e] = calibration_inputs(x, tokens[e], g)
         if inputs[e] is None:

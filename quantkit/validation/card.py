@@ -15,6 +15,7 @@ from pathlib import Path
 
 from quantkit.checkpoint.manifest import atomic_write_text
 from quantkit.model.families import find_family
+from quantkit.quant.experts import fallback_words
 from quantkit.quant.methods import METHODS, Method, method_for
 from quantkit.runtime.units import decimal_bytes
 
@@ -176,7 +177,8 @@ def _recipe(report: dict) -> list[str]:
     reasons: dict[str, int] = {}
     for x in report.get("experts", []):
         if x.get("fallback"):
-            reasons[x["fallback"]] = reasons.get(x["fallback"], 0) + 1
+            why = fallback_words(x["fallback"], x["method"])
+            reasons[why] = reasons.get(why, 0) + 1
     out = [
         "## Recipe and calibration",
         "",

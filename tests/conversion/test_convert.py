@@ -155,6 +155,13 @@ def test_coverage_per_layer_and_each_experts_statistics(pairs, tiny_glm):
     rtn = pairs["glm-rtn"].report["coverage"]  # a data-free method (and its MTP layer): no calibration to count
     assert all(len(row["reasons"]) == 1 and "routed_tokens" not in row for row in rtn)
     assert [next(iter(row["reasons"])) for row in rtn] == ["data-free"] * 4 + ["mtp: no calibration path (RTN)"]
+    from typing import get_args
+
+    from quantkit.quant.experts import Fallback
+
+    for pair in pairs.values():  # every fallback is one of the typed names; the words are the report's `why`
+        assert all(e["fallback"] in (None, *get_args(Fallback)) for e in pair.report["experts"])
+    assert {e["fallback"] for e in pairs["glm-rtn"].report["experts"] if e["layer"] == 5} == {"mtp-no-path"}
 
 
 @pytest.mark.parametrize("name", ["glm", "kimi"])
