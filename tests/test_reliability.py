@@ -411,6 +411,11 @@ BAD = [
      r"num_experts_per_tok 4 is more than the 2 experts", ["inspect", "convert"]),
     ("index_topk of 0", lambda f: _edit_json(f, "config.json", lambda d: d.update(index_topk=0)),
      r"index_topk is 0", ["inspect", "convert"]),
+    # a negative eps made every norm NaN in a calibrated run, reported as a Hessian "not positive definite"
+    ("rms_norm_eps negative", lambda f: _edit_json(f, "config.json", lambda d: d.update(rms_norm_eps=-1.0)),
+     r"rms_norm_eps is -1.0; it must be finite and >= 0", ["inspect", "convert"]),
+    ("rope_theta of 0", lambda f: _edit_json(f, "config.json", lambda d: d.update(rope_theta=0)),
+     r"rope_theta is 0; it must be finite and positive", ["inspect", "convert"]),
 ]
 
 
