@@ -1189,6 +1189,76 @@ def test_stale_validation_files_and_another_runs_report_are_never_left_beside_a_
     assert ok, res.output
 
 
+def test_resume_with_nothing_to_resume_still_clears_stale_results(src, whole, tmp_path):
+    """--resume on a folder holding only an earlier pair's validation.json/.md/.png (no state, no
+    report) converts from the start; the old PASSED results must not stay beside the new pair."""
+    out = tmp_path / "o"
+    out.mkdir()
+    results = {f"validation{x}": f"PASSED {x}" for x in (".json", ".md", ".png", "-experts.png")}
+    for name, text in results.items():
+        (out / name).write_text(text)
+    res = runner.invoke(app, ["convert", str(src), "--out", str(out), "--method", "rtn", "--no-validate", "--resume"])
+    ok = res.exit_code == 0 and all(n in res.output for n in results) and "removed" in res.output
+    ok = ok and not any((out / n).exists() for n in results) and _same_pair(out, whole[0])
+    record("stale files in --out", "--resume with nothing to resume: an earlier pair's validation files removed "
+           "and named", 1, ok)
+    assert ok, res.output
+
+
+@pytest.mark.parametrize("removed", [("prefill", "decode"), ("decode",)], ids=["both", "decode"])
+def test_resume_on_a_report_whose_pair_is_gone_is_refused(src, whole, tmp_path, removed):
+    """A finished run's convert-report.json with prefill/ or decode/ removed: --resume returned the
+    report's result (exit 0, the table printed) for a pair that was not there, and verify said to
+    continue it with --resume."""
+    out = tmp_path / "o"
+    shutil.copytree(whole[0], out)
+    (out / ".quantkit.lock").unlink(missing_ok=True)  # a dead owner's, left by an earlier test
+    for which in removed:
+        shutil.rmtree(out / which)
+    before = _files(out)
+    res = runner.invoke(app, ["convert", str(src), "--out", str(out), "--method", "rtn", "--no-validate", "--resume"])
+    line = _one_error_line(res)
+    fix = "--restart" if len(removed) == 2 else "remove prefill/"
+    ok = REPORT in line and all(f"{w}/" in line for w in removed) and fix in line and _files(out) == before
+    checked = verify(out)
+    ok = ok and not checked.ok and all("removed after the convert finished" in p for p in checked.problems
+                                       if p.endswith(("prefill", "decode")) or "missing" in p.split(";")[0])
+    ok = ok and not any("--resume" in p for p in checked.problems)
+    if len(removed) == 2:  # the fix it names works
+        again = runner.invoke(app, ["convert", str(src), "--out", str(out), "--method", "rtn", "--no-validate", "--restart"])
+        ok = ok and again.exit_code == 0 and _same_pair(out, whole[0])
+    record("stale files in --out", f"--resume on a finished run's report, {' and '.join(removed)} removed: refused, "
+           "naming what is gone and the fix; verify says removed, not 'continue with --resume'", 1, ok)
+    assert ok, (line, checked.problems)
+
+
+def test_the_start_up_disk_check_counts_two_copies_of_the_resume_state(src, tmp_path, monkeypatch):
+    """Free space for the pair and one copy of the hidden states, not two: refused before layer 0
+    (a run that passed the check with one copy ran out of disk at its first save)."""
+    from collections import namedtuple
+
+    from quantkit.conversion import outputs
+    from quantkit.conversion.cost import plan_convert_for
+
+    opts = dict(method="gptq", num_samples=64, seq_len=16)
+    c = plan_convert_for(str(src), gpu="cpu", **opts)
+    pair = c.disk["prefill"] + c.disk["decode"]  # what the start-up check predicts for the pair
+    one = c.disk["resume_state"] // 2
+    assert one > 0 and c.store.backing == "memory"
+    usage = namedtuple("usage", "total used free")
+    for free, fits in ((pair + one * 3 // 2, False), (pair + one * 5 // 2, True)):
+        out = tmp_path / f"o{free}"
+        monkeypatch.setattr(outputs.shutil, "disk_usage", lambda path, f=free: usage(10 * f, 9 * f, f))
+        if fits:
+            assert _convert(src, out, calib="synthetic:train", **opts).report["method"] == "gptq"
+            continue
+        with pytest.raises(OutputError, match=r"needs about .* more") as e:
+            _convert(src, out, calib="synthetic:train", **opts)
+        assert not (out / "prefill.partial").exists() or not any((out / "prefill.partial").glob("part-*")), e.value
+    record("disk precheck", "free space for the pair and one copy of the resume state: refused at the start; "
+           "for two copies: converts", 2, True)
+
+
 def test_the_disk_precheck_counts_two_layers_of_resume_state(src, tmp_path):
     """At a save the next layer's hidden states are written beside the last saved ones (the old file
     is removed after state.json names the new one): the peak is two copies."""
