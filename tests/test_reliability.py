@@ -1290,11 +1290,26 @@ def test_a_write_error_other_than_a_full_disk_is_one_line(src, tmp_path):
                                "--num-samples", "4", "--seq-len", "16", "--no-validate", "--quiet"),
                           capture_output=True, text=True, preexec_fn=small_files, env=_env())
     lines = proc.stderr.strip().splitlines()
+    import re
+
+    named = re.search(r"\((\S+\.tmp)\)", lines[0]) if lines else None  # the file whose write failed
     ok = (proc.returncode == 1 and len(lines) == 1 and "Traceback" not in proc.stderr and str(out) in lines[0]
-          and "File too large" in lines[0] and "--resume" in lines[0])
+          and "File too large" in lines[0] and "--resume" in lines[0] and named is not None
+          and Path(named.group(1)).is_relative_to(out))
     record("write error (not a full disk)", "a file size limit (ulimit -f, EFBIG) mid-run", 1, ok,
            "one line naming the file, the error and --resume")
     assert ok, proc.stderr[-3000:]
+    # the shard writer and the resume state's writer each name their file (safetensors' error and
+    # write()'s name none): a part over 60 KB; the hidden states of 256 x 16 tokens (2 MB) over 1 MB
+    for limit, samples, file in ((60_000, 4, r"prefill\.partial/part-\d+\.safetensors\.tmp"),
+                                 (1_000_000, 256, r"\.quantkit-convert/hidden\.\S+\.bin\.tmp")):
+        o = tmp_path / f"o{limit}"
+        proc = subprocess.run(_cli("convert", str(src), "--out", str(o), "--method", "gptq", "--calib", "synthetic:train",
+                                   "--num-samples", str(samples), "--seq-len", "16", "--no-validate", "--quiet"),
+                              capture_output=True, text=True, env=_env(),
+                              preexec_fn=lambda n=limit: resource.setrlimit(resource.RLIMIT_FSIZE, (n, n)))
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 1 and len(lines) == 1 and re.search(rf"\({re.escape(str(o))}/{file}\)", lines[0]), proc.stderr
 
 
 def test_probe_against_a_server_that_accepts_and_never_answers_is_one_line_soon(whole, tmp_path):
