@@ -1338,6 +1338,31 @@ def test_probe_against_a_server_that_accepts_and_never_answers_is_one_line_soon(
         c.close()
     lines = res.output.strip().splitlines()
     ok = res.exit_code == 1 and len(lines) == 1 and "no answer within 2 s" in lines[0] and elapsed < 8
+    ok = ok and "raise --timeout" in lines[0]
     record("silent server", "probe against a server that accepts and never answers (--timeout 2)", 1, ok,
            f"one line after {elapsed:.0f} s")
     assert ok, (elapsed, res.output)
+
+
+def test_a_silent_model_listing_does_not_advise_a_longer_timeout(monkeypatch):
+    """GET /models waits at most MODELS_TIMEOUT whatever --timeout is: its message must not say to
+    raise --timeout (a user who did would wait the same and read the same advice)."""
+    import socket
+
+    from quantkit.probe import client
+    from quantkit.probe.client import Endpoint, ProbeError
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)  # accepted by the kernel, never answered
+    monkeypatch.setattr(client, "MODELS_TIMEOUT", 0.5)
+    try:
+        with pytest.raises(ProbeError) as e:
+            Endpoint(f"http://127.0.0.1:{srv.getsockname()[1]}/v1", timeout=60).models()
+    finally:
+        srv.close()
+    msg = str(e.value)
+    ok = "no answer within 0.5 s" in msg and "raise --timeout" not in msg and "finished starting" in msg
+    record("silent server", "probe --timeout 60 against a server that never lists its models", 1, ok,
+           "one line after the listing's 10 s, without advising a longer --timeout")
+    assert ok, msg
