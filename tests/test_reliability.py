@@ -805,6 +805,21 @@ def test_a_real_full_disk_mid_run_then_resume(tmp_path):
     assert ok, err
 
 
+def test_sigterm_says_resume_continues(src, whole, tmp_path):
+    """SIGTERM (kill, a job scheduler's stop) mid-run: it ended the process without a word (exit -15);
+    now it stops as Ctrl-C does, exit 143 and one line naming --resume, and the resume is byte-identical."""
+    out = tmp_path / "o"
+    proc = subprocess.run(_cli("convert", str(src), "--out", str(out), "--method", "rtn", "--no-validate", "--quiet"),
+                          capture_output=True, text=True, env=_env(QUANTKIT_FAULT="layer:written#2:term"))
+    lines = proc.stderr.strip().splitlines()
+    ok = (proc.returncode == 143 and len(lines) == 1 and lines[0].startswith("terminated (SIGTERM):")
+          and "--resume" in lines[0] and "Traceback" not in proc.stderr)
+    _convert(src, out, resume=True)
+    ok = ok and _same_pair(out, whole[0])
+    record("SIGTERM", "mid-layer: exit 143, says --resume; resume byte-identical", 1, ok)
+    assert ok, (proc.returncode, proc.stderr[-2000:])
+
+
 def test_ctrl_c_says_resume_continues(src, whole, tmp_path, monkeypatch):
     out = tmp_path / "o"
     monkeypatch.setenv("QUANTKIT_FAULT", "layer:written#2:interrupt")
