@@ -269,6 +269,7 @@ def convert(
 
         raise ConfigError(f"--method: {unknown_method(method)}")
     _relaunch_under_torchrun(ctx, nproc, out)
+    stop = _stop_on_sigterm()
     try:
         result = run_convert(model, out, recipe=recipe or preset, method=method, calib=calib, num_samples=num_samples,
                              seq_len=seq_len, group_size=group_size, decode_rest=decode_rest, device=device, resume=resume, restart=restart,
@@ -276,10 +277,13 @@ def convert(
                              delete_source_after=delete_source_after, allow_unverified=allow_unverified,
                              max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory, eval_data=eval_data,
                              eval_num_samples=eval_num_samples, eval_seq_len=eval_seq_len, gen_tokens=gen_tokens, gate=gate)
-    except KeyboardInterrupt:
-        console.print(f"[red]interrupted:[/red] {out} is not complete; run the same command with --resume to continue "
+    except KeyboardInterrupt as e:
+        how = "terminated (SIGTERM)" if isinstance(e, _Terminated) else "interrupted"
+        console.print(f"[red]{how}:[/red] {out} is not complete; run the same command with --resume to continue "
                       "from the last completed layer", highlight=False, soft_wrap=True)
-        raise typer.Exit(130) from None
+        raise typer.Exit(143 if isinstance(e, _Terminated) else 130) from None
+    finally:
+        stop()
     if result.rank:  # a multi-rank convert's other ranks: rank 0 prints
         return
     if json_out:
@@ -290,6 +294,27 @@ def convert(
             Console().print(result.validation.table())
     if result.validation and not result.validation.passed:
         _gates_failed(result.validation)
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, a job scheduler's stop) raised where Ctrl-C raises KeyboardInterrupt, so a
+    convert stops the same way: its completed layers kept and one line saying how to continue (the
+    default handler ended the process without a word)."""
+
+
+def _stop_on_sigterm():
+    """Raise _Terminated on SIGTERM while a convert runs; returns what restores the previous handler."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def terminated(signum, frame):
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
 @app.command(cls=_Command)

@@ -66,7 +66,7 @@ class Calibration(_Section):
     # several sources instead of one (chat, code, tool calls, another language): quantkit.inputs.mix
     mix: list[MixSource] | None = None
     num_samples: int = Field(128, ge=1)
-    seq_len: int = Field(512, ge=1)
+    seq_len: int = Field(512, ge=2)  # an MTP layer calibrates on the next token: seq_len - 1 positions a window
     seed: int = Field(0, ge=0)
     # windows of uniform random ids (the `random` spec) on top of num_samples, as a fraction of it: every
     # token's direction in every Hessian, whatever the data leaves out (docs/recipes.md, "The random share")

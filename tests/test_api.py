@@ -65,3 +65,13 @@ def test_each_planning_question_has_one_api_name_and_one_command_row():
         assert callable(getattr(qk, name)) and f"| `{command}" in readme, name
     cost = qk.plan_convert("tiny:glm-5.2", gpu="cpu", max_host_memory="4GB")
     assert cost.peak_host > 0 and cost.fits and cost.to_json()["store"]["backing"] in ("memory", "disk")
+
+
+def test_validate_applies_the_gate_it_is_given_by_converts_keyword(tmp_path, tiny_glm):
+    """`qk.validate(dir, gate=...)` failed (it took `gates=` only); the gate given is the one checked."""
+    out = qk.convert("tiny:glm-5.2", tmp_path / "glm", method="rtn", validate=False, progress=False).out
+    small = dict(num_samples=1, seq_len=8, gen_tokens=2, device="cpu", progress=False, long_context=0, write=False)
+    res = qk.validate(out, gate={"kl_max": 1e-30}, **small)
+    kl = [g for g in res.data["gates"] if g["gate"] == "kl_max" and g["row"] == "decode"]
+    assert kl and kl[0]["bound"] == 1e-30 and kl[0]["passed"] is False and not res.passed
+    assert [g["gate"] for g in res.data["gates"]] == ["kl_max"] * len(res.data["gates"])  # the recipe's are replaced

@@ -367,3 +367,39 @@ def test_the_kv_capacity_the_pages_state_is_the_planners():
     assert f"{short}\nFP8 for the decode checkpoint" in (ROOT / "docs" / "serving.md").read_text()
     planner = (ROOT / "docs" / "planner.md").read_text()
     assert f"# FP8 KV: {short} tokens (2.0x) on decode" in planner and f"| {tokens:,} |" in planner
+
+
+SOURCES = {"the article": "article", "the facts sheet": "facts sheet"}
+DEFINED = "planner.md#7-quantkit-vs-the-published-figures"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_the_article_and_the_facts_sheet_are_linked_where_first_named(doc):
+    """A page that names "the article" or "the facts sheet" links, at its first mention, to where
+    planner.md says what they are (they were named and never linked)."""
+    lines = doc.read_text().split("\n")
+    for phrase, word in SOURCES.items():
+        first = next((i for i, line in enumerate(lines) if re.search(rf"\b{phrase}\b|\b{word}'s\b", line, re.I)), None)
+        if first is None:
+            continue
+        line = lines[first]
+        here = doc.name == "planner.md"
+        linked = (f"(#{DEFINED.split('#')[1]})" if here else DEFINED) in line
+        defines = here and line.lstrip().startswith(f'"{phrase.capitalize()}"')
+        assert linked or defines, f"{doc.name}:{first + 1}: {phrase!r} named without a link to {DEFINED}: {line}"
+
+
+def test_the_pages_agree_on_whether_the_gpu_check_has_run():
+    """benchmarks.md's GPU check section says whether it has run on a GPU; the quickstart says the same
+    (a quickstart that still says "not run" after a run, or claims a GPU time before one, is stale)."""
+    bench = (ROOT / "docs" / "benchmarks.md").read_text()
+    status = re.search(r"^## GPU check: (.+)$", bench, flags=re.M).group(1)
+    not_run = "not yet run" in status
+    quick = " ".join((ROOT / "docs" / "quickstart.md").read_text().split())
+    says_not_run = re.search(r"not run on a GPU yet|not yet run on a GPU|never run on a GPU", quick) is not None
+    assert says_not_run == not_run, f"benchmarks.md: 'GPU check: {status}'; the quickstart says otherwise"
+    assert "gpu_check.sh" in quick
+    if not_run:  # nothing measured on a GPU: no page states a GPU time for the check
+        for doc in DOCS:
+            text = " ".join(doc.read_text().split())
+            assert not re.search(r"gpu_check\.sh[^.]*\b(under|about|in) \d+ min", text), doc.name

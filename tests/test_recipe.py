@@ -238,6 +238,8 @@ def test_overrides():
     for kwargs, line in [
         (dict(group_size=100), "command line (recipe kimi-k2.6): --group-size: must be one of 32, 64 or 128 (got 100)"),
         (dict(num_samples=0), "command line (recipe kimi-k2.6): --num-samples: must be >= 1 (got 0)"),
+        # an MTP layer calibrates on seq_len - 1 positions: 1 ended in torch's "max(): ... numel() == 0" at the MTP layer
+        (dict(seq_len=1), "command line (recipe kimi-k2.6): --seq-len: must be >= 2 (got 1)"),
         (dict(method="hqq"), "command line (recipe kimi-k2.6): --method: unknown method 'hqq'; use one of the registered "
          "methods: gptq, awq, rtn, rtn-clip"),
         (dict(calib="hf:HuggingFaceH4/ultrachat_200k@test_sft"), "command line (recipe kimi-k2.6): validate.dataset: "

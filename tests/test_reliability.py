@@ -411,6 +411,11 @@ BAD = [
      r"num_experts_per_tok 4 is more than the 2 experts", ["inspect", "convert"]),
     ("index_topk of 0", lambda f: _edit_json(f, "config.json", lambda d: d.update(index_topk=0)),
      r"index_topk is 0", ["inspect", "convert"]),
+    # a negative eps made every norm NaN in a calibrated run, reported as a Hessian "not positive definite"
+    ("rms_norm_eps negative", lambda f: _edit_json(f, "config.json", lambda d: d.update(rms_norm_eps=-1.0)),
+     r"rms_norm_eps is -1.0; it must be finite and >= 0", ["inspect", "convert"]),
+    ("rope_theta of 0", lambda f: _edit_json(f, "config.json", lambda d: d.update(rope_theta=0)),
+     r"rope_theta is 0; it must be finite and positive", ["inspect", "convert"]),
 ]
 
 
@@ -800,6 +805,21 @@ def test_a_real_full_disk_mid_run_then_resume(tmp_path):
     assert ok, err
 
 
+def test_sigterm_says_resume_continues(src, whole, tmp_path):
+    """SIGTERM (kill, a job scheduler's stop) mid-run: it ended the process without a word (exit -15);
+    now it stops as Ctrl-C does, exit 143 and one line naming --resume, and the resume is byte-identical."""
+    out = tmp_path / "o"
+    proc = subprocess.run(_cli("convert", str(src), "--out", str(out), "--method", "rtn", "--no-validate", "--quiet"),
+                          capture_output=True, text=True, env=_env(QUANTKIT_FAULT="layer:written#2:term"))
+    lines = proc.stderr.strip().splitlines()
+    ok = (proc.returncode == 143 and len(lines) == 1 and lines[0].startswith("terminated (SIGTERM):")
+          and "--resume" in lines[0] and "Traceback" not in proc.stderr)
+    _convert(src, out, resume=True)
+    ok = ok and _same_pair(out, whole[0])
+    record("SIGTERM", "mid-layer: exit 143, says --resume; resume byte-identical", 1, ok)
+    assert ok, (proc.returncode, proc.stderr[-2000:])
+
+
 def test_ctrl_c_says_resume_continues(src, whole, tmp_path, monkeypatch):
     out = tmp_path / "o"
     monkeypatch.setenv("QUANTKIT_FAULT", "layer:written#2:interrupt")
@@ -1184,6 +1204,76 @@ def test_stale_validation_files_and_another_runs_report_are_never_left_beside_a_
     assert ok, res.output
 
 
+def test_resume_with_nothing_to_resume_still_clears_stale_results(src, whole, tmp_path):
+    """--resume on a folder holding only an earlier pair's validation.json/.md/.png (no state, no
+    report) converts from the start; the old PASSED results must not stay beside the new pair."""
+    out = tmp_path / "o"
+    out.mkdir()
+    results = {f"validation{x}": f"PASSED {x}" for x in (".json", ".md", ".png", "-experts.png")}
+    for name, text in results.items():
+        (out / name).write_text(text)
+    res = runner.invoke(app, ["convert", str(src), "--out", str(out), "--method", "rtn", "--no-validate", "--resume"])
+    ok = res.exit_code == 0 and all(n in res.output for n in results) and "removed" in res.output
+    ok = ok and not any((out / n).exists() for n in results) and _same_pair(out, whole[0])
+    record("stale files in --out", "--resume with nothing to resume: an earlier pair's validation files removed "
+           "and named", 1, ok)
+    assert ok, res.output
+
+
+@pytest.mark.parametrize("removed", [("prefill", "decode"), ("decode",)], ids=["both", "decode"])
+def test_resume_on_a_report_whose_pair_is_gone_is_refused(src, whole, tmp_path, removed):
+    """A finished run's convert-report.json with prefill/ or decode/ removed: --resume returned the
+    report's result (exit 0, the table printed) for a pair that was not there, and verify said to
+    continue it with --resume."""
+    out = tmp_path / "o"
+    shutil.copytree(whole[0], out)
+    (out / ".quantkit.lock").unlink(missing_ok=True)  # a dead owner's, left by an earlier test
+    for which in removed:
+        shutil.rmtree(out / which)
+    before = _files(out)
+    res = runner.invoke(app, ["convert", str(src), "--out", str(out), "--method", "rtn", "--no-validate", "--resume"])
+    line = _one_error_line(res)
+    fix = "--restart" if len(removed) == 2 else "remove prefill/"
+    ok = REPORT in line and all(f"{w}/" in line for w in removed) and fix in line and _files(out) == before
+    checked = verify(out)
+    ok = ok and not checked.ok and all("removed after the convert finished" in p for p in checked.problems
+                                       if p.endswith(("prefill", "decode")) or "missing" in p.split(";")[0])
+    ok = ok and not any("--resume" in p for p in checked.problems)
+    if len(removed) == 2:  # the fix it names works
+        again = runner.invoke(app, ["convert", str(src), "--out", str(out), "--method", "rtn", "--no-validate", "--restart"])
+        ok = ok and again.exit_code == 0 and _same_pair(out, whole[0])
+    record("stale files in --out", f"--resume on a finished run's report, {' and '.join(removed)} removed: refused, "
+           "naming what is gone and the fix; verify says removed, not 'continue with --resume'", 1, ok)
+    assert ok, (line, checked.problems)
+
+
+def test_the_start_up_disk_check_counts_two_copies_of_the_resume_state(src, tmp_path, monkeypatch):
+    """Free space for the pair and one copy of the hidden states, not two: refused before layer 0
+    (a run that passed the check with one copy ran out of disk at its first save)."""
+    from collections import namedtuple
+
+    from quantkit.conversion import outputs
+    from quantkit.conversion.cost import plan_convert_for
+
+    opts = dict(method="gptq", num_samples=64, seq_len=16)
+    c = plan_convert_for(str(src), gpu="cpu", **opts)
+    pair = c.disk["prefill"] + c.disk["decode"]  # what the start-up check predicts for the pair
+    one = c.disk["resume_state"] // 2
+    assert one > 0 and c.store.backing == "memory"
+    usage = namedtuple("usage", "total used free")
+    for free, fits in ((pair + one * 3 // 2, False), (pair + one * 5 // 2, True)):
+        out = tmp_path / f"o{free}"
+        monkeypatch.setattr(outputs.shutil, "disk_usage", lambda path, f=free: usage(10 * f, 9 * f, f))
+        if fits:
+            assert _convert(src, out, calib="synthetic:train", **opts).report["method"] == "gptq"
+            continue
+        with pytest.raises(OutputError, match=r"needs about .* more") as e:
+            _convert(src, out, calib="synthetic:train", **opts)
+        assert not (out / "prefill.partial").exists() or not any((out / "prefill.partial").glob("part-*")), e.value
+    record("disk precheck", "free space for the pair and one copy of the resume state: refused at the start; "
+           "for two copies: converts", 2, True)
+
+
 def test_the_disk_precheck_counts_two_layers_of_resume_state(src, tmp_path):
     """At a save the next layer's hidden states are written beside the last saved ones (the old file
     is removed after state.json names the new one): the peak is two copies."""
@@ -1215,11 +1305,26 @@ def test_a_write_error_other_than_a_full_disk_is_one_line(src, tmp_path):
                                "--num-samples", "4", "--seq-len", "16", "--no-validate", "--quiet"),
                           capture_output=True, text=True, preexec_fn=small_files, env=_env())
     lines = proc.stderr.strip().splitlines()
+    import re
+
+    named = re.search(r"\((\S+\.tmp)\)", lines[0]) if lines else None  # the file whose write failed
     ok = (proc.returncode == 1 and len(lines) == 1 and "Traceback" not in proc.stderr and str(out) in lines[0]
-          and "File too large" in lines[0] and "--resume" in lines[0])
+          and "File too large" in lines[0] and "--resume" in lines[0] and named is not None
+          and Path(named.group(1)).is_relative_to(out))
     record("write error (not a full disk)", "a file size limit (ulimit -f, EFBIG) mid-run", 1, ok,
            "one line naming the file, the error and --resume")
     assert ok, proc.stderr[-3000:]
+    # the shard writer and the resume state's writer each name their file (safetensors' error and
+    # write()'s name none): a part over 60 KB; the hidden states of 256 x 16 tokens (2 MB) over 1 MB
+    for limit, samples, file in ((60_000, 4, r"prefill\.partial/part-\d+\.safetensors\.tmp"),
+                                 (1_000_000, 256, r"\.quantkit-convert/hidden\.\S+\.bin\.tmp")):
+        o = tmp_path / f"o{limit}"
+        proc = subprocess.run(_cli("convert", str(src), "--out", str(o), "--method", "gptq", "--calib", "synthetic:train",
+                                   "--num-samples", str(samples), "--seq-len", "16", "--no-validate", "--quiet"),
+                              capture_output=True, text=True, env=_env(),
+                              preexec_fn=lambda n=limit: resource.setrlimit(resource.RLIMIT_FSIZE, (n, n)))
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 1 and len(lines) == 1 and re.search(rf"\({re.escape(str(o))}/{file}\)", lines[0]), proc.stderr
 
 
 def test_probe_against_a_server_that_accepts_and_never_answers_is_one_line_soon(whole, tmp_path):
@@ -1248,6 +1353,31 @@ def test_probe_against_a_server_that_accepts_and_never_answers_is_one_line_soon(
         c.close()
     lines = res.output.strip().splitlines()
     ok = res.exit_code == 1 and len(lines) == 1 and "no answer within 2 s" in lines[0] and elapsed < 8
+    ok = ok and "raise --timeout" in lines[0]
     record("silent server", "probe against a server that accepts and never answers (--timeout 2)", 1, ok,
            f"one line after {elapsed:.0f} s")
     assert ok, (elapsed, res.output)
+
+
+def test_a_silent_model_listing_does_not_advise_a_longer_timeout(monkeypatch):
+    """GET /models waits at most MODELS_TIMEOUT whatever --timeout is: its message must not say to
+    raise --timeout (a user who did would wait the same and read the same advice)."""
+    import socket
+
+    from quantkit.probe import client
+    from quantkit.probe.client import Endpoint, ProbeError
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)  # accepted by the kernel, never answered
+    monkeypatch.setattr(client, "MODELS_TIMEOUT", 0.5)
+    try:
+        with pytest.raises(ProbeError) as e:
+            Endpoint(f"http://127.0.0.1:{srv.getsockname()[1]}/v1", timeout=60).models()
+    finally:
+        srv.close()
+    msg = str(e.value)
+    ok = "no answer within 0.5 s" in msg and "raise --timeout" not in msg and "finished starting" in msg
+    record("silent server", "probe --timeout 60 against a server that never lists its models", 1, ok,
+           "one line after the listing's 10 s, without advising a longer --timeout")
+    assert ok, msg

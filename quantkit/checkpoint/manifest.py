@@ -255,9 +255,12 @@ def _check_complete(d: Path, res: VerifyResult) -> None:
     elif (d / ".quantkit-convert").exists():
         res.problems.append(f"{d}: a convert into this folder did not finish (.quantkit-convert/ is there); "
                             f"continue it with: {resume_command(d)}")
+    finished = (d / REPORT).is_file() and not res.unfinished and not (d / ".quantkit-convert").exists()
     for which in ("prefill", "decode"):
         if not (d / which).is_dir():
-            res.problems.append(f"{d / which}: missing; the convert did not finish, continue it with --resume")
+            res.problems.append(f"{d / which}: missing, removed after the convert finished (convert-report.json is "
+                                "there); restore it from a copy, or convert again into another --out" if finished else
+                                f"{d / which}: missing; the convert did not finish, continue it with --resume")
     if not (d / REPORT).is_file():
         res.problems.append(f"{d / REPORT}: missing (convert writes it last, so the convert did not finish); "
                             "continue it with --resume")

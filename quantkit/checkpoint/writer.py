@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from quantkit.checkpoint.index import INDEX, read_header
 from quantkit.errors import OutputError
 from quantkit.runtime import faults
-from quantkit.runtime.files import readable_per_umask
+from quantkit.runtime.files import readable_per_umask, with_filename
 
 
 class CheckpointWriter:
@@ -89,7 +90,13 @@ class CheckpointWriter:
 
     def _save(self, tensors: dict[str, torch.Tensor], name: str) -> None:
         tmp = self.tmp / (name + ".tmp")
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        try:
+            save_file(tensors, str(tmp), metadata={"format": "pt"})
+        except (OSError, SafetensorError) as e:  # the error names the file (a full disk, a file size limit)
+            named = with_filename(e, tmp)
+            if named is None:
+                raise
+            raise named from e
         readable_per_umask(tmp)
         faults.point("flush:tmp")
         os.replace(tmp, self.tmp / name)

@@ -32,6 +32,7 @@ import torch
 
 from quantkit.planner.cost import StorePlan
 from quantkit.quant.rows import Batch
+from quantkit.runtime.files import with_filename
 
 _NP = {torch.float32: np.float32, torch.bfloat16: np.uint16}  # numpy has no bfloat16: its bits are kept as uint16
 
@@ -89,9 +90,15 @@ class TokenArray:
     def save(self, path: Path) -> None:
         """Raw bytes of the array, written through a temporary name (resume state), a sample at a time."""
         tmp = Path(str(path) + ".tmp")
-        with open(tmp, "wb") as f:
-            for i in range(self.shape[0]):
-                f.write(self._raw(slice(i, i + 1)).cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        try:
+            with open(tmp, "wb") as f:
+                for i in range(self.shape[0]):
+                    f.write(self._raw(slice(i, i + 1)).cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        except OSError as e:  # write() names no file: the error does (a full disk, a file size limit)
+            named = with_filename(e, tmp)
+            if named is None:
+                raise
+            raise named from e
         os.replace(tmp, path)
 
     def load(self, path: Path) -> None:

@@ -252,6 +252,7 @@ def _previous_run(out: Path, state_dir: Path, inputs: dict, *, resume: bool, res
         shutil.rmtree(out / (STATE_DIR + ".done"), ignore_errors=True)  # a finished run's state, left by a crash
     report = out / "convert-report.json"
     if resume and report.is_file() and not state_dir.exists():
+        _refuse_report_without_pair(out)
         done = json.loads(report.read_text())  # the interrupted run had finished
         recorded = run_inputs(done.get("source", {}).get("files", {}), done.get("recipe", {}), None,
                               done.get("quantkit_version"))
@@ -260,10 +261,24 @@ def _previous_run(out: Path, state_dir: Path, inputs: dict, *, resume: bool, res
     if resume and (saved := saved_inputs(state_dir)) is not None:
         refuse_other_inputs(out, saved, inputs, finished=False)  # before the calibration data is read
     finishing = resume and journal(state_dir) is not None
-    if not resume:
+    if not resume or not (finishing or (state_dir / "state.json").is_file()):
+        # --resume with nothing to resume converts from the start: what is here is cleared as without it
         _clear_previous(out, state_dir, restart=restart, leader=leader)
     refuse_existing(out, state_dir, finishing)
     return None, finishing
+
+
+def _refuse_report_without_pair(out: Path) -> None:
+    """--resume on a finished run's report whose prefill/ or decode/ was removed: nothing to continue,
+    and returning the report's result would claim a pair that is not there."""
+    gone = [f"{w}/" for w in ("prefill", "decode") if not (out / w).is_dir()]
+    if not gone:
+        return
+    left = [f"{w}/" for w in ("prefill", "decode") if (out / w).exists()]
+    fix = (f"remove {' and '.join(left)} too (or choose another --out), then convert again without --resume" if left
+           else "add --restart (without --resume) to discard the report and convert again, or choose another --out")
+    raise OutputError(f"{out}: --resume: convert-report.json is of a finished run, but its {' and '.join(gone)} "
+                      f"{'is' if len(gone) == 1 else 'are'} gone: nothing to continue; {fix}")
 
 
 def _clear_previous(out: Path, state_dir: Path, *, restart: bool, leader: bool) -> None:
@@ -308,7 +323,8 @@ def _layers_done(state_dir: Path) -> str:
         n = json.loads((state_dir / "state.json").read_text()).get("next_layer", 0)
     except (OSError, ValueError, AttributeError):
         return ""
-    return f" ({max(n, 0)} layers done)"
+    n = max(n, 0)
+    return f" ({n} layer{'' if n == 1 else 's'} done)"
 
 
 def _recipe(model: str, arch: ModelArch, recipe: str | Path | None, **overrides) -> Recipe:

@@ -15,6 +15,7 @@ Everything downstream reads these explicit fields; nothing infers a feature from
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -177,6 +178,9 @@ _POSITIVE = ("num_hidden_layers", "vocab_size", "hidden_size", "intermediate_siz
 _NON_NEGATIVE = ("first_k_dense_replace", "n_shared_experts", "num_nextn_predict_layers", "index_n_heads",
                  "index_head_dim", "index_topk", "index_skip_topk_offset")
 _NUMBERS = ("rms_norm_eps", "routed_scaling_factor", "rope_theta")
+_NUMBER_RANGE = {"rms_norm_eps": "finite and >= 0 (the norms divide by sqrt(mean(x^2) + eps))",
+                 "routed_scaling_factor": "finite and >= 0 (it scales the routed experts' sum)",
+                 "rope_theta": "finite and positive (rope's frequencies are powers of it)"}
 
 
 def _check_types(text: dict[str, Any], source: str) -> None:
@@ -192,8 +196,12 @@ def _check_types(text: dict[str, Any], source: str) -> None:
             raise ConfigError(f"{source}: {key} is {v!r}; it must be {'positive' if key in _POSITIVE else '>= 0'}, fix config.json")
     for key in _NUMBERS:
         v = text.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ConfigError(f"{source}: {key} is {v!r} ({type(v).__name__}); it must be a number, fix config.json")
+        if not math.isfinite(v) or v < 0 or (key == "rope_theta" and v == 0):
+            raise ConfigError(f"{source}: {key} is {v!r}; it must be {_NUMBER_RANGE[key]}, fix config.json")
 
 
 def arch_from_config(cfg: dict[str, Any], *, source: str = "config.json") -> ModelArch:

@@ -193,6 +193,14 @@ def validate_room(arch, device: str, budget: int, exchange: int = 0, long_len: i
     return budget - need - exchange
 
 
+def prompt_pass_bytes(arch, tokens: int, streams: int) -> int:
+    """The least validate's prompt pass holds whatever else it keeps: every eval window's hidden
+    states, the normed MoE input, the expert output and the next hidden states of each of `streams`
+    checkpoints, all windows at once (quantkit.validation.measure), float32: long_pass_terms' held
+    bytes over all `tokens`."""
+    return long_pass_terms(arch, tokens, streams)[0]
+
+
 def long_pass_terms(arch, n: int, streams: int = 4) -> tuple[int, int]:
     """(held, step) float32 bytes of validate's long-context pass over one window of `n` tokens
     (quantkit.validation.longctx, one window at a time). Held through a layer, per stream (reference,

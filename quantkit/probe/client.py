@@ -93,8 +93,10 @@ class Endpoint:
             try:
                 r = self.client().request(method, url, json=body, timeout=timeout)
             except httpx.TimeoutException:
-                raise ProbeError(f"{url}: no answer within {timeout:g} s (raise --timeout, or check the server's "
-                                 "load)") from None
+                fix = ("raise --timeout, or check the server's load" if timeout >= self.timeout else
+                       "a live server lists its models at once, and --timeout does not lengthen this wait: check "
+                       "that the server has finished starting and that the URL is the server meant")
+                raise ProbeError(f"{url}: no answer within {timeout:g} s ({fix})") from None
             except httpx.TransportError as e:
                 problem = f"cannot connect ({type(e).__name__}: {e}); is the server running and is the URL right?"
             else:

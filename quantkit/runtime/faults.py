@@ -9,6 +9,7 @@ n-th time (default the first) that point is reached fail, as
     raise    an InjectedFault exception (in-process tests; `finally` blocks run)
     enospc   OSError(ENOSPC), as a full disk raises it
     interrupt  KeyboardInterrupt, as Ctrl-C raises it
+    term     SIGTERM to the process, as `kill` or a job scheduler's stop sends it
     hang     sleep forever, as a stuck rank (a wedged GPU, a dead NFS mount) would
 
 `points()` lists the points reached by a run (QUANTKIT_FAULT_LOG=<file> appends one per line).
@@ -25,7 +26,7 @@ import threading
 
 _seen: dict[str, int] = {}
 _lock = threading.Lock()  # parts are saved by background threads (quantkit.checkpoint.writer.CheckpointWriter)
-_MODES = ("kill", "raise", "enospc", "interrupt", "hang")
+_MODES = ("kill", "raise", "enospc", "interrupt", "term", "hang")
 
 
 class InjectedFault(BaseException):
@@ -56,6 +57,9 @@ def point(name: str) -> None:
         raise KeyboardInterrupt
     if how == "enospc":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    if how == "term":
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
     if how == "hang":
         import time
 

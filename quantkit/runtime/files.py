@@ -32,6 +32,24 @@ def atomic_write_text(path: Path, text: str, *, make_parents: bool = False) -> N
         raise
 
 
+def with_filename(e: BaseException, path: Path) -> OSError | None:
+    """A failed write's error with its file named, for the one-line message (quantkit.conversion.outputs):
+    an OSError from write() carries no file name, and safetensors' writer puts only the errno in its
+    message ("... (os error 27)"). None when `e` names its file already or carries no errno."""
+    import re
+
+    from safetensors import SafetensorError
+
+    if isinstance(e, OSError):
+        code = None if e.filename or e.errno is None else e.errno
+    elif isinstance(e, SafetensorError):
+        found = re.findall(r"\(os error (\d+)\)", str(e))
+        code = int(found[0]) if found else None
+    else:
+        code = None
+    return None if code is None else OSError(code, os.strerror(code), str(path))
+
+
 def readable_per_umask(path: Path) -> None:
     """Give a file the mode a plain open() would have (0644 under umask 022): safetensors writes
     through a private temporary file (0600), which a server running as another user cannot read."""

@@ -208,6 +208,7 @@ def validate(
     owners = expert_owners(arch, inp.t.report, group)
     plan = weights_plan(inp.ckpts, owners, group, dev, weights, max_host_memory, max_gpu_memory,
                         validate_exchange(arch, inp.tokens.ids.numel(), group.world), long_n)
+    _refuse_what_cannot_fit(arch, inp.tokens.ids.shape, len(inp.ckpts), plan["budget_bytes"], dev.type)
     kv, kv_info = kv_variants(kv_cache_dtype, inp.ckpts, inp.t.pair, inp.s.gen_tokens)
     m = _measure(inp, dev, dtype, progress and group.leader, kv, kv_info, plan, group, owners)
     if spec is not None:
@@ -250,6 +251,20 @@ def _inputs(dir, reference, eval_data, num_samples, seq_len, gen_tokens, gates) 
     s = settings(t, ckpts["reference"].arch, eval_data, num_samples, seq_len, gen_tokens, gates)
     tokens = load_tokens(s.dataset, tokenizer=t.reference_path, num_samples=s.num_samples, seq_len=s.seq_len)
     return _Inputs(t, ckpts, s, tokens)
+
+
+def _refuse_what_cannot_fit(arch, shape, streams: int, budget: int, device: str) -> None:
+    """Eval windows whose hidden states alone exceed the memory budget, refused before the first
+    layer (100000 x 4096 tokens ended in the allocator's "can't allocate memory" traceback)."""
+    from quantkit.planner.budgets import prompt_pass_bytes
+    from quantkit.runtime.units import decimal_bytes
+
+    held = prompt_pass_bytes(arch, shape[0] * shape[1], streams)
+    if held > budget:
+        flag = "--max-gpu-memory" if device == "cuda" else "--max-host-memory"
+        raise ConfigError(f"validate: {shape[0]} x {shape[1]} eval tokens: the prompt pass holds their hidden states for "
+                          f"{streams} checkpoints at once, at least {decimal_bytes(held)}, more than the "
+                          f"{decimal_bytes(budget)} budget; lower --num-samples or --seq-len, or raise {flag}")
 
 
 def _measure(inp: _Inputs, dev: torch.device, dtype, progress: bool, kv: dict, kv_info: dict, plan: dict, group: Group,

@@ -359,11 +359,13 @@ def test_random_spec_reads_special_tokens_from_the_json_files_alone(tmp_path):
     assert d.source["excluded"] == 11
 
 
-def test_utf16_text_is_refused_naming_its_encoding(tmp_path, tiny_kimi):
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be"], ids=["bom", "le-no-bom", "be-no-bom"])
+def test_utf16_text_is_refused_naming_its_encoding(tmp_path, tiny_kimi, encoding):
     """UTF-16 is valid UTF-8 byte for byte where it is ASCII (a NUL after each letter): it read as a
-    handful of tokens and was refused as "only N tokens" instead of by its encoding."""
+    handful of tokens and was refused as "only N tokens" instead of by its encoding. With a byte-order
+    mark or without one."""
     f = tmp_path / "utf16.txt"
-    f.write_bytes("\n\n".join(docs(40)).encode("utf-16"))
+    f.write_bytes("\n\n".join(docs(40)).encode(encoding))
     with pytest.raises(ConfigError, match=r"UTF-16.*iconv -f utf-16 -t utf-8") as e:
         load_tokens(str(f), tokenizer=tiny_kimi, num_samples=2, seq_len=16)
     assert "\n" not in str(e.value) and "only" not in str(e.value)

@@ -53,6 +53,17 @@ def validated(tmp_path_factory, tiny_glm):
     return out, res
 
 
+def _table_line_numbers(text: str) -> set[int]:
+    """The lines (0-based) a CommonMark+GFM parser puts in a table."""
+    from markdown_it import MarkdownIt
+
+    rows: set[int] = set()
+    for t in MarkdownIt("commonmark").enable("table").parse(text):
+        if t.map and t.type == "table_open":
+            rows |= set(range(*t.map))
+    return rows
+
+
 def _table_lines_outside_tables(text: str) -> list[str]:
     """Lines that look like table rows ("| ... |") but that a CommonMark+GFM parser does not put in a table."""
     from markdown_it import MarkdownIt
@@ -93,9 +104,13 @@ def test_the_cards_tables_render_and_the_mtp_sentence_is_below_its_table(validat
         text = (out / which / "README.md").read_text()
         assert "MTP draft accuracy" in text
         assert _table_lines_outside_tables(text) == [], which
-        mtp_line = next(line for line in text.split("\n") if line.startswith("MTP draft accuracy"))
-        before = text.split(mtp_line)[0].rstrip(" ").split("\n")
-        assert before[-1] == "", "the sentence is its own paragraph, not a row of the table above"
+        lines = text.split("\n")
+        sentences = [i for i, line in enumerate(lines) if line.startswith("MTP ")]  # acceptance, draft accuracy
+        assert sentences, which
+        rows = _table_line_numbers(text)
+        for i in sentences:  # each its own paragraph, none a row of the table above
+            assert i not in rows and lines[i - 1].strip() == "", (which, lines[i - 1:i + 1])
+        assert not [lines[i] for i in rows if not lines[i].startswith("|")], which  # no sentence inside a table
 
 
 def test_a_row_identical_to_the_source_by_construction_is_no_gate_evidence(validated):

@@ -302,3 +302,22 @@ def test_a_scoped_gate_replaces_the_unscoped_one_on_its_row():
     by = {(g["gate"], g["row"]): g["passed"] for g in res}
     assert by == {("kl_max", "decode"): False, ("cross_phase.kl_max", "cross_phase"): True,
                   ("top1_min", "decode"): False, ("top1_min", "cross_phase"): False}
+
+
+def test_eval_windows_whose_hidden_states_exceed_the_budget_are_refused_before_layer_0(pairs):
+    """100000 x 4096 eval tokens ended in the allocator's "can't allocate memory" traceback after the
+    planner had sized everything else; now one line naming the windows, the bytes and the fix."""
+    from typer.testing import CliRunner
+
+    from quantkit.cli import app
+
+    before = sorted(p.name for p in pairs["glm"].iterdir())
+    # the same at the tiny model's scale (100000 x 4096 held-out tokens take minutes to make): 64 x 64 tokens'
+    # hidden states for three checkpoints are 25 MB
+    r = CliRunner().invoke(app, ["validate", str(pairs["glm"]), "--num-samples", "64", "--seq-len", "64",
+                                 "--device", "cpu", "--max-host-memory", "20MB"])
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 1 and len(lines) == 1 and "Traceback" not in r.output, r.output
+    assert "64 x 64 eval tokens" in lines[0] and "more than the 20.00 MB budget" in lines[0], lines[0]
+    assert "--num-samples" in lines[0] and "--max-host-memory" in lines[0]
+    assert sorted(p.name for p in pairs["glm"].iterdir()) == before  # nothing written
