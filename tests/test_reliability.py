@@ -1253,7 +1253,7 @@ def test_the_start_up_disk_check_counts_two_copies_of_the_resume_state(src, tmp_
     from collections import namedtuple
 
     from quantkit.conversion import outputs
-    from quantkit.conversion.cost import plan_convert_for
+    from quantkit.planner.cost import plan_convert_for
 
     opts = dict(method="gptq", num_samples=64, seq_len=16)
     c = plan_convert_for(str(src), gpu="cpu", **opts)
