@@ -100,7 +100,7 @@ def full_scale() -> list[str]:
 
 def _with_h200_rate(flops: float) -> str:
     """The GLM 5.2 prediction with the H200's matmul rate set to `flops` (a what-if)."""
-    from quantkit.conversion import cost
+    from quantkit.planner import cost
 
     c = cost.plan_convert_for("glm-5.2", gpu="h200", max_host_memory="1TB", rates={"flops": flops})
     return cost._hms(sum(c.seconds.values()))
