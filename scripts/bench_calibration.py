@@ -114,6 +114,65 @@ def _random_glm(folder: Path) -> None:
     save_glm(init_weights(arch, torch.Generator().manual_seed(0)), arch, cfg, folder)
 
 
+def _random_dsv3_wide(folder: Path) -> None:
+    """DeepSeek-V3 layout at a wider hidden size (1024), 32 experts, top-8, heavy input columns: about
+    half a routed token per input column at 32 x 64 calibration tokens."""
+    import torch
+
+    from quantkit.checkpoint.writer import CheckpointWriter
+    from quantkit.model.arch import arch_from_config
+    from quantkit.synthetic.tiny import KIMI_TEXT, init_weights, tokenizer_files
+
+    cfg = dict(KIMI_TEXT, num_hidden_layers=3, hidden_size=1024, n_routed_experts=32, num_experts_per_tok=8,
+               moe_intermediate_size=256, intermediate_size=1024)
+    arch = arch_from_config(cfg)
+    t = init_weights(arch, torch.Generator().manual_seed(0))
+    _outlier_columns(t, 1 / 64, 4.0, seed=1)
+    w = CheckpointWriter(folder, digits=5)
+    for L in [None, *range(arch.num_layers_with_mtp)]:
+        pre = None if L is None else arch.layer_prefix(L)
+        for name in sorted(t):
+            if (L is None and ".layers." in name) or (L is not None and not name.startswith(pre)):
+                continue
+            x = t.pop(name)
+            w.add(name, x.float() if name.endswith("e_score_correction_bias") else x.to(torch.bfloat16))
+        w.flush()
+    w.finish(cfg, extra=tokenizer_files())
+
+
+def _random_glm_wide(folder: Path) -> None:
+    """GLM 5.2 layout, FP8 source, hidden 1024, 32 experts, top-8, heavy input columns."""
+    import torch
+
+    from quantkit.model.arch import arch_from_config
+    from quantkit.synthetic.tiny import GLM, init_weights, save_glm
+
+    cfg = dict(GLM, num_hidden_layers=3, hidden_size=1024, n_routed_experts=32, num_experts_per_tok=8,
+               moe_intermediate_size=256, intermediate_size=1024, num_nextn_predict_layers=0)
+    arch = arch_from_config(cfg)
+    t = init_weights(arch, torch.Generator().manual_seed(0))
+    _outlier_columns(t, 1 / 64, 4.0, seed=2)
+    save_glm(t, arch, cfg, folder)
+
+
+def _many_experts_dsv3(folder: Path, steps: int = 150) -> None:
+    """DeepSeek-V3 with 128 routed experts, top-8, trained briefly on the Markov language (so routing
+    carries structure), then a skewed router: each expert's selection bias (e_score_correction_bias,
+    which picks experts but does not weight them) set from a Zipf-like profile, so a hot few take most
+    tokens and a long tail sees under one routed token per input column at 32 x 256."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    _train_dsv3(folder, markov_windows(16 * steps, 64, 100_000), steps, n_routed_experts=128, num_experts_per_tok=8)
+    rank = torch.randperm(128, generator=torch.Generator().manual_seed(7)).float()  # expert -> popularity rank
+    bias = -0.02 * torch.log1p(rank)  # sigmoid scores are ~0.5 +- 0.05: a log-rank bias skews without silencing
+    for f in sorted(folder.glob("*.safetensors")):
+        t = load_file(f)
+        for k in [k for k in t if k.endswith("e_score_correction_bias")]:
+            t[k] = bias.to(t[k].dtype)
+        save_file(t, f, metadata={"format": "pt"})
+
+
 def markov_windows(n: int, seq: int, seed: int, vocab: int = 512):
     """(n, seq) windows of a language unlike the tiny models': an order-1 Markov chain over ids
     [6, vocab) whose fixed transition table (4 successors per token, skewed probabilities) is the
@@ -133,7 +192,7 @@ def markov_windows(n: int, seq: int, seed: int, vocab: int = 512):
     return out
 
 
-def _train_dsv3(folder: Path, data, steps: int) -> None:
+def _train_dsv3(folder: Path, data, steps: int, n_routed_experts: int = 16, num_experts_per_tok: int = 4) -> None:
     """transformers' own DeepseekV3ForCausalLM, trained on CPU on `data` ((16 * steps, 64) ids, 16 a step),
     saved by save_pretrained (per-expert tensors, BF16)."""
     import torch
@@ -144,7 +203,8 @@ def _train_dsv3(folder: Path, data, steps: int) -> None:
     torch.manual_seed(0)
     cfg = DeepseekV3Config(vocab_size=512, hidden_size=128, intermediate_size=384, moe_intermediate_size=128,
                            num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
-                           n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1, n_group=1, topk_group=1,
+                           n_routed_experts=n_routed_experts, num_experts_per_tok=num_experts_per_tok, n_shared_experts=1,
+                           n_group=1, topk_group=1,
                            q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
                            routed_scaling_factor=2.5, norm_topk_prob=True, bos_token_id=1, eos_token_id=2,
                            pad_token_id=0, tie_word_embeddings=False, num_nextn_predict_layers=0)
@@ -191,7 +251,14 @@ CLASSES = {
     "two-domain-dsv3": (_two_domain_dsv3, 128, (64, 64), "synthetic"),
     "random-dsv3-outliers": (_random_dsv3, 128, (32, 128), "synthetic"),
     "random-glm-fp8": (_random_glm, 128, (32, 64), "synthetic"),
+    "random-dsv3-wide": (_random_dsv3_wide, 128, (32, 64), "synthetic"),
+    "random-glm-wide": (_random_glm_wide, 128, (32, 64), "synthetic"),
+    "many-experts-dsv3": (_many_experts_dsv3, 128, (32, 256), "markov"),
 }
+# Chosen before any setting was tuned (docs/benchmarks.md, "Tuning and confirmation"): settings are
+# chosen on TUNING alone; CONFIRMATION runs once per candidate and decides whether it ships.
+TUNING = ("tiny-glm", "trained-dsv3", "random-dsv3-outliers", "random-dsv3-wide")
+CONFIRMATION = ("tiny-kimi", "two-domain-dsv3", "random-glm-fp8", "random-glm-wide", "many-experts-dsv3")
 
 
 def class_source(name: str) -> Path:
@@ -206,7 +273,7 @@ def class_source(name: str) -> Path:
     if isinstance(build, str):
         return Path(resolve(build))
     text = inspect.getsource(build) + inspect.getsource(markov_windows) + inspect.getsource(_outlier_columns)
-    if name.endswith("dsv3"):
+    if name.endswith("dsv3") and name != "random-dsv3-wide":
         text += inspect.getsource(_train_dsv3)
     key = hashlib.sha256(text.encode()).hexdigest()[:10]
     return cached_build(cache_dir() / "bench-calibration" / f"{name}-{key}", build)
@@ -232,7 +299,7 @@ def eval_sets(n: int, seq: int, vocab: int, corpus: str = "synthetic") -> dict:
 
 
 SHIPPED_GPTQ = ("dampening", "actorder", "observer", "static_groups", "hessian_weighting", "holdout", "min_tokens",
-                "fallback", "width_prior", "prior_tokens", "low_dampening")
+                "fallback", "width_prior", "prior_tokens", "low_dampening", "shrinkage")
 
 
 def shipped_fields(recipe: str) -> dict:
@@ -346,6 +413,8 @@ def run_plan(args, base: str, wd: Path, calib: tuple[int, int], data: str, corpu
     for spec in args.variant:
         vname, _, fields = spec.partition(":")
         kv = dict(f.split("=", 1) for f in fields.split(",") if f)
+        if args.shipped:  # the variant changes the shipped settings, not the tiny recipe's
+            kv = {**shipped_fields(args.shipped), **kv}
         method = kv.pop("METHOD", "gptq")
         plan.append((vname, method, variant_recipe(base, kv, wd / f"{vname}.yaml")))
     share, kind = next(((v, k) for k, v in (("reversed", args.mix_reversed), ("other", args.mix_other),
@@ -749,7 +818,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=None, help="calibration window length (default: the class's)")
     ap.add_argument("--eval-samples", type=int, default=64, help="in-distribution held-out windows (half as many off)")
     ap.add_argument("--eval-seq-len", type=int, default=64)
-    ap.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE,...")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE,...",
+                    help="a row NAME: the tiny recipe (with --shipped: the shipped gptq settings) with FIELD=VALUE "
+                         "replaced; METHOD=awq for AWQ (default gptq); repeatable")
+    ap.add_argument("--set", choices=("tuning", "confirmation"), default=None,
+                    help="the classes of one side of the split chosen before tuning (TUNING, CONFIRMATION; "
+                         "docs/benchmarks.md); instead of --classes")
     ap.add_argument("--no-llmc", action="store_true", help="skip llm-compressor (experiments)")
     ap.add_argument("--mix-reversed", type=float, default=0.0, metavar="SHARE",
                     help="beside every calibrated run X, 'X mix': the same recipe calibrated on a calibration.mix of "
@@ -805,6 +879,8 @@ def main(argv: list[str] | None = None) -> int:
         print(summarize(args.summarize, tuple(args.summarize_rows.split(","))))
         return 0
     names = [c for c in args.classes.split(",") if c]
+    if args.set:
+        names = list(TUNING if args.set == "tuning" else CONFIRMATION)
     bad = [c for c in names if c not in CLASSES and c not in REALSHAPE]
     if bad:
         ap.error(f"--classes: unknown {', '.join(bad)}; choose from {', '.join([*CLASSES, *REALSHAPE])}")

@@ -83,6 +83,7 @@ from quantkit.quant.experts import (
     run_gptq,
 )
 from quantkit.quant.gptq import QuantizedWeight, quantize_rtn
+from quantkit.quant.shrinkage import fourth_moment
 
 __all__ = [
     "activation_means",
@@ -292,17 +293,20 @@ def _expert(qgu: QuantizedWeight, qd: QuantizedWeight, i: int) -> dict[str, Quan
             "down_proj": QuantizedWeight(qd.q[i], qd.scale[i])}
 
 
-def _quantize_smoothed(X, Wg, Wu, Wd, s, Y, group_size, quantizer, g, a, layer, chunk):
+def _quantize_smoothed(X, Wg, Wu, Wd, s, Y, group_size, quantizer, g, a, layer, chunk, shrunk=None):
     """Fold s into up/down, quantize gate, up' and down' (down' against what the quantized gate/up'
     really produce); returns (gate/up QuantizedWeight (C, 2, ...), down's, final mean squared
-    expert-output error per token (C,) against the float experts' outputs Y)."""
+    expert-output error per token (C,) against the float experts' outputs Y). `shrunk`, when a list,
+    receives gate/up's gptq.shrinkage intensity per expert."""
+    lw = quantizer == "gptq" and g.shrinkage != "none"  # gptq.shrinkage's statistic of each Linear's rows
     up_s, down_s = fold_up_down(Wu, Wd, s)
     # gate and the smoothed up: one input statistic per expert, shared by both
     Hx = torch.stack([_second_moment(xe) for xe in X])  # (C, D, D) = E[x x^T]
     Wgu = torch.stack([Wg, up_s], 1)  # (C, 2, I, D)
     if quantizer == "gptq":
         qgu = run_gptq(Wgu, (2 * Hx)[:, None].expand(-1, 2, -1, -1), group_size, g, layer, chunk,
-                       fit_tokens=[len(xe) for xe in X])
+                       fit_tokens=[len(xe) for xe in X], fourth=[fourth_moment(xe) for xe in X] if lw else None,
+                       shrunk=shrunk)
     else:
         qgu = quantize_clipped(Wgu, group_size, auto_clip(Wgu, Hx[:, None], group_size, a.grid))
     gu_hat = qgu.dequantize()  # (C, 2, I, D)
@@ -310,7 +314,8 @@ def _quantize_smoothed(X, Wg, Wu, Wd, s, Y, group_size, quantizer, g, a, layer, 
     Z_hat = [F.silu(xe @ gu_hat[i, 0].T) * (xe @ gu_hat[i, 1].T) for i, xe in enumerate(X)]  # (n, I), ~ z / s
     Hz_s = torch.stack([_second_moment(zh) for zh in Z_hat])  # (C, I, I)
     if quantizer == "gptq":
-        qd = run_gptq(down_s, 2 * Hz_s, group_size, g, layer, chunk, fit_tokens=[len(xe) for xe in X])
+        qd = run_gptq(down_s, 2 * Hz_s, group_size, g, layer, chunk, fit_tokens=[len(xe) for xe in X],
+                      fourth=[fourth_moment(zh) for zh in Z_hat] if lw else None)
     else:
         qd = quantize_clipped(down_s, group_size, auto_clip(down_s, Hz_s, group_size, a.grid))
     d_hat = qd.dequantize()  # (C, D, I)
@@ -417,7 +422,8 @@ def awq_experts(
         #    (quantkit.quant.experts.guard_against_rtn): the search's RTN proxy can disagree with GPTQ
         s, _, _ = awq_smooth_scales(Wd, z_mean, Hz, group_size, a.grid, a.duo_scaling)  # (C, I)
         Y = [z @ Wd[i].T for i, z in enumerate(Z)]  # C x (n, D): the float experts' outputs
-        qgu, qd, err = _quantize_smoothed(X, Wg, Wu, Wd, s, Y, group_size, quantizer, g, a, layer, chunk)
+        shrunk: list = []
+        qgu, qd, err = _quantize_smoothed(X, Wg, Wu, Wd, s, Y, group_size, quantizer, g, a, layer, chunk, shrunk)
         if alternatives is not None:
             qgu1, qd1, _ = _quantize_smoothed(X, Wg, Wu, Wd, torch.ones_like(s), Y, group_size, quantizer, g, a, layer, chunk)
         low = g_low if alternatives is not None and quantizer == "gptq" else None
@@ -430,6 +436,7 @@ def awq_experts(
                 if low is not None:
                     alternatives[e][LOW] = _expert(qgul, qdl, i)
             records.append(ExpertRecord(layer, e, routed[e], "awq", fallback[e], err[i].item(),
-                                        prior=prior_of(g, len(X[i]), X[i].shape[-1])))
+                                        prior=prior_of(g, len(X[i]), X[i].shape[-1]),
+                                        shrink=round(shrunk[i], 6) if shrunk else None))
     records.sort(key=lambda r: r.expert)
     return quantized, records

@@ -48,7 +48,7 @@ from quantkit.quant.gptq import HessianError, QuantizedWeight, gptq, quantize_rt
 
 __all__ = ["PROJS", "HOLDOUT", "ExpertRecord", "QuantizedWeight", "expert_weights", "is_heldout", "is_heldout_window", "split_heldout", "starved",
            "calibration_inputs",
-           "expert_dampening", "prior_of", "heldout_inputs", "probe_inputs", "rtn_expert", "run_gptq",
+           "expert_dampening", "prior_of", "heldout_inputs", "probe_inputs", "rtn_expert", "run_gptq", "shrinkage_dampening",
            "guard_against_rtn", "guard_experts", "LOW"]
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -88,6 +88,7 @@ class ExpertRecord:
     err: float | None = None  # mean squared expert-output error per held-out token, calibrated weights
     err_rtn: float | None = None  # the same for RTN
     prior: float | None = None  # gptq.width_prior's added dampening for gate/up (c * width / fit tokens)
+    shrink: float | None = None  # gptq.shrinkage: gate/up's Ledoit-Wolf intensity delta (quantkit.quant.shrinkage)
     rank: int | None = None  # multi-rank convert: the rank that quantized it (quantkit.runtime.distributed)
     probe: int = 0  # gptq.low_dampening: probe tokens the low dampening was judged on
     err_probe: float | None = None  # the same error as `err` on them, at gptq.dampening
@@ -202,11 +203,32 @@ def prior_of(g, fit_tokens: int, width: int) -> float | None:
     return round(c * width / max(fit_tokens, 1), 6) if c else None
 
 
+def shrinkage_dampening(g, H: torch.Tensor, fit_tokens: list[int] | None, fourth: list[float] | None,
+                        shrunk: list | None = None) -> torch.Tensor | None:
+    """gptq.shrinkage's extra dampening per expert (C,) from H (C, [2,] p, p) and the fit rows'
+    statistics, or None when off (the bytes of every earlier convert). The whole-layer forms pass
+    gate/up's H expanded over its two projections; one expert's copies are the same matrix."""
+    if getattr(g, "shrinkage", "none") == "none":
+        return None
+    if fit_tokens is None or fourth is None:
+        raise ValueError("gptq.shrinkage: ledoit-wolf needs each expert's fit-token count and fourth moment")
+    from quantkit.quant.shrinkage import ledoit_wolf
+
+    delta = ledoit_wolf(H if H.dim() == 3 else H[:, 0], [float(n) for n in fit_tokens], fourth, scale=0.5)
+    if shrunk is not None:
+        shrunk[:] = delta.tolist()
+    return delta / (1 - delta)
+
+
 def run_gptq(W: torch.Tensor, H: torch.Tensor, group_size: int, g, layer: int, experts,
-             consume: bool = False, fit_tokens: list[int] | None = None, low=None):
+             consume: bool = False, fit_tokens: list[int] | None = None, low=None,
+             fourth: list[float] | None = None, shrunk: list | None = None):
     """`quantkit.quant.gptq.gptq` with the recipe's settings; a broken Hessian becomes a one-line error.
     consume=True lets GPTQ factor H in place and free it (the caller must hold no other reference).
     fit_tokens: each expert's (W's first batch dim) fit-token count, for gptq.width_prior.
+    fourth: each expert's sum_t ||x_t||^4 over the same fit rows (quantkit.quant.shrinkage), for
+    gptq.shrinkage: ledoit-wolf, which adds each expert's Ledoit-Wolf dampening computed from H
+    before GPTQ factors it; `shrunk`, when a list, receives each expert's intensity delta.
 
     low: a gptq section at another dampening (quantkit.quant.methods.gptq.low_settings): then both are quantized in one
     batched call (W and H stacked twice along the experts, one dampening per copy; on a GPU the
@@ -215,8 +237,13 @@ def run_gptq(W: torch.Tensor, H: torch.Tensor, group_size: int, g, layer: int, e
     is what the call without `low` gives."""
     damp = g.dampening if fit_tokens is None else expert_dampening(g, fit_tokens, W.shape[-1])
     C = W.shape[0]
+    extra = shrinkage_dampening(g, H, fit_tokens, fourth, shrunk)
+    if extra is not None:
+        damp = torch.as_tensor(damp, dtype=torch.float64).expand(C) + extra
     if low is not None:
         damp_low = low.dampening if fit_tokens is None else expert_dampening(low, fit_tokens, W.shape[-1])
+        if extra is not None:
+            damp_low = torch.as_tensor(damp_low, dtype=torch.float64).expand(C) + extra
         damp = torch.cat([torch.as_tensor(d, dtype=torch.float64).expand(C) for d in (damp, damp_low)])  # (2C,)
         W = torch.cat([W, W]).float()  # [2C, ...]
         box = [torch.cat([H, H]).float()]  # [2C, ..., in, in]

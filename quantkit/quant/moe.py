@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from quantkit.model.moe import route
 from quantkit.quant.experts import ExpertRecord, Fallback, calibration_inputs, expert_weights, prior_of, rtn_expert, run_gptq
 from quantkit.quant.gptq import QuantizedWeight, hessian_from_inputs
+from quantkit.quant.shrinkage import fourth_moment
 
 
 def quantize_experts_gptq(
@@ -48,13 +49,17 @@ def quantize_experts_gptq(
         H = torch.stack([hessian_from_inputs(inputs[e].float()) for e in run])  # (C, D, D)
         Wgu = torch.stack([torch.stack(expert_weights(w, e)[:2]) for e in run]).float()  # (C, 2, I, D)
         n_fit = [len(inputs[e]) for e in run]
-        qgu = run_gptq(Wgu, H[:, None].expand(-1, 2, -1, -1), group_size, g, layer, run, fit_tokens=n_fit)
+        lw = g.shrinkage != "none"  # gptq.shrinkage's statistic of each Linear's fit rows
+        shrunk: list = []
+        qgu = run_gptq(Wgu, H[:, None].expand(-1, 2, -1, -1), group_size, g, layer, run, fit_tokens=n_fit,
+                       fourth=[fourth_moment(inputs[e].float()) for e in run] if lw else None, shrunk=shrunk)
         # down: inputs are what the quantized gate/up produce on the same tokens
         gu_hat = qgu.dequantize(torch.float32)  # (C, 2, I, D)
         Z = [F.silu(inputs[e].float() @ gu_hat[i, 0].T) * (inputs[e].float() @ gu_hat[i, 1].T) for i, e in enumerate(run)]
         Hd = torch.stack([hessian_from_inputs(z) for z in Z])  # (C, I, I)
         Wd = torch.stack([expert_weights(w, e)[2] for e in run]).float()  # (C, D, I)
-        qd = run_gptq(Wd, Hd, group_size, g, layer, run, fit_tokens=n_fit)
+        qd = run_gptq(Wd, Hd, group_size, g, layer, run, fit_tokens=n_fit,
+                      fourth=[fourth_moment(z) for z in Z] if lw else None)
         for i, e in enumerate(run):
             quantized[e] = {
                 "gate_proj": QuantizedWeight(qgu.q[i, 0], qgu.scale[i, 0]),
@@ -63,7 +68,8 @@ def quantize_experts_gptq(
             }
             loss = (qgu.loss[i].sum() + qd.loss[i]).item() if qgu.loss is not None else None
             records.append(ExpertRecord(layer, e, len(tokens[e]), "gptq", fallback[e], loss,
-                                        prior=prior_of(g, n_fit[i], Wgu.shape[-1])))
+                                        prior=prior_of(g, n_fit[i], Wgu.shape[-1]),
+                                        shrink=round(shrunk[i], 6) if shrunk else None))
     records.sort(key=lambda r: r.expert)
     return quantized, records
 

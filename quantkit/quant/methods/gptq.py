@@ -67,6 +67,10 @@ class GPTQSettings(Settings):
     # of token ids the calibration never contains, its output error is no higher than RTN's; then the
     # held-out guard chooses among both dampenings and RTN (quantkit.quant.experts, "Probe")
     low_dampening: float | None = Field(None, gt=0, lt=1)
+    # each expert's Hessian shrunk towards a scaled identity by the Ledoit-Wolf intensity its own fit
+    # tokens support: an extra dampening per expert, none with many tokens a column, RTN in effect with
+    # very few (quantkit.quant.shrinkage; recorded per expert as `shrink`)
+    shrinkage: Literal["none", "ledoit-wolf"] = "none"
 
 
 @register
@@ -120,7 +124,9 @@ class GPTQ(Method):
                 f"group scales {g.get('observer', 'minmax')}, experts with fewer than {g.get('min_tokens')} routed "
                 f"tokens take `{g.get('fallback')}`"
                 + (f"; thin-calibration prior {g['width_prior']:g} x input width / fit tokens added to each expert's "
-                   f"dampening" if g.get("width_prior") else "") + low_line(g))
+                   f"dampening" if g.get("width_prior") else "")
+                + ("; each expert's Hessian shrunk towards a scaled identity by its Ledoit-Wolf intensity"
+                   if g.get("shrinkage", "none") != "none" else "") + low_line(g))
 
     def recipe_problems(self, recipe) -> list[str]:
         g, out = recipe.gptq, []
@@ -129,6 +135,9 @@ class GPTQ(Method):
         if not g.static_groups and g.actorder:
             out.append("gptq.static_groups: false needs gptq.actorder: false (a group's scale is set "
                        "when its first column is reached, in the original column order)")
+        if g.shrinkage != "none" and (g.prior_tokens or g.hessian_weighting != "none"):
+            out.append("gptq.shrinkage: ledoit-wolf estimates from unweighted fit tokens alone; set "
+                       "gptq.prior_tokens: 0 and gptq.hessian_weighting: none, or gptq.shrinkage: none")
         if g.low_dampening is not None and g.low_dampening >= g.dampening:
             out.append(f"gptq.low_dampening: {g.low_dampening} must be below gptq.dampening {g.dampening} "
                        "(it is the candidate the probe may admit; remove it or lower it)")
@@ -174,12 +183,13 @@ def low_settings(g: GPTQSettings) -> GPTQSettings | None:
 def probe_words(e: dict) -> str:
     """What the probe decided for gptq.low_dampening (quantkit.quant.experts, "Probe") on one expert's report
     entry, or nothing."""
+    shrunk = f"; its Hessian shrunk by Ledoit-Wolf delta {e['shrink']:.3g}" if e.get("shrink") is not None else ""
     if not e.get("probe"):
-        return ""
+        return shrunk
     ok = e["err_probe_low"] <= e["err_probe_rtn"]
     return (f"; on {e['probe']} probe tokens the low dampening's error {e['err_probe_low']:.4g} "
             f"{'<=' if ok else '>'} RTN's {e['err_probe_rtn']:.4g}, so it was {'' if ok else 'not '}a candidate "
-            f"(held-out error there {e['err_low']:.4g})")
+            f"(held-out error there {e['err_low']:.4g})") + shrunk
 
 
 def probe_counts(experts: list[dict]) -> dict[str, int]:
@@ -187,18 +197,23 @@ def probe_counts(experts: list[dict]) -> dict[str, int]:
     stored at it; none when no probe ran."""
     from quantkit.quant.experts import LOW
 
+    shrunk = [e["shrink"] for e in experts if e.get("shrink") is not None]  # gptq.shrinkage
+    lw = {"shrunk": len(shrunk), "shrunk_past_half": sum(1 for d in shrunk if d >= 0.5)} if shrunk else {}
     if not any(e.get("probe") for e in experts):
-        return {}
-    return {"probe_judged": sum(1 for e in experts if e.get("probe")),
+        return lw
+    return {**lw, "probe_judged": sum(1 for e in experts if e.get("probe")),
             "probe_admitted_low": sum(1 for e in experts if e.get("probe") and e["err_probe_low"] <= e["err_probe_rtn"]),
             "low_dampening": sum(1 for e in experts if e.get("guard") == LOW)}
 
 
 def probe_note(summary: dict) -> str:
     """The card's guard line on those counts."""
+    lw = (f"; {summary['shrunk']} Hessians shrunk by their Ledoit-Wolf intensity, {summary['shrunk_past_half']} "
+          "past one half (near RTN: too few tokens for their width; per expert in the report's `shrink`)"
+          if summary.get("shrunk") else "")
     if not summary.get("probe_judged"):
-        return ""
-    return (f"; probe: {summary['probe_judged']} judged at gptq.low_dampening on token ids the calibration never "
+        return lw
+    return lw + (f"; probe: {summary['probe_judged']} judged at gptq.low_dampening on token ids the calibration never "
             f"contains, {summary['probe_admitted_low']} no worse than RTN there, {summary['low_dampening']} stored at it")
 
 
@@ -231,8 +246,19 @@ def _gate_norms(rows: LayerRows, run: list[int], weighting: str) -> list[float]:
     return out
 
 
+def _prior_weight(N: int, prior: int, window: int) -> float:
+    """gptq.prior_tokens' weight p / n_all on each of the layer's n_all fit tokens (0 when off)."""
+    from quantkit.quant.experts import HOLDOUT
+
+    if not prior:
+        return 0.0
+    n_all = N - (N // window) // HOLDOUT * window if window else N - N // HOLDOUT
+    return prior / max(n_all, 1)
+
+
 def expert_hessians(rows: LayerRows, run: list[int], all_tokens: set[int], inputs=None, held: dict | None = None,
-                    prior: int = 0, window: int = 0, weighting: str = "none", fit_rows: list | None = None) -> torch.Tensor:
+                    prior: int = 0, window: int = 0, weighting: str = "none", fit_rows: list | None = None,
+                    fourth: list | None = None) -> torch.Tensor:
     """H_e = 2/n_e sum x x^T [len(run), in, in] over each expert's fit tokens (the layer's fit
     tokens for the experts in `all_tokens`), accumulated one micro-batch at a time; held-out tokens
     never enter. `inputs(j, x_e)` maps an expert's input rows to the rows of the Linear whose Hessian
@@ -249,22 +275,18 @@ def expert_hessians(rows: LayerRows, run: list[int], all_tokens: set[int], input
     weight for the expert (MoEQuant's affinity-guided Hessian), "gate2" by that weight squared (the
     factor the token's expert-output error has in the layer output); each divided by the expert's
     mean of it (`_gate_norms`). Experts fitted on every token (`all_tokens`) stay unweighted.
-    `fit_rows`, when a list, receives each expert's fit-token count (gptq.width_prior's n)."""
+    `fit_rows`, when a list, receives each expert's fit-token count (gptq.width_prior's n);
+    `fourth`, when a list, each expert's sum of ||row||^4 over them (gptq.shrinkage's statistic)."""
     import torch
 
-    from quantkit.quant.experts import HOLDOUT, split_rows
+    from quantkit.quant.experts import split_rows
+    from quantkit.quant.shrinkage import fourth_moment
 
     H = None
-    N = rows.tokens
-    if not prior:
-        n_all = 0
-    elif window:
-        n_all = N - (N // window) // HOLDOUT * window
-    else:
-        n_all = N - N // HOLDOUT
-    w_all = prior / max(n_all, 1)
+    w_all = _prior_weight(rows.tokens, prior, window)
     n = torch.zeros(len(run), dtype=torch.float64)
     counted = [0] * len(run)
+    m4 = [0.0] * len(run)
     seen = {e: 0 for e in run}
     parts: dict[int, list] = {e: [] for e in run}
     norms = _gate_norms(rows, run, weighting) if weighting != "none" else None
@@ -280,6 +302,8 @@ def expert_hessians(rows: LayerRows, run: list[int], all_tokens: set[int], input
             counted[j] += len(xe)
             if inputs is not None:
                 xe = inputs(j, xe)
+            if fourth is not None:
+                m4[j] += fourth_moment(xe)
             if H is None:
                 H = torch.zeros(len(run), xe.shape[-1], xe.shape[-1], device=xb.device)
             if norms is not None and e not in all_tokens:
@@ -306,6 +330,8 @@ def expert_hessians(rows: LayerRows, run: list[int], all_tokens: set[int], input
             held[e] = torch.cat(parts[e]) if parts[e] else None
     if fit_rows is not None:
         fit_rows[:] = counted
+    if fourth is not None:
+        fourth[:] = m4
     return H
 
 
@@ -382,8 +408,10 @@ def gptq_experts(rows: LayerRows, ew: dict[str, torch.Tensor], experts: list[int
         # gate and up: one Hessian per expert, shared; the weights stacked by rows [C, 2I, D]
         held: dict = {}
         n_fit: list = []
+        m4: list | None = [] if g.shrinkage != "none" else None  # gptq.shrinkage's statistic, gate/up's then down's
+        shrunk: list = []
         H = expert_hessians(rows, run, all_tokens, held=held, prior=g.prior_tokens, window=window,
-                            weighting=g.hessian_weighting, fit_rows=n_fit)
+                            weighting=g.hessian_weighting, fit_rows=n_fit, fourth=m4)
         Wgu = torch.stack([torch.cat([ew[f"mlp.experts.{e}.gate_proj.weight"],
                                       ew[f"mlp.experts.{e}.up_proj.weight"]]) for e in run]).float()
         probe = rows.probe
@@ -391,9 +419,11 @@ def gptq_experts(rows: LayerRows, ew: dict[str, torch.Tensor], experts: list[int
         box = [H]
         del H
         if low is not None:  # both dampenings in one call (run_gptq stacks them)
-            qgu, qgu_low = run_gptq(Wgu, box.pop(), group_size, g, layer, run, fit_tokens=n_fit, low=low)
+            qgu, qgu_low = run_gptq(Wgu, box.pop(), group_size, g, layer, run, fit_tokens=n_fit, low=low,
+                                    fourth=m4, shrunk=shrunk)
         else:
-            qgu = run_gptq(Wgu, box.pop(), group_size, g, layer, run, consume=True, fit_tokens=n_fit)
+            qgu = run_gptq(Wgu, box.pop(), group_size, g, layer, run, consume=True, fit_tokens=n_fit,
+                           fourth=m4, shrunk=shrunk)
         del Wgu
         gu_hat = QuantizedWeight(qgu.q, qgu.scale).dequantize(torch.float32)  # [C, 2I, D]
 
@@ -401,15 +431,15 @@ def gptq_experts(rows: LayerRows, ew: dict[str, torch.Tensor], experts: list[int
             return F.silu(xe @ gu_hat[j, :I].T) * (xe @ gu_hat[j, I:].T)
 
         Hd = expert_hessians(rows, run, all_tokens, inputs=z, prior=g.prior_tokens, window=window,
-                             weighting=g.hessian_weighting)
+                             weighting=g.hessian_weighting, fourth=m4)
         del gu_hat
         Wd = torch.stack([ew[f"mlp.experts.{e}.down_proj.weight"] for e in run]).float()  # [C, D, I]
         box = [Hd]
         del Hd
         if low is not None:
-            qd, qd_low = run_gptq(Wd, box.pop(), group_size, g, layer, run, fit_tokens=n_fit, low=low)
+            qd, qd_low = run_gptq(Wd, box.pop(), group_size, g, layer, run, fit_tokens=n_fit, low=low, fourth=m4)
         else:
-            qd = run_gptq(Wd, box.pop(), group_size, g, layer, run, consume=True, fit_tokens=n_fit)
+            qd = run_gptq(Wd, box.pop(), group_size, g, layer, run, consume=True, fit_tokens=n_fit, fourth=m4)
         del Wd
         # the probe's MoE inputs (P T, D) and each expert's probe rows: what the low dampening is judged on
         x_probe, probe_tokens = (probe.gather(), probe.routed(run)) if probe is not None else (None, {})
@@ -417,7 +447,8 @@ def gptq_experts(rows: LayerRows, ew: dict[str, torch.Tensor], experts: list[int
         for j, e in enumerate(run):
             q = _expert_q(qgu, qd, j, I)
             r = ExpertRecord(layer, e, int(counts[e]), GPTQ.name, "all_tokens" if e in hungry else None,
-                             float(qgu.loss[j] + qd.loss[j]), prior=prior_of(g, n_fit[j], Wgu_width))
+                             float(qgu.loss[j] + qd.loss[j]), prior=prior_of(g, n_fit[j], Wgu_width),
+                             shrink=round(shrunk[j], 6) if shrunk else None)
             x_held = held.get(e)
             if x_held is None:  # no held-out routed token: every held-out token of the layer
                 layer_held = _layer_heldout(rows, window) if layer_held is None else layer_held

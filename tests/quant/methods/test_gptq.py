@@ -46,11 +46,14 @@ def _streamed(x, idx, weight, n, t, micro_batch):
     return StoreRows(store, routing)
 
 
-@pytest.mark.parametrize(("micro_batch", "width_prior"), [(N, 0.0), (1, 0.0), (N, 0.5)])
-def test_streamed_gptq_equals_whole_layer_gptq(micro_batch, width_prior):
+@pytest.mark.parametrize(("micro_batch", "width_prior", "shrinkage"),
+                         [(N, 0.0, "none"), (1, 0.0, "none"), (N, 0.5, "none"), (N, 0.0, "ledoit-wolf"),
+                          (1, 0.0, "ledoit-wolf")])
+def test_streamed_gptq_equals_whole_layer_gptq(micro_batch, width_prior, shrinkage):
     w, x, idx, weight = _layer()
     rec = load_recipe("tiny-glm-5.2")
     rec.gptq.width_prior = width_prior  # the thin-calibration prior: the same fit-token counts on both paths
+    rec.gptq.shrinkage = shrinkage  # the Ledoit-Wolf intensity: the same fit rows' statistics on both paths
     rows = _streamed(x, idx, weight, N, T, micro_batch)
     experts = list(range(E))
     q_s, rec_s = METHODS["gptq"].solve(rows, w, experts, rec.gptq, 32, 1)  # what convert runs
@@ -64,6 +67,11 @@ def test_streamed_gptq_equals_whole_layer_gptq(micro_batch, width_prior):
     assert [r.method for r in rec_s] == [r.method for r in rec_m]
     assert [r.prior for r in rec_s] == [r.prior for r in rec_m]
     assert all(r.prior for r in rec_s) if width_prior else all(r.prior is None for r in rec_s)
+    if shrinkage == "none":
+        assert all(r.shrink is None for r in rec_s + rec_m)
+    else:  # isotropic inputs: the target itself, so the intensity is high; equal on both paths
+        assert [r.shrink for r in rec_s] == pytest.approx([r.shrink for r in rec_m], rel=1e-4)
+        assert all(0.5 < r.shrink <= 0.999 for r in rec_s)
     for e in experts:
         for p in PROJS:
             a, b = q_s[e][p], q_m[e][p]
