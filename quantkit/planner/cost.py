@@ -108,6 +108,7 @@ from quantkit.planner.budgets import (
     validate_exchange,
     validate_room,
 )
+from quantkit.quant.awq import BLOCK as AWQ_BLOCK
 from quantkit.quant.methods import Inputs
 from quantkit.runtime.machine import available_host_memory, peak_rss  # noqa: F401
 from quantkit.runtime.units import GB, GiB
@@ -255,11 +256,12 @@ def _awq_per_expert(x: LayerShapes, tokens: int) -> int:
 
 
 def _awq_rows(x: LayerShapes, tokens: int) -> int:
-    """The search's rows of one expert, gathered whole (quantkit.quant.awq.quantize_experts_awq): its
-    fit inputs and the float expert's outputs (n x D each), down's input before and after
-    quantization (n x I each), n its routed tokens on average."""
+    """The search's rows of one expert (quantkit.quant.awq.awq_experts): its fit inputs gathered whole
+    (n x D, n its routed tokens on average), and one block of rows' work space (AWQ_BLOCK
+    rows of gate's and up's outputs, z, and the output error's two n x D terms); every statistic
+    is accumulated a block at a time, so no n x I array is held."""
     n = tokens * x.topk // max(x.experts, 1)
-    return n * F32 * (2 * x.hidden + 2 * x.expert_width)
+    return n * F32 * x.hidden + min(n, AWQ_BLOCK) * F32 * (3 * x.expert_width + 2 * x.hidden)
 
 
 def _expert_mb_bytes(x: LayerShapes, B: int, T: int) -> int:

@@ -122,12 +122,36 @@ def weight_means(W: torch.Tensor, group_size: int) -> torch.Tensor:
     return Wg.flatten(-2).mean(-2)  # (..., in)
 
 
-def _second_moment(X: torch.Tensor) -> torch.Tensor:
-    """X (n, in) -> X^T X / n (in, in); zeros for n = 0 (no tokens: every candidate scores 0)."""
+BLOCK = 8192  # rows per block of the statistics: the work space is a block of rows, not an expert's whole z
+
+
+def _second_moment(X: torch.Tensor, f=None) -> torch.Tensor:
+    """E[f(x) f(x)^T] over the rows of X (n, in) -> (out, out), f(x) = x by default; zeros for n = 0
+    (no tokens: every candidate scores 0). Accumulated BLOCK rows at a time, so f(X) (e.g. an
+    expert's z, n x I) is never held whole."""
     X = X.float()
-    if X.shape[0] == 0:
-        return torch.zeros(X.shape[-1], X.shape[-1], device=X.device)
-    return X.T @ X / X.shape[0]
+    width = X.shape[-1] if f is None else f(X[:0]).shape[-1]
+    out = torch.zeros(width, width, device=X.device)
+    for b in range(0, X.shape[0], BLOCK):
+        xb = X[b:b + BLOCK] if f is None else f(X[b:b + BLOCK])
+        out.addmm_(xb.T, xb)
+    return out / X.shape[0] if X.shape[0] else out
+
+
+def _z_statistics(X: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                  fourth: bool = False) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """For z = silu(x gate^T) * (x up^T) on the rows of X (n, D): mean|z| (I,), E[z z^T] (I, I) and
+    with `fourth` sum_t ||z_t||^4 (gptq.shrinkage's statistic; else 0), a block of rows at a time."""
+    I = gate.shape[0]
+    absz, Hz, m4 = torch.zeros(I, device=X.device), torch.zeros(I, I, device=X.device), 0.0
+    for b in range(0, X.shape[0], BLOCK):
+        xb = X[b:b + BLOCK]
+        z = F.silu(xb @ gate.T) * (xb @ up.T)  # (block, I)
+        absz += z.abs().sum(0)
+        Hz.addmm_(z.T, z)
+        m4 += fourth_moment(z) if fourth else 0.0
+    n = max(X.shape[0], 1)
+    return absz / n, Hz / n, m4
 
 
 # ---- smoothing scales ---------------------------------------------------------------------------
@@ -293,11 +317,12 @@ def _expert(qgu: QuantizedWeight, qd: QuantizedWeight, i: int) -> dict[str, Quan
             "down_proj": QuantizedWeight(qd.q[i], qd.scale[i])}
 
 
-def _quantize_smoothed(X, Wg, Wu, Wd, s, Y, group_size, quantizer, g, a, layer, chunk, shrunk=None):
+def _quantize_smoothed(X, Wg, Wu, Wd, s, group_size, quantizer, g, a, layer, chunk, shrunk=None):
     """Fold s into up/down, quantize gate, up' and down' (down' against what the quantized gate/up'
     really produce); returns (gate/up QuantizedWeight (C, 2, ...), down's, final mean squared
-    expert-output error per token (C,) against the float experts' outputs Y). `shrunk`, when a list,
-    receives gate/up's gptq.shrinkage intensity per expert."""
+    expert-output error per token (C,) against the float experts). `shrunk`, when a list, receives
+    gate/up's gptq.shrinkage intensity per expert. Every statistic is accumulated a block of rows
+    at a time (`_second_moment`): X's rows are the only per-token arrays held."""
     lw = quantizer == "gptq" and g.shrinkage != "none"  # gptq.shrinkage's statistic of each Linear's rows
     up_s, down_s = fold_up_down(Wu, Wd, s)
     # gate and the smoothed up: one input statistic per expert, shared by both
@@ -309,19 +334,36 @@ def _quantize_smoothed(X, Wg, Wu, Wd, s, Y, group_size, quantizer, g, a, layer, 
                        shrunk=shrunk)
     else:
         qgu = quantize_clipped(Wgu, group_size, auto_clip(Wgu, Hx[:, None], group_size, a.grid))
+    del Hx
     gu_hat = qgu.dequantize()  # (C, 2, I, D)
-    # the smoothed down, against what the quantized gate / up' really produce
-    Z_hat = [F.silu(xe @ gu_hat[i, 0].T) * (xe @ gu_hat[i, 1].T) for i, xe in enumerate(X)]  # (n, I), ~ z / s
-    Hz_s = torch.stack([_second_moment(zh) for zh in Z_hat])  # (C, I, I)
+    # the smoothed down, against what the quantized gate / up' really produce: z_hat' ~ z / s
+    Hz_s, m4 = [], []
+    for i, xe in enumerate(X):
+        H, m = _second_moment(xe, lambda xb, i=i: F.silu(xb @ gu_hat[i, 0].T) * (xb @ gu_hat[i, 1].T)), 0.0
+        if lw:
+            _, _, m = _z_statistics(xe, gu_hat[i, 0], gu_hat[i, 1], fourth=True)
+        Hz_s.append(H)
+        m4.append(m)
     if quantizer == "gptq":
-        qd = run_gptq(down_s, 2 * Hz_s, group_size, g, layer, chunk, fit_tokens=[len(xe) for xe in X],
-                      fourth=[fourth_moment(zh) for zh in Z_hat] if lw else None)
+        qd = run_gptq(down_s, 2 * torch.stack(Hz_s), group_size, g, layer, chunk, fit_tokens=[len(xe) for xe in X],
+                      fourth=m4 if lw else None)
     else:
-        qd = quantize_clipped(down_s, group_size, auto_clip(down_s, Hz_s, group_size, a.grid))
+        qd = quantize_clipped(down_s, group_size, auto_clip(down_s, torch.stack(Hz_s), group_size, a.grid))
+    del Hz_s
     d_hat = qd.dequantize()  # (C, D, I)
-    err = torch.stack([(zh @ d_hat[i].T - Y[i]).square().sum(-1).mean() for i, zh in enumerate(Z_hat)])  # (C,)
+    err = torch.stack([_output_error_rows(xe, gu_hat[i], d_hat[i], Wg[i], Wu[i], Wd[i]) for i, xe in enumerate(X)])  # (C,)
     return qgu, qd, err
 
+
+def _output_error_rows(X, gu_hat, d_hat, Wg, Wu, Wd) -> torch.Tensor:
+    """Mean squared expert output error per row of X against the float expert, a block at a time."""
+    total = torch.zeros((), device=X.device)
+    for b in range(0, X.shape[0], BLOCK):
+        xb = X[b:b + BLOCK]
+        zh = F.silu(xb @ gu_hat[0].T) * (xb @ gu_hat[1].T)
+        y = (F.silu(xb @ Wg.T) * (xb @ Wu.T)) @ Wd.T
+        total += (zh @ d_hat.T - y).square().sum()
+    return total / max(X.shape[0], 1)
 
 
 def quantize_experts_awq(
@@ -412,23 +454,24 @@ def awq_experts(
         X = [inputs[e].float() for e in chunk]  # C x (n_e, D)
         Wg, Wu, Wd = (torch.stack([expert_weights(w, e)[i] for e in chunk]).float() for i in range(3))  # (C, I, D) x2, (C, D, I)
 
-        # 1. down's input on each expert's tokens, float
-        Z = [F.silu(xe @ Wg[i].T) * (xe @ Wu[i].T) for i, xe in enumerate(X)]  # C x (n, I)
-        z_mean = torch.stack([activation_means(z) for z in Z])  # (C, I)
-        Hz = torch.stack([_second_moment(z) for z in Z])  # (C, I, I)
+        # 1. down's input z on each expert's tokens, float: mean|z| and E[z z^T], a block of rows at a time
+        stats = [_z_statistics(xe, Wg[i], Wu[i]) for i, xe in enumerate(X)]
+        z_mean = torch.stack([m for m, _, _ in stats])  # (C, I)
+        Hz = torch.stack([h for _, h, _ in stats])  # (C, I, I)
+        del stats
 
         # 2. smoothing scales (searched with RTN, as AWQ), then 3-4 with the quantizer that writes the
         #    weights; the same for s = 1 as an alternative the caller's held-out guard may keep
         #    (quantkit.quant.experts.guard_against_rtn): the search's RTN proxy can disagree with GPTQ
         s, _, _ = awq_smooth_scales(Wd, z_mean, Hz, group_size, a.grid, a.duo_scaling)  # (C, I)
-        Y = [z @ Wd[i].T for i, z in enumerate(Z)]  # C x (n, D): the float experts' outputs
+        del Hz
         shrunk: list = []
-        qgu, qd, err = _quantize_smoothed(X, Wg, Wu, Wd, s, Y, group_size, quantizer, g, a, layer, chunk, shrunk)
+        qgu, qd, err = _quantize_smoothed(X, Wg, Wu, Wd, s, group_size, quantizer, g, a, layer, chunk, shrunk)
         if alternatives is not None:
-            qgu1, qd1, _ = _quantize_smoothed(X, Wg, Wu, Wd, torch.ones_like(s), Y, group_size, quantizer, g, a, layer, chunk)
+            qgu1, qd1, _ = _quantize_smoothed(X, Wg, Wu, Wd, torch.ones_like(s), group_size, quantizer, g, a, layer, chunk)
         low = g_low if alternatives is not None and quantizer == "gptq" else None
         if low is not None:
-            qgul, qdl, _ = _quantize_smoothed(X, Wg, Wu, Wd, s, Y, group_size, quantizer, low, a, layer, chunk)
+            qgul, qdl, _ = _quantize_smoothed(X, Wg, Wu, Wd, s, group_size, quantizer, low, a, layer, chunk)
         for i, e in enumerate(chunk):
             quantized[e] = _expert(qgu, qd, i)
             if alternatives is not None:
