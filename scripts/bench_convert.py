@@ -18,6 +18,10 @@ alone, via os.wait4 in a small launcher), with the same thread count (--threads,
                      depths (default 4 and 16 layers), same calibration (--depth-llmc: also
                      llm-compressor)
 
+Arithmetic: quantkit GPTQ's time per phase (convert-report.json's layers[*].phases, CPU seconds)
+beside the planner's FLOPs for that phase of that run (its cost.flops) and this machine's float32
+matmul rate measured in the same run: how close each phase comes to the machine's limit.
+
 Quality: KL(source || output) and top-1 agreement on held-out corpus tokens (quantkit.synthetic.tiny
 seeds >= 2000), with quantkit's reference forward (`quantkit.validation.forward.logits`) on every output
 folder. The "experts-only" columns compare against the dequantized copy llm-compressor started
@@ -108,7 +112,7 @@ def quantkit_convert(src: Path | str, out: Path, method: str, args, recipe: str 
     log = logs / f"{out.name}.log"
     m = measured(cmd, log, env=env)
     report = json.loads(log.read_text())  # --json prints only the report on stdout
-    m["report"] = {k: report[k] for k in ("seconds", "peak_rss_bytes", "experts_summary", "calibration", "layers")}
+    m["report"] = {k: report[k] for k in ("seconds", "peak_rss_bytes", "experts_summary", "calibration", "layers", "cost")}
     return m
 
 
@@ -345,6 +349,73 @@ def plot_rss(res: dict, path: Path) -> dict:
 
 
 # ---- table -----------------------------------------------------------------------------------------
+def matmul_rate(threads: int) -> dict:
+    """This machine's float32 matmul rate, FLOP/s in CPU time per thread (best of 3 at 2048^3, after a warm-up),
+    the limit the arithmetic table holds each phase against."""
+    import time
+
+    import torch
+
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a @ b
+    best = float("inf")
+    for _ in range(3):
+        t = time.process_time()
+        a @ b
+        best = min(best, time.process_time() - t)
+    return {"flops_per_thread": 2 * 2048**3 / best, "threads": threads, "shape": "2048x2048 @ 2048x2048"}
+
+
+# the planner's compute phases (quantkit.planner.cost ConvertCost.flops) and the convert's timed ones
+# (quantkit.runtime.phases) they are held against
+PHASES = (("attention", "attention", "attention, dense MLP and shared experts (calibration forward)"),
+          ("hessians", "hessians", "Hessian accumulation (X^T X per expert, down's on the quantized gate/up)"),
+          ("gptq", "gptq", "the GPTQ solve (Cholesky, column loop, lazy updates)"),
+          ("experts_out", "experts_out", "routed experts' outputs under the decode weights"))
+
+
+def arithmetic(run: dict, rate: dict) -> list[dict]:
+    """Per compute phase of one quantkit run: measured CPU and wall seconds (summed over layers), the planner's
+    FLOPs and seconds for it, the FLOP/s reached and its fraction of the measured matmul rate."""
+    rep = run["report"]
+    measured: dict[str, dict[str, float]] = {}
+    for layer in rep["layers"]:
+        for k, v in layer.get("phases", {}).items():
+            m = measured.setdefault(k, {"wall": 0.0, "cpu": 0.0})
+            m["wall"] += v["wall"]
+            m["cpu"] += v["cpu"]
+    flops, predicted = rep["cost"]["flops"], rep["cost"]["seconds"]
+    limit = rate["flops_per_thread"] * rate["threads"]
+    rows = []
+    for plan_key, timed_key, what in PHASES:
+        m, f = measured.get(timed_key), flops.get(plan_key, 0.0)
+        if m is None or not f:
+            continue
+        cpu = max(m["cpu"], 1e-9)
+        rows.append({"phase": plan_key, "what": what, "cpu_s": m["cpu"], "wall_s": m["wall"], "gflop": f / 1e9,
+                     "gflops": f / cpu / 1e9, "of_rate": f / cpu / limit, "predicted_s": predicted.get(plan_key)})
+    q = measured.get("quantize")
+    if q is not None:  # the method's solve beyond the Hessians and GPTQ: the guard against RTN, stacking
+        rest = {k: q[k] - sum(measured.get(p, {}).get(k, 0.0) for p in ("hessians", "gptq")) for k in ("wall", "cpu")}
+        rows.append({"phase": "guard", "what": "the rest of the solve: the held-out guard against RTN, stacking",
+                     "cpu_s": rest["cpu"], "wall_s": rest["wall"], "gflop": None, "gflops": None, "of_rate": None,
+                     "predicted_s": None})
+    return rows
+
+
+def render_arithmetic(res: dict) -> list[str]:
+    rate = res["matmul"]
+    lines = ["", f"arithmetic of quantkit GPTQ per phase (CPU seconds over all layers; FLOPs: the planner's for this run; "
+             f"matmul here: {rate['flops_per_thread'] / 1e9:.0f} GFLOP/s per thread, {rate['shape']}, x{rate['threads']} thread(s))"]
+    hdr = f"  {'phase':<12} {'cpu s':>8} {'wall s':>8} {'GFLOP':>9} {'GFLOP/s':>8} {'of matmul':>9} {'planner s':>9}"
+    lines += [hdr, "  " + "-" * (len(hdr) - 2)]
+    for r in res["arithmetic"]:
+        num = (f"{r['gflop']:9.1f} {r['gflops']:8.1f} {r['of_rate']:9.2f}" if r["gflop"] is not None else f"{'':9} {'':8} {'':9}")
+        pred = f"{r['predicted_s']:9.2f}" if r["predicted_s"] is not None else ""
+        lines.append(f"  {r['phase']:<12} {r['cpu_s']:8.2f} {r['wall_s']:8.2f} {num} {pred}")
+    return lines
+
+
 def _mb(b: float) -> str:
     return f"{b / 2**20:.0f}"
 
@@ -374,6 +445,8 @@ def render(res: dict) -> str:
         if "diff" in v:
             target += f"   paired KL difference {v['diff']:+.5f} ± {v['diff_se']:.5f}"
         lines.append(f"  {name:<52} {v['value']:6.3f}   {target}")
+    if res.get("arithmetic"):
+        lines += render_arithmetic(res)
     if res.get("depth"):
         d = res["depth"]
         lines.append("")
@@ -542,6 +615,8 @@ def main(argv: list[str] | None = None) -> int:
         "floor-llmc": "floor: import llmcompressor, transformers",
     }
 
+    res["matmul"] = matmul_rate(args.threads or torch.get_num_threads())
+    res["arithmetic"] = arithmetic(res["runs"]["qk-gptq"], res["matmul"])
     qk, lc = res["runs"]["qk-gptq"], res["runs"]["llmc"]
     qs, qe = res["quality"]["vs_source"], res["quality"]["experts_only"]
     floor = res["runs"]["floor-torch"]["peak_rss_bytes"]

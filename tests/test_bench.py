@@ -94,6 +94,29 @@ def test_render(bench):
     assert "run a" in out and "row without a run" in out and "met" in out and "paired KL difference" in out
 
 
+def test_arithmetic_holds_each_phase_against_the_planners_flops(bench, tmp_path):
+    """A GPTQ convert times its phases per layer; the table divides the planner's FLOPs for that run by
+    their CPU seconds summed over layers, and the guard is the solve's remainder."""
+    src, _ = write_random(tmp_path / "src", small_config("glm"), linears="fp8", experts="fp8")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run = bench.quantkit_convert(src, tmp_path / "qk", "gptq", _args(), "tiny-glm-5.2", tmp_path / "logs", env)
+    rep = run["report"]
+    moe = [la for la in rep["layers"] if la["calibrated"]]
+    assert moe and all({"attention", "hessians", "gptq", "quantize", "experts_out"} <= set(la["phases"]) for la in moe)
+    rate = {"flops_per_thread": 1e11, "threads": 1, "shape": "s"}
+    rows = {r["phase"]: r for r in bench.arithmetic(run, rate)}
+    assert list(rows) == ["attention", "hessians", "gptq", "experts_out", "guard"]
+    for name in ("attention", "hessians", "gptq", "experts_out"):
+        r = rows[name]
+        cpu = sum(la["phases"][name]["cpu"] for la in rep["layers"] if name in la["phases"])
+        assert r["cpu_s"] == pytest.approx(cpu) and r["gflop"] == pytest.approx(rep["cost"]["flops"][name] / 1e9)
+        assert r["of_rate"] == pytest.approx(r["gflops"] * 1e9 / 1e11)
+    solve = sum(la["phases"]["quantize"]["cpu"] for la in moe)
+    assert rows["guard"]["cpu_s"] == pytest.approx(solve - rows["hessians"]["cpu_s"] - rows["gptq"]["cpu_s"])
+    assert rows["guard"]["cpu_s"] >= -0.01  # the Hessians and the solve are parts of the method's solve
+    assert "of matmul" in "\n".join(bench.render_arithmetic({"matmul": rate, "arithmetic": list(rows.values())}))
+
+
 def _args(**kw):
     import argparse
 

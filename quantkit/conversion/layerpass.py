@@ -37,6 +37,7 @@ from quantkit.model.moe import mlp, route, shared_expert, swiglu, weighted
 from quantkit.model.ops import rms_norm
 from quantkit.model.reference import attention
 from quantkit.quant.experts import QuantizedWeight
+from quantkit.runtime import phases
 from quantkit.runtime.machine import return_freed_memory
 
 if TYPE_CHECKING:  # annotations only, as in conversion/stages.py
@@ -181,7 +182,8 @@ def convert_experts(ckpt, pair, decisions, layer: int, rows: StoreRows | None, r
     counts = rows.counts.tolist() if rows is not None else [0] * (max(experts, default=-1) + 1)
 
     def load(part):  # the experts' source weights, dequantized, on the compute device
-        return {n[len(pre):]: ckpt.get(n, dtype).to(dev) for e in part for n in by_expert[e]}
+        with phases.timed("read"):
+            return {n[len(pre):]: ckpt.get(n, dtype).to(dev) for e in part for n in by_expert[e]}
 
     done: dict = {}  # expert -> quantized weights, from the ranks' shares of the work
     records: list = []
@@ -199,21 +201,24 @@ def convert_experts(ckpt, pair, decisions, layer: int, rows: StoreRows | None, r
             ew = load([e for e in part if e not in quantized])
         if need:
             bar.update(note=f"layer {layer}: quantizing experts {need[0]}-{need[-1]} of {len(experts)}")
-            q, recs = method.solve(rows, ew, need, options, group_size, layer)
+            with phases.timed("quantize"):
+                q, recs = method.solve(rows, ew, need, options, group_size, layer)
             quantized.update(q)
             records += recs
         records += [ExpertRecord(layer, e, counts[e], "reused") for e in part if e not in int4]
-        for e in part:
-            for name in by_expert[e]:
-                pair.write_expert(name, decisions[name], quantized.get(e, {}).get(ckpt.tensors[name].info.proj))
+        with phases.timed("write"):
+            for e in part:
+                for name in by_expert[e]:
+                    pair.write_expert(name, decisions[name], quantized.get(e, {}).get(ckpt.tensors[name].info.proj))
         if rows is not None:
-            weights = {e: tuple(quantized[e][p].dequantize(dtype).to(dev) for p in PROJS) if e in quantized
-                       else expert_weights(ew, e) for e in part}
-            del ew, quantized
-            add_expert_outputs(rows.store, rows.routing, weights, group if group is not None and group.distributed else None)
-            if rows.probe is not None:
-                add_expert_outputs(rows.probe.store, rows.probe.routing, weights)
-            del weights
+            with phases.timed("experts_out"):
+                weights = {e: tuple(quantized[e][p].dequantize(dtype).to(dev) for p in PROJS) if e in quantized
+                           else expert_weights(ew, e) for e in part}
+                del ew, quantized
+                add_expert_outputs(rows.store, rows.routing, weights, group if group is not None and group.distributed else None)
+                if rows.probe is not None:
+                    add_expert_outputs(rows.probe.store, rows.probe.routing, weights)
+                del weights
         else:
             del ew, quantized
         return_freed_memory()  # this chunk's method work, weights and outputs, before the next chunk's
@@ -239,7 +244,8 @@ def _quantize_share(group: Group, rows: StoreRows, load, int4: list[int], counts
         part = mine[start:start + chunk]
         bar.update(note=f"layer {layer}: quantizing {len(mine)} of {n_experts} experts on rank {group.rank}")
         ew = load(part)
-        q, recs = method.solve(rows, ew, part, options, group_size, layer)
+        with phases.timed("quantize"):
+            q, recs = method.solve(rows, ew, part, options, group_size, layer)
         for r in recs:
             r.rank = group.rank
         quantized.update(q)

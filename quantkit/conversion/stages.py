@@ -27,7 +27,7 @@ from quantkit.model.mtp import embed_name, mtp_input, shifted
 from quantkit.model.reference import Context
 from quantkit.model.tensors import TensorClass
 from quantkit.quant.experts import ExpertRecord
-from quantkit.runtime import distributed, faults
+from quantkit.runtime import distributed, faults, phases
 from quantkit.runtime.machine import return_freed_memory
 
 if TYPE_CHECKING:
@@ -128,6 +128,7 @@ def convert_layer(job: Job, pair: PairWriter, calib: Calibration, bar, layer: in
     under the decode weights), its parts flushed; its report entries and the progress go into the state."""
     arch, state = job.arch, job.state
     t0 = time.time()
+    phases.take()  # this layer's phases only (quantkit.runtime.phases)
     mtp = layer >= arch.num_hidden_layers
     # the first MTP layer is calibrated on what it sees in serving (its input from the last main
     # layer's h); a further one would need the previous MTP layer's output: rounded to nearest
@@ -137,10 +138,11 @@ def convert_layer(job: Job, pair: PairWriter, calib: Calibration, bar, layer: in
     if calibrate and mtp:
         mtp_inputs(job, calib, w, layer)
     if calibrate:  # h += attention (+ dense MLP, or shared expert), x and routing kept for the experts
-        routing = attention_pass(calib.store, w, calib.ctx, layer, calib.topks, arch.is_moe(layer), calib.split)
-        if calib.probe is not None:  # the probe windows through the same layer, on every rank
-            probe = calib.probe
-            probe_routing = attention_pass(probe.store, w, probe.ctx, layer, probe.topks, arch.is_moe(layer))
+        with phases.timed("attention"):
+            routing = attention_pass(calib.store, w, calib.ctx, layer, calib.topks, arch.is_moe(layer), calib.split)
+            if calib.probe is not None:  # the probe windows through the same layer, on every rank
+                probe = calib.probe
+                probe_routing = attention_pass(probe.store, w, probe.ctx, layer, probe.topks, arch.is_moe(layer))
         kv = cast(KVAbsmax, calib.ctx.kv)  # start_calibration's: the maxima it measured
         kv_stats = write_kv_scales(pair, arch.layer_prefix(layer), kv, layer, arch.definition.attention)
         return_freed_memory()  # the attention's micro-batch buffers, before the experts' Hessians
@@ -157,7 +159,7 @@ def convert_layer(job: Job, pair: PairWriter, calib: Calibration, bar, layer: in
     state.experts += [expert_entry(r, job.method) for r in records]
     state.layers.append({"layer": layer, "kind": "mtp" if mtp else ("moe" if arch.is_moe(layer) else "dense"),
                          "seconds": round(time.time() - t0, 3), "attention_seconds": round(t_attention, 3),
-                         "calibrated": calibrate and arch.is_moe(layer),
+                         "calibrated": calibrate and arch.is_moe(layer), "phases": phases.take(),
                          **({"kv_cache": kv_stats} if kv_stats else {}),
                          **({"ranks": shares} if shares else {})})
     state.next_layer = layer + 1

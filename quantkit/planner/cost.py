@@ -157,6 +157,7 @@ class ConvertCost:
     peak_device: int | None
     disk: dict[str, int]
     seconds: dict[str, float]  # phase -> seconds
+    flops: dict[str, float]  # compute phase -> its arithmetic, FLOPs of one rank before the split by micro-batches
     validate_seconds: float | None
     validate_share: int | None = None  # bytes of the three checkpoints one rank reads (its experts only), as stored
     validate_kept: int | None = None  # of which validate keeps in memory (device, then host); the rest is re-read per pass
@@ -529,8 +530,9 @@ def _device_rates(on_gpu: bool, gpu: str | None, rates: dict[str, float]) -> _Ra
 
 
 def _phase_seconds(m: _Memory, r: _Rates, *, method: Method, C: int, source_bytes: int, output_bytes: tuple[int, int],
-                   quantized: float, nproc: int, probe_work: float = 1.0) -> dict[str, float]:
-    """Seconds per phase of one rank's run, before the split by micro-batches and the disk overlap.
+                   quantized: float, nproc: int, flops: dict[str, float], probe_work: float = 1.0) -> dict[str, float]:
+    """Seconds per phase of one rank's run, before the split by micro-batches and the disk overlap;
+    `flops` receives the arithmetic of each compute phase (ConvertCost.flops).
     probe_work: the quantizing arithmetic's multiple with the method's probe (ProbeCost.work: GPTQ at
     two dampenings in one batched call, so its arithmetic twice and its launches once)."""
     x, tokens, T = m.x, m.tokens, m.T
@@ -550,6 +552,8 @@ def _phase_seconds(m: _Memory, r: _Rates, *, method: Method, C: int, source_byte
     gptq_launch = chunks * (D + I) * LAUNCHES_PER_COLUMN * r.launch if gptq_on else 0.0
     data_free = method.data_free().flops_per_weight  # its data-free form's experts (MTP, or all)
     rtn_flops = x.experts * (x.moe_layers - (Lm if gptq_on else 0)) * 3 * I * D * data_free
+    flops["attention"], flops["hessians"], flops["experts_out"] = attn_flops, hess_flops, out_flops
+    flops["gptq"], flops["rtn"] = gptq_flops, rtn_flops
     return {
         "read": source_bytes / r.disk,
         "attention": attn_flops / r.flops,
@@ -751,10 +755,13 @@ def plan_convert(
             "streamed_source": 0}
 
     r = _device_rates(on_gpu, gpu, rates)
+    flops: dict[str, float] = {}
     seconds = _phase_seconds(m, r, method=method, C=C, source_bytes=source_bytes, output_bytes=output_bytes,
-                             quantized=quantized, nproc=nproc, probe_work=probed.work if probed is not None else 1.0)
+                             quantized=quantized, nproc=nproc, flops=flops,
+                             probe_work=probed.work if probed is not None else 1.0)
     if probe and calibrate:  # the probe's tokens run attention and the expert outputs, but are never fitted on
         seconds["hessians"] *= num_samples / (num_samples + probe)
+        flops["hessians"] *= num_samples / (num_samples + probe)
     if method.calibrated and calibrate:
         seconds["gptq"] *= method.time_factor  # e.g. AWQ's scale search on top of GPTQ
         if method.cost_note:
@@ -777,7 +784,8 @@ def plan_convert(
     return ConvertCost(device=device, gpu=gpu if on_gpu else None, host_budget=host, gpu_budget=gpu_mem, tokens=m.tokens,
                        store=store, expert_chunk=C, shard_bytes=m.shard, memory=memory, peak_host=int(peak_host),
                        peak_device=int(peak_device) if peak_device is not None else None, disk=disk,
-                       seconds={k: round(v, 1) for k, v in seconds.items()}, validate_seconds=validate_s,
+                       seconds={k: round(v, 1) for k, v in seconds.items()}, flops={k: float(f"{v:.4g}") for k, v in flops.items()},
+                       validate_seconds=validate_s,
                        validate_share=validate_share, validate_kept=validate_kept, validate_peak=validate_peak, state_every=every,
                        notes=notes, fits=fits, reason=reason, nproc=nproc, probe=probe if calibrate else 0)
 

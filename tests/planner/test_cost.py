@@ -178,6 +178,20 @@ def test_full_scale_glm_on_one_h200_fits_and_says_validate_is_long():
     assert big.validate_kept == big.validate_share and big.validate_seconds < c.validate_seconds / 2
 
 
+def test_each_compute_phase_carries_the_flops_its_seconds_come_from():
+    """ConvertCost.flops: what bench_convert holds each measured phase against. On one H200 the matmul
+    phases' seconds are their FLOPs at the device's rate (GLM 5.2: Hessians the largest)."""
+    from quantkit.planner.budgets import GPUS
+
+    c = plan_convert_for("glm-5.2", gpu="h200", max_host_memory="200GB")
+    rate = GPUS["h200"].flops
+    for phase in ("attention", "hessians", "experts_out"):
+        assert c.flops[phase] > 0 and c.seconds[phase] == pytest.approx(c.flops[phase] / rate, rel=0.02, abs=0.1)
+    assert c.flops["hessians"] > c.flops["gptq"] > 0 and c.flops["rtn"] >= 0
+    assert json.loads(json.dumps(c.to_json()))["flops"] == c.flops
+    assert plan_convert_for("tiny:glm-5.2", gpu="cpu", method="rtn").flops["hessians"] == 0
+
+
 def test_resume_state_saves_are_bounded_by_the_overhead():
     """Rank 0 saves h (26 GB at full scale) every `state_every` layers, as many as keep the saves
     at STATE_OVERHEAD of the run: every layer when a save is quick, every few layers otherwise.

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field
 
 from quantkit.quant.methods.registry import Inputs, Method, ProbeCost, Settings, register
+from quantkit.runtime import phases
 
 if TYPE_CHECKING:
     import torch
@@ -410,36 +411,40 @@ def gptq_experts(rows: LayerRows, ew: dict[str, torch.Tensor], experts: list[int
         n_fit: list = []
         m4: list | None = [] if g.shrinkage != "none" else None  # gptq.shrinkage's statistic, gate/up's then down's
         shrunk: list = []
-        H = expert_hessians(rows, run, all_tokens, held=held, prior=g.prior_tokens, window=window,
-                            weighting=g.hessian_weighting, fit_rows=n_fit, fourth=m4)
+        with phases.timed("hessians"):
+            H = expert_hessians(rows, run, all_tokens, held=held, prior=g.prior_tokens, window=window,
+                                weighting=g.hessian_weighting, fit_rows=n_fit, fourth=m4)
         Wgu = torch.stack([torch.cat([ew[f"mlp.experts.{e}.gate_proj.weight"],
                                       ew[f"mlp.experts.{e}.up_proj.weight"]]) for e in run]).float()
         probe = rows.probe
         low = low_settings(g) if probe is not None else None
         box = [H]
         del H
-        if low is not None:  # both dampenings in one call (run_gptq stacks them)
-            qgu, qgu_low = run_gptq(Wgu, box.pop(), group_size, g, layer, run, fit_tokens=n_fit, low=low,
-                                    fourth=m4, shrunk=shrunk)
-        else:
-            qgu = run_gptq(Wgu, box.pop(), group_size, g, layer, run, consume=True, fit_tokens=n_fit,
-                           fourth=m4, shrunk=shrunk)
+        with phases.timed("gptq"):
+            if low is not None:  # both dampenings in one call (run_gptq stacks them)
+                qgu, qgu_low = run_gptq(Wgu, box.pop(), group_size, g, layer, run, fit_tokens=n_fit, low=low,
+                                        fourth=m4, shrunk=shrunk)
+            else:
+                qgu = run_gptq(Wgu, box.pop(), group_size, g, layer, run, consume=True, fit_tokens=n_fit,
+                               fourth=m4, shrunk=shrunk)
         del Wgu
         gu_hat = QuantizedWeight(qgu.q, qgu.scale).dequantize(torch.float32)  # [C, 2I, D]
 
         def z(j, xe):  # down's input under the quantized gate/up
             return F.silu(xe @ gu_hat[j, :I].T) * (xe @ gu_hat[j, I:].T)
 
-        Hd = expert_hessians(rows, run, all_tokens, inputs=z, prior=g.prior_tokens, window=window,
-                             weighting=g.hessian_weighting, fourth=m4)
+        with phases.timed("hessians"):
+            Hd = expert_hessians(rows, run, all_tokens, inputs=z, prior=g.prior_tokens, window=window,
+                                 weighting=g.hessian_weighting, fourth=m4)
         del gu_hat
         Wd = torch.stack([ew[f"mlp.experts.{e}.down_proj.weight"] for e in run]).float()  # [C, D, I]
         box = [Hd]
         del Hd
-        if low is not None:
-            qd, qd_low = run_gptq(Wd, box.pop(), group_size, g, layer, run, fit_tokens=n_fit, low=low, fourth=m4)
-        else:
-            qd = run_gptq(Wd, box.pop(), group_size, g, layer, run, consume=True, fit_tokens=n_fit, fourth=m4)
+        with phases.timed("gptq"):
+            if low is not None:
+                qd, qd_low = run_gptq(Wd, box.pop(), group_size, g, layer, run, fit_tokens=n_fit, low=low, fourth=m4)
+            else:
+                qd = run_gptq(Wd, box.pop(), group_size, g, layer, run, consume=True, fit_tokens=n_fit, fourth=m4)
         del Wd
         # the probe's MoE inputs (P T, D) and each expert's probe rows: what the low dampening is judged on
         x_probe, probe_tokens = (probe.gather(), probe.routed(run)) if probe is not None else (None, {})
