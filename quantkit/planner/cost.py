@@ -132,8 +132,8 @@ STATE_OVERHEAD = 0.05
 # to 975 MB, eight samples at a time 8x less of it; docs/benchmarks.md, "Peak memory"). The tiny
 # recipes' 64 x 64 windows (66 MB) stay one micro-batch.
 MICRO_BATCH_CPU_BYTES = 128 * 2**20
-# On the CPU, AWQ's search rows gathered for one expert chunk (each expert's fit inputs, its float
-# outputs and down's inputs, `_awq_rows`) are capped at this many bytes whatever the budget, for the
+# On the CPU, AWQ's search rows gathered for one expert chunk (each expert's fit and held-out inputs,
+# `_awq_rows`) are capped at this many bytes whatever the budget, for the
 # same reason: an expert's search and GPTQ do not depend on which experts share its chunk (the bytes
 # are the same), and with the budget at the machine's free memory a 16-expert chunk at 512 x 512
 # calibration tokens gathered 6 GB at hidden 512, two experts at a time 3.5 GB and the same bytes.
@@ -257,12 +257,18 @@ def _awq_per_expert(x: LayerShapes, tokens: int) -> int:
 
 
 def _awq_rows(x: LayerShapes, tokens: int) -> int:
-    """The search's rows of one expert (quantkit.quant.awq.awq_experts): its fit inputs gathered whole
-    (n x D, n its routed tokens on average), and one block of rows' work space (AWQ_BLOCK
-    rows of gate's and up's outputs, z, and the output error's two n x D terms); every statistic
-    is accumulated a block at a time, so no n x I array is held."""
+    """The search's rows of one expert (quantkit.quant.methods.awq.expert_rows): its fit and held-out
+    inputs, each allocated at its final size and filled in place (n x D, n its routed tokens on average)."""
     n = tokens * x.topk // max(x.experts, 1)
-    return n * F32 * x.hidden + min(n, AWQ_BLOCK) * F32 * (3 * x.expert_width + 2 * x.hidden)
+    return n * F32 * x.hidden
+
+
+def _awq_block(x: LayerShapes, tokens: int) -> int:
+    """The search's work space, once per chunk (quantkit.quant.awq.awq_experts runs its experts' statistics
+    one after another): one block of AWQ_BLOCK rows of gate's and up's outputs, z, and the output
+    error's two rows x D terms; every statistic is accumulated a block at a time, so no n x I array is held."""
+    n = tokens * x.topk // max(x.experts, 1)
+    return min(n, AWQ_BLOCK) * F32 * (3 * x.expert_width + 2 * x.hidden)
 
 
 def _expert_mb_bytes(x: LayerShapes, B: int, T: int) -> int:
@@ -371,6 +377,8 @@ def _memory_terms(x: LayerShapes, *, method: Method, group_size: int, calibrate:
         per_expert = reused_per_expert(x)
     # reused INT4 experts are stored FP8 in prefill: quantizing one tensor (float32 copies of it) beside the chunk
     chunk_extra = reused_per_expert(x) if calibrate and not quantizes else 0
+    if awq:
+        chunk_extra += _awq_block(x, tokens)
     gathers = awq and method.inputs is Inputs.LAYER  # and the layer's inputs whole
     return _Memory(
         x=x, calibrate=calibrate, awq=awq, gathers=gathers, T=T, tokens=tokens, on_gpu=on_gpu, host=host, budget=budget,

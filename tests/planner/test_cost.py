@@ -89,10 +89,10 @@ def test_cpu_awq_chunk_rows_are_capped_whatever_the_budget():
     from quantkit.synthetic.tiny import tiny_config
 
     x = layer_shapes(arch_from_config(load_preset("glm-5.2")))
-    awq = _glm(method=METHODS["awq"], num_samples=128, seq_len=512, max_host_memory="400GB")
+    awq = _glm(method=METHODS["awq"], num_samples=256, seq_len=512, max_host_memory="400GB")
     assert awq.expert_chunk * _awq_rows(x, awq.tokens) <= AWQ_ROWS_CPU_BYTES < (awq.expert_chunk + 1) * _awq_rows(x, awq.tokens)
-    assert _glm(method=METHODS["gptq"], num_samples=128, seq_len=512, max_host_memory="400GB").expert_chunk > awq.expert_chunk
-    gpu = _glm(method=METHODS["awq"], num_samples=128, seq_len=512, device="cuda", max_gpu_memory="141GB", max_host_memory="400GB")
+    assert _glm(method=METHODS["gptq"], num_samples=256, seq_len=512, max_host_memory="400GB").expert_chunk > awq.expert_chunk
+    gpu = _glm(method=METHODS["awq"], num_samples=256, seq_len=512, device="cuda", max_gpu_memory="141GB", max_host_memory="400GB")
     assert gpu.expert_chunk > awq.expert_chunk
     for name in ("glm-5.2", "kimi-k2.6"):
         tiny = plan_convert(arch_from_config(tiny_config(name)), method=METHODS["awq"], group_size=128, num_samples=64,
@@ -106,13 +106,13 @@ def test_awq_budgets_its_chunk_rows_and_never_the_layer_inputs_whole():
     phase is the chunk's experts (rows included) and one micro-batch, with no N T D term; a method
     that gathers the layer's inputs (Inputs.LAYER) adds exactly that."""
     from quantkit.planner.budgets import layer_shapes
-    from quantkit.planner.cost import _awq_per_expert, _expert_mb_bytes
+    from quantkit.planner.cost import _awq_block, _awq_per_expert, _expert_mb_bytes
     from quantkit.quant.methods import Inputs
 
     x = layer_shapes(arch_from_config(load_preset("glm-5.2")))
     awq = _glm(method=METHODS["awq"], num_samples=128, seq_len=512, max_host_memory="64GB")
     C, B = awq.expert_chunk, awq.store.micro_batch
-    assert awq.memory["experts"] == C * _awq_per_expert(x, awq.tokens) + _expert_mb_bytes(x, B, 512)
+    assert awq.memory["experts"] == C * _awq_per_expert(x, awq.tokens) + _awq_block(x, awq.tokens) + _expert_mb_bytes(x, B, 512)
 
     class Gathering(type(METHODS["awq"])):  # not registered: the same method, reading the layer whole
         inputs = Inputs.LAYER

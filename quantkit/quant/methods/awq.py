@@ -125,30 +125,41 @@ def expert_rows(rows, experts: list[int], g) -> tuple[dict, dict, dict]:
     own = [e for e in experts if fallback[e] != "rtn"]  # the experts that get rows
     want_fit = any(fallback[e] == "all_tokens" for e in own)
     want_held = any(counts[e] // HOLDOUT == 0 for e in own)
-    fit: dict[int, list] = {e: [] for e in own}
-    held: dict[int, list] = {e: [] for e in own}
-    layer_fit: list = []
-    layer_held: list = []
-    seen = dict.fromkeys(own, 0)
-    for start, xb, idx_b, _ in rows.batches():  # xb (B T, D), idx_b (B T, k)
+    n_layer = rows.tokens
+    # every array at its final size (the policy fixes how many rows each gets: every HOLDOUT-th held
+    # out), allocated at the first micro-batch (its width and device) and filled in place: pieces
+    # then a cat would hold the chunk's rows twice at the cat
+    fit: dict[int, torch.Tensor] = {}
+    held: dict[int, torch.Tensor] = {}
+    every_fit = every_held = None
+    filled = {e: [0, 0] for e in own}  # fit rows, held-out rows written so far
+    layer_filled = [0, 0]
+    for start, xb, idx_b, _ in rows.batches():  # xb (B T, D) float32, idx_b (B T, k)
+        if start == 0:  # (n, D) arrays like the micro-batch's rows
+            fit = {e: xb.new_empty((counts[e] - counts[e] // HOLDOUT, xb.shape[-1])) for e in own if fallback[e] is None}
+            held = {e: xb.new_empty((counts[e] // HOLDOUT, xb.shape[-1])) for e in own}
+            every_fit = xb.new_empty((n_layer - n_layer // HOLDOUT, xb.shape[-1])) if want_fit else None
+            every_held = xb.new_empty((n_layer // HOLDOUT, xb.shape[-1])) if want_held else None
         for e in own:
-            f, h = split_rows(idx_b, e, seen[e], start, False)
-            seen[e] += len(f) + len(h)
-            if fallback[e] is None:
-                fit[e].append(xb[f])
-            held[e].append(xb[h])
+            f, h = split_rows(idx_b, e, sum(filled[e]), start, False)
+            if e in fit:
+                fit[e][filled[e][0]:filled[e][0] + len(f)] = xb[f]
+            held[e][filled[e][1]:filled[e][1] + len(h)] = xb[h]
+            filled[e][0] += len(f)
+            filled[e][1] += len(h)
         if want_fit or want_held:
             out = is_heldout(start + torch.arange(len(xb), device=xb.device))
-            if want_fit:
-                layer_fit.append(xb[~out])
-            if want_held:
-                layer_held.append(xb[out])
+            n_out = int(out.sum())
+            if every_fit is not None:
+                every_fit[layer_filled[0]:layer_filled[0] + len(xb) - n_out] = xb[~out]
+            if every_held is not None:
+                every_held[layer_filled[1]:layer_filled[1] + n_out] = xb[out]
+            layer_filled[0] += len(xb) - n_out
+            layer_filled[1] += n_out
         del xb
-    every_fit = torch.cat(layer_fit) if want_fit else None
-    every_held = torch.cat(layer_held) if want_held else None
     inputs: dict = {e: None for e in experts}
     held_rows: dict = {}
     for e in own:
-        inputs[e] = every_fit if fallback[e] == "all_tokens" else torch.cat(fit[e])
-        held_rows[e] = torch.cat(held[e]) if counts[e] // HOLDOUT else every_held
+        inputs[e] = every_fit if fallback[e] == "all_tokens" else fit.pop(e)
+        held_rows[e] = held[e] if counts[e] // HOLDOUT else every_held
     return inputs, fallback, held_rows
