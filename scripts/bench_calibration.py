@@ -341,6 +341,7 @@ def quantkit_run(src: Path, out: Path, method: str, calib: tuple[int, int], G: i
     report = json.loads((logs / f"{out.name}.log").read_text())
     m["experts"] = report["experts"]
     m["sha256"] = (report["calibration"] or {}).get("sha256")
+    m["planned_peak_bytes"] = report["cost"]["peak_host"]  # what convert's planner predicted for this run
     return m
 
 
@@ -506,7 +507,8 @@ def run_class(name: str, args, work: Path, env: dict, say) -> dict:
             kl[s][k] = window_kl(ref_lp, bc.log_probs(f, ids))
     table = {}
     for k, m in runs.items():
-        row = {"wall_s": m["wall_s"], "cpu_s": m["cpu_s"], "peak_rss_bytes": m["peak_rss_bytes"]}
+        row = {"wall_s": m["wall_s"], "cpu_s": m["cpu_s"], "peak_rss_bytes": m["peak_rss_bytes"],
+               **({"planned_peak_bytes": m["planned_peak_bytes"]} if "planned_peak_bytes" in m else {})}
         for s in sets:
             w = kl[s][k]  # per-window mean KL: the windows are the independent units
             row[s] = {"kl": w.mean().item(), "kl_se": (w.std() / len(w) ** 0.5).item() if len(w) > 1 else None,
@@ -610,7 +612,8 @@ def run_realshape(name: str, args, work: Path, env: dict, say) -> dict:
             say(f"{name}: quantkit {key}: reused from {out}")
             runs[key] = json.loads(done.read_text())
             report = json.loads((logs / f"{out.name}.log").read_text())
-            runs[key].update(experts=report["experts"], sha256=(report["calibration"] or {}).get("sha256"))
+            runs[key].update(experts=report["experts"], sha256=(report["calibration"] or {}).get("sha256"),
+                             planned_peak_bytes=report["cost"]["peak_host"])
         else:
             say(f"{name}: quantkit {key} ...")
             if out.exists():
@@ -633,7 +636,7 @@ def run_realshape(name: str, args, work: Path, env: dict, say) -> dict:
     table = {}
     for k, m in runs.items():
         row = {"wall_s": m["wall_s"], "cpu_s": m["cpu_s"], "peak_rss_bytes": m["peak_rss_bytes"],
-               "calibration": m["calibration"]}
+               "calibration": m["calibration"], **({"planned_peak_bytes": m["planned_peak_bytes"]} if "planned_peak_bytes" in m else {})}
         for s in sets:
             w = kl[s][k]  # per-window mean KL: the windows are the independent units
             row[s] = {"kl": w.mean().item(), "kl_se": (w.std() / len(w) ** 0.5).item() if len(w) > 1 else None,
@@ -684,9 +687,9 @@ def summarize(folders: list[Path], pair: tuple[str, str] = ("GPTQ", "AWQ")) -> s
     runs = [(folder, r) for folder in folders for r in json.loads((folder / "results.json").read_text())]
     probed = any(_probe_counts(f, r["class"], k) for f, r in runs for k in pair)
     lines = [f"| class | calibration | {g}: in-dist / worst other set / vs llmc | {a}: in-dist / worst other set / vs llmc "
-             f"| llmc: worst other set vs RTN | {g} wall / llmc | peak RSS MiB {g} / {a} / llmc |"
+             f"| llmc: worst other set vs RTN | {g} wall / llmc | peak RSS MiB {g} / {a} / llmc | peak / planned {g} / {a} |"
              + (f" probe, {g} / {a}: low admitted / judged, stored low |" if probed else ""),
-             "|---|---|---|---|---|---|---|" + ("---|" if probed else "")]
+             "|---|---|---|---|---|---|---|---|" + ("---|" if probed else "")]
     for folder, r in runs:
         if True:
             rows, sets = r["rows"], list(r["eval"])
@@ -700,10 +703,12 @@ def summarize(folders: list[Path], pair: tuple[str, str] = ("GPTQ", "AWQ")) -> s
             zl = {s: _z(lm[s]["vs_rtn"]) for s in sets[1:]} if lm else {}
             wl = max(zl, key=zl.get) if zl else None
             rss = " / ".join(f"{rows[k]['peak_rss_bytes'] / 2**20:.0f}" for k in (*pair, "llmc") if k in rows)
+            planned = " / ".join(f"{rows[k]['peak_rss_bytes'] / rows[k]['planned_peak_bytes']:.2f}"
+                                 if rows[k].get("planned_peak_bytes") else "-" for k in pair if k in rows)
             probe = " / ".join(_probe_counts(folder, r["class"], k) or "-" for k in pair)
             lines.append(f"| {r['class']} | {r['calibration'].split()[-1]} | {cells[0]} | {cells[1]} | "
                          + (f"{wl} {zl[wl]:+.1f} | {rows[g]['wall_s'] / lm['wall_s']:.2f}" if lm else " | ")
-                         + f" | {rss} |" + (f" {probe} |" if probed else ""))
+                         + f" | {rss} | {planned} |" + (f" {probe} |" if probed else ""))
     return "\n".join(lines)
 
 

@@ -187,11 +187,13 @@ def test_summarize_prints_one_row_per_class_and_size(bench, tmp_path):
         return d | {"wall_s": wall, "peak_rss_bytes": 2**20 * 100}
 
     res = {"class": "tiny-glm", "calibration": "synthetic:train 32x64", "eval": {"in-dist": [4, 16], "random-ids": [2, 16]},
-           "rows": {"RTN": row((0, 0)), "GPTQ": row((-3, 0.5), 0.2, wall=2.0), "AWQ": row((-4, -1), -0.1), "llmc": row((-3, 2))}}
+           "rows": {"RTN": row((0, 0)), "GPTQ": row((-3, 0.5), 0.2, wall=2.0) | {"planned_peak_bytes": 2**20 * 80},
+                    "AWQ": row((-4, -1), -0.1), "llmc": row((-3, 2))}}
     (tmp_path / "results.json").write_text(json.dumps([res]))
     table = bench.summarize([tmp_path]).splitlines()
+    # the last column: measured peak over the planner's prediction (AWQ's run predates the record: "-")
     assert len(table) == 3 and table[2] == ("| tiny-glm | 32x64 | -3.0 / random-ids +0.5 / +0.2 | -4.0 / random-ids -1.0 / -0.1 | "
-                                            "random-ids +2.0 | 0.20 | 100 / 100 / 100 |")
+                                            "random-ids +2.0 | 0.20 | 100 / 100 / 100 | 1.25 / - |")
 
 
 def test_summarize_adds_the_probe_column_from_the_runs_reports(bench, tmp_path):
@@ -209,7 +211,7 @@ def test_summarize_adds_the_probe_column_from_the_runs_reports(bench, tmp_path):
     (tmp_path / "tiny-glm" / "logs" / "GPTQ.log").write_text(json.dumps({"experts_summary": summary}))
     table = bench.summarize([tmp_path]).splitlines()
     assert table[0].endswith("probe, GPTQ / AWQ: low admitted / judged, stored low |")
-    assert table[2].endswith("| 60/64, 58 / - |")
+    assert table[2].endswith("| - / - | 60/64, 58 / - |")
 
 
 def test_calibration_figure_plots_kl_and_se_by_calibration_size(bench, tmp_path):
