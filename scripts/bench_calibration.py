@@ -37,6 +37,10 @@ Classes (each built once, cached under $QUANTKIT_CACHE/bench-calibration):
                         one, half each (calibrated on the synthetic corpus: "other text" is its second language)
   random-dsv3-outliers  random BF16 DeepSeek-V3 layout, 1/64 of each expert Linear's input columns x4
   random-glm-fp8        random GLM-MoE-DSA weights stored FP8 (GLM-5.2-FP8's format), DSA active
+  random-dsv3-wide, random-glm-wide
+                        random weights at hidden 1024, 32 experts, top-8, heavy input columns
+  many-experts-dsv3     trained, 128 experts, top-8, a skewed router (a hot few, a long starved tail)
+  real-vocab-dsv3       trained-dsv3 with 151,552 embedding rows (GLM 5.2's vocabulary), ids < 512 trained
   realshape-glm         realshape:glm-5.2 (real width, 2 layers, 16 experts top-8) at --realshape-budgets
                         (RTN, GPTQ, AWQ; no llm-compressor; only when named in --classes)
 
@@ -192,7 +196,8 @@ def markov_windows(n: int, seq: int, seed: int, vocab: int = 512):
     return out
 
 
-def _train_dsv3(folder: Path, data, steps: int, n_routed_experts: int = 16, num_experts_per_tok: int = 4) -> None:
+def _train_dsv3(folder: Path, data, steps: int, n_routed_experts: int = 16, num_experts_per_tok: int = 4,
+                vocab_size: int = 512) -> None:
     """transformers' own DeepseekV3ForCausalLM, trained on CPU on `data` ((16 * steps, 64) ids, 16 a step),
     saved by save_pretrained (per-expert tensors, BF16)."""
     import torch
@@ -201,7 +206,7 @@ def _train_dsv3(folder: Path, data, steps: int, n_routed_experts: int = 16, num_
     from quantkit.synthetic.tiny import tokenizer_files
 
     torch.manual_seed(0)
-    cfg = DeepseekV3Config(vocab_size=512, hidden_size=128, intermediate_size=384, moe_intermediate_size=128,
+    cfg = DeepseekV3Config(vocab_size=vocab_size, hidden_size=128, intermediate_size=384, moe_intermediate_size=128,
                            num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
                            n_routed_experts=n_routed_experts, num_experts_per_tok=num_experts_per_tok, n_shared_experts=1,
                            n_group=1, topk_group=1,
@@ -225,6 +230,13 @@ def _train_dsv3(folder: Path, data, steps: int, n_routed_experts: int = 16, num_
 def _trained_dsv3(folder: Path, steps: int = 300) -> None:
     """DeepSeek-V3 trained on the Markov language alone (a couple of minutes)."""
     _train_dsv3(folder, markov_windows(16 * steps, 64, 100_000), steps)  # training documents: seeds 100000 and up
+
+
+def _real_vocab_dsv3(folder: Path, steps: int = 300) -> None:
+    """trained-dsv3 with GLM 5.2's vocabulary size (151,552 embedding rows): the Markov language uses ids
+    below 512, so the other 99.7% of rows stay as initialized, as a real model's rarely seen tokens are
+    barely trained. The random share (uniform over every row) then feeds mostly such rows."""
+    _train_dsv3(folder, markov_windows(16 * steps, 64, 100_000), steps, vocab_size=151_552)
 
 
 def _two_domain_dsv3(folder: Path, steps: int = 400) -> None:
@@ -254,11 +266,13 @@ CLASSES = {
     "random-dsv3-wide": (_random_dsv3_wide, 128, (32, 64), "synthetic"),
     "random-glm-wide": (_random_glm_wide, 128, (32, 64), "synthetic"),
     "many-experts-dsv3": (_many_experts_dsv3, 128, (32, 256), "markov"),
+    "real-vocab-dsv3": (_real_vocab_dsv3, 128, (64, 64), "markov"),
 }
 # Chosen before any setting was tuned (docs/benchmarks.md, "Tuning and confirmation"): settings are
 # chosen on TUNING alone; CONFIRMATION runs once per candidate and decides whether it ships.
 TUNING = ("tiny-glm", "trained-dsv3", "random-dsv3-outliers", "random-dsv3-wide")
-CONFIRMATION = ("tiny-kimi", "two-domain-dsv3", "random-glm-fp8", "random-glm-wide", "many-experts-dsv3")
+CONFIRMATION = ("tiny-kimi", "two-domain-dsv3", "random-glm-fp8", "random-glm-wide", "many-experts-dsv3",
+                "real-vocab-dsv3")  # added after the split, with no setting tuned since: confirmation
 
 
 def class_source(name: str) -> Path:

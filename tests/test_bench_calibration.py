@@ -231,3 +231,10 @@ def test_calibration_figure_plots_kl_and_se_by_calibration_size(bench, tmp_path)
     assert curves["random-ids"]["RTN"]["se"] == [None, None]  # not recorded: drawn without a bar
     assert (tmp_path / "kl.png").stat().st_size > 5_000
 
+
+
+def test_the_split_puts_every_class_on_one_side(bench):
+    """Tuning and confirmation (docs/benchmarks.md): each bench class is on exactly one side, so a class
+    added later cannot be tuned on by being left out of both."""
+    assert not set(bench.TUNING) & set(bench.CONFIRMATION)
+    assert set(bench.TUNING) | set(bench.CONFIRMATION) == set(bench.CLASSES)
