@@ -329,12 +329,20 @@ def _quantize_smoothed(X, Wg, Wu, Wd, s, group_size, quantizer, g, a, layer, chu
     Hx = torch.stack([_second_moment(xe) for xe in X])  # (C, D, D) = E[x x^T]
     Wgu = torch.stack([Wg, up_s], 1)  # (C, 2, I, D)
     if quantizer == "gptq":
-        qgu = run_gptq(Wgu, (2 * Hx)[:, None].expand(-1, 2, -1, -1), group_size, g, layer, chunk,
-                       fit_tokens=[len(xe) for xe in X], fourth=[fourth_moment(xe) for xe in X] if lw else None,
-                       shrunk=shrunk)
+        # gate and up' stacked by rows on one H per expert (as quantkit.quant.gptq.gptq_shared_h): GPTQ
+        # treats rows independently given Hinv, so this is quantizing each with its own copy of H,
+        # with one factorization and one (C, D, D) H instead of two
+        C, _, I, D = Wgu.shape
+        H = 2 * Hx
+        del Hx
+        q = run_gptq(Wgu.reshape(C, 2 * I, D), H, group_size, g, layer, chunk, consume=True,
+                     fit_tokens=[len(xe) for xe in X], fourth=[fourth_moment(xe) for xe in X] if lw else None,
+                     shrunk=shrunk)  # (C, 2I, D)
+        del H
+        qgu = QuantizedWeight(q.q.reshape(C, 2, I, D), q.scale.reshape(C, 2, I, -1), q.loss)  # (C, 2, I, D)
     else:
         qgu = quantize_clipped(Wgu, group_size, auto_clip(Wgu, Hx[:, None], group_size, a.grid))
-    del Hx
+        del Hx
     gu_hat = qgu.dequantize()  # (C, 2, I, D)
     # the smoothed down, against what the quantized gate / up' really produce: z_hat' ~ z / s
     Hz_s, m4 = [], []
