@@ -158,6 +158,7 @@ def plan(
     method: PlanMethod = None,
     num_samples: PlanNumSamples = None,
     seq_len: PlanSeqLen = None,
+    calib: Annotated[Optional[str], typer.Option(help="--convert: the calibration data, as convert's --calib (text read through the tokenizer costs its memory; ids do not).", show_default=RECIPES)] = None,
     max_host_memory: PlanHostMemory = None,
     max_gpu_memory: PlanGpuMemory = None,
     nproc: Annotated[int, typer.Option(help="--convert: ranks of an expert-parallel convert (one per GPU; `quantkit convert --nproc`): memory and time per rank.")] = 1,
@@ -176,7 +177,7 @@ def plan(
         from quantkit.planner.cost import plan_convert_for
 
         cost = plan_convert_for(model, recipe=recipe, gpu=gpu, method=method, num_samples=num_samples, seq_len=seq_len,
-                                group_size=group_size, max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory,
+                                calib=calib, group_size=group_size, max_host_memory=max_host_memory, max_gpu_memory=max_gpu_memory,
                                 nproc=nproc, rates={"disk": disk_gbps * 1e9} if disk_gbps is not None else None)
         if json_out:
             emit_json(cost.to_json())

@@ -420,7 +420,7 @@ def _plan(job: Job, calibrate: bool, progress: bool, *, validate: bool, max_host
     """The run sized to the budgets (quantkit.planner.cost: the activation store, micro-batches,
     expert chunks, shard size, how often the state is saved), printed, and refused before any
     work when even the smallest settings don't fit."""
-    from quantkit.planner.cost import plan_convert, quantized_fraction  # looked up per run: tests replace it
+    from quantkit.planner.cost import calibration_tokenizes, plan_convert, quantized_fraction  # per run: tests replace it
 
     ckpt, rec, decisions = job.ckpt, job.rec, job.decisions
     cost = plan_convert(ckpt.arch, method=job.method, group_size=job.G, num_samples=rec.calibration.windows(),
@@ -430,7 +430,8 @@ def _plan(job: Job, calibrate: bool, progress: bool, *, validate: bool, max_host
                         output_bytes=predicted_bytes(ckpt, decisions, job.G), max_shard_bytes=max_shard_bytes,
                         validate=rec.validate if validate else None, activation_dtype=activation_dtype,
                         quantized=quantized_fraction(ckpt, decisions), nproc=job.group.world,
-                        probe=job.method.probe_windows(rec) if calibrate and quantized_fraction(ckpt, decisions) else 0)
+                        probe=job.method.probe_windows(rec) if calibrate and quantized_fraction(ckpt, decisions) else 0,
+                        tokenizes=calibration_tokenizes(rec))
     if mb := os.environ.get("QUANTKIT_MICRO_BATCH"):
         # debug knob: fewer samples per micro-batch than the budget allows, so that a small test run has
         # several micro-batches (the ranks' token split, docs/distributed.md); changes the float sums' order

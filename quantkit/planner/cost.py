@@ -9,7 +9,8 @@ disk. One function for both, so the prediction is the engine's own accounting.
 Memory, in bytes (D hidden, I expert width, N x T calibration tokens, k experts per token,
 C experts per chunk, B samples per micro-batch, w = 4 bytes per float32; compute is float32):
 
-    base          the Python process with torch and quantkit imported (measured, BASE_BYTES)
+    base          the Python process with torch and quantkit imported (measured, BASE_BYTES), and
+                  transformers' tokenizer when the calibration tokenizes text (TOKENIZER_BYTES)
     writer        the two output writers' buffers: the part being filled, one layer's tensors up
                   to a shard, each. The part cut before it is saved by a background thread
                   (safetensors 0.8 writes from the tensors' memory, no serialized copy) within
@@ -99,6 +100,7 @@ from quantkit.planner.budgets import (
     LAUNCHES_PER_COLUMN,
     LONG_SAMPLES,
     NVLINK_BYTES,
+    TOKENIZER_BYTES,
     LayerShapes,
     device_memory,
     expert_flops,
@@ -330,6 +332,7 @@ class _Memory:
     shard: int
     writer: int
     routing: int
+    base: int  # the process before the first tensor (BASE_BYTES, + TOKENIZER_BYTES when the calibration tokenizes)
     host_fixed: int  # base + writer
     dev_fixed: int  # what the compute's memory holds before any layer: routing (+ base + writer on the CPU)
     received: float  # multi-rank: a layer's quantized experts every rank holds (0 with one rank)
@@ -354,7 +357,7 @@ class _Memory:
 
 def _memory_terms(x: LayerShapes, *, method: Method, group_size: int, calibrate: bool, N: int, T: int, on_gpu: bool,
                   host: int, gpu_mem: int | None, output_bytes: tuple[int, int], max_shard_bytes: int, quantized: float,
-                  nproc: int) -> _Memory:
+                  nproc: int, tokenizes: bool = True) -> _Memory:
     tokens = N * T
     budget = gpu_mem if on_gpu else host  # where the compute work lives
     shard = min(max_shard_bytes, max(MIN_SHARD, host // 16))
@@ -362,7 +365,8 @@ def _memory_terms(x: LayerShapes, *, method: Method, group_size: int, calibrate:
     # the part being filled per output (an expert-heavy layer's share, up to a shard); not the one being saved
     writer = sum(min(int(b / n_layers * 1.5), shard) for b in output_bytes)
     routing = tokens * x.topk * 6
-    host_fixed = BASE_BYTES + writer
+    base = BASE_BYTES + (TOKENIZER_BYTES if tokenizes and calibrate else 0)
+    host_fixed = base + writer
     dev_fixed = (0 if on_gpu else host_fixed) + routing
     # multi-rank: a layer's INT4 experts, quantized (int8 q, bf16 scale per group), held by every rank
     # from the exchange to the end of the h update; taken from the room before the chunk is sized
@@ -387,7 +391,7 @@ def _memory_terms(x: LayerShapes, *, method: Method, group_size: int, calibrate:
         w_moe=x.moe_layer_params * F32,
         transient=3 * x.largest_tensor * F32,  # dequantizing one FP8 tensor: values, expanded scales, product
         per_expert=per_expert, shard=shard, writer=writer,
-        routing=routing, host_fixed=host_fixed, dev_fixed=dev_fixed, received=received, shared_work=shared_work,
+        routing=routing, base=base, host_fixed=host_fixed, dev_fixed=dev_fixed, received=received, shared_work=shared_work,
         E4=E4, room=budget - dev_fixed - received, chunk_extra=chunk_extra)
 
 
@@ -491,7 +495,7 @@ def _no_room_reason(m: _Memory) -> str:
 def _memory_table(m: _Memory, B: int, C: int, location: str, store_b: int) -> tuple[dict[str, int], float, float | None]:
     """(the components, peak host, peak device: None on the CPU), as the module docstring sums them."""
     work = max(m.attention_phase(B), m.experts_phase(B, C))
-    memory = {"base": BASE_BYTES, "writer": m.writer, "store": store_b, "routing": m.routing,
+    memory = {"base": m.base, "writer": m.writer, "store": store_b, "routing": m.routing,
               "dense_layer": m.w_dense, "moe_layer": m.w_moe, "load_transient": m.transient,
               "attention": _attention_bytes(m.x, B, m.T) if m.calibrate else 0,
               "experts": m.experts_phase(B, C) - m.w_moe, "work": work, "received": int(m.received)}
@@ -706,8 +710,12 @@ def plan_convert(
     expert_bytes: int | None = None,
     rates: dict[str, float] | None = None,
     probe: int = 0,
+    tokenizes: bool = True,
 ) -> ConvertCost:
     """Settings and predicted cost of converting `arch` (see the module docstring for the terms).
+
+    tokenizes: whether the calibration reads text through a tokenizer (quantkit.inputs.tokens.reads_text),
+    which adds TOKENIZER_BYTES to the base; ids (synthetic, random, token files) do not.
 
     method: the registered method (quantkit.quant.methods: its inputs, cost terms and probe cost).
     probe: the method's probe windows (Method.probe_windows; GPTQ's for gptq.low_dampening): stored and
@@ -735,7 +743,7 @@ def plan_convert(
     N, T = (num_samples + probe, seq_len) if calibrate else (0, 0)
     m = _memory_terms(x, method=method, group_size=group_size, calibrate=calibrate, N=N, T=T, on_gpu=on_gpu, host=host,
                       gpu_mem=gpu_mem, output_bytes=output_bytes, max_shard_bytes=max_shard_bytes, quantized=quantized,
-                      nproc=nproc)
+                      nproc=nproc, tokenizes=tokenizes)
     probed = method.probe_cost(probe, x.hidden, x.expert_width) if calibrate and probe else None
     if probed is not None:  # what the method's probe adds per expert of a chunk (GPTQ: W and H stacked twice)
         m.per_expert += probed.expert_bytes
@@ -838,6 +846,7 @@ def plan_convert_for(
     method: str | None = None,
     num_samples: int | None = None,
     seq_len: int | None = None,
+    calib: str | None = None,
     group_size: int | None = None,
     max_host_memory: int | str | None = None,
     max_gpu_memory: int | str | None = None,
@@ -857,7 +866,7 @@ def plan_convert_for(
     target = resolve_target(model)
     arch, ckpt = target.arch, target.checkpoint
     rec = resolve_recipe(model, arch, recipe, method=method, group_size=group_size, num_samples=num_samples,
-                         seq_len=seq_len)
+                         seq_len=seq_len, calib=calib)
     source_bytes, out, expert_bytes, quantized = _preset_sizes(model, arch, rec) if ckpt is None else _checkpoint_sizes(ckpt, rec)
     calibrate = needs_calibration(rec)  # as convert: the KV scales need the pass even when experts are reused
     quantizer = rec.resolved_method
@@ -867,7 +876,14 @@ def plan_convert_for(
                         max_gpu_memory=max_gpu_memory, source_bytes=source_bytes, output_bytes=out,
                         validate=rec.validate if validate else None, quantized=quantized, nproc=nproc,
                         probe=quantizer.probe_windows(rec) if calibrate and quantized else 0,
-                        expert_bytes=expert_bytes, rates=rates)
+                        expert_bytes=expert_bytes, rates=rates, tokenizes=calibration_tokenizes(rec))
+
+
+def calibration_tokenizes(rec: Recipe) -> bool:
+    """Whether any of the recipe's calibration sources is text, read through the model's tokenizer."""
+    from quantkit.inputs.tokens import reads_text
+
+    return any(reads_text(spec) for spec, windows in rec.calibration.sources() if windows)
 
 
 def quantized_fraction(ckpt, decisions) -> float:

@@ -326,14 +326,16 @@ def _quantize_smoothed(X, Wg, Wu, Wd, s, group_size, quantizer, g, a, layer, chu
     lw = quantizer == "gptq" and g.shrinkage != "none"  # gptq.shrinkage's statistic of each Linear's rows
     up_s, down_s = fold_up_down(Wu, Wd, s)
     # gate and the smoothed up: one input statistic per expert, shared by both
-    Hx = torch.stack([_second_moment(xe) for xe in X])  # (C, D, D) = E[x x^T]
+    C, I, D = Wg.shape
+    Hx = Wg.new_empty((C, D, D))  # (C, D, D) = E[x x^T], filled per expert: a list then a stack would hold it twice
+    for i, xe in enumerate(X):
+        Hx[i] = _second_moment(xe)
     Wgu = torch.stack([Wg, up_s], 1)  # (C, 2, I, D)
     if quantizer == "gptq":
         # gate and up' stacked by rows on one H per expert (as quantkit.quant.gptq.gptq_shared_h): GPTQ
         # treats rows independently given Hinv, so this is quantizing each with its own copy of H,
         # with one factorization and one (C, D, D) H instead of two
-        C, _, I, D = Wgu.shape
-        H = 2 * Hx
+        H = Hx.mul_(2)
         del Hx
         q = run_gptq(Wgu.reshape(C, 2 * I, D), H, group_size, g, layer, chunk, consume=True,
                      fit_tokens=[len(xe) for xe in X], fourth=[fourth_moment(xe) for xe in X] if lw else None,
