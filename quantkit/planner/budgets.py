@@ -21,12 +21,14 @@ from quantkit.runtime.units import GB, GiB
 
 F32 = 4
 
-# RSS of `quantkit convert` before the first tensor: torch, quantkit and safetensors imported (measured
-# 238 MiB on the test machine); a calibration that tokenizes text (a text file, a dataset) also imports
-# transformers and loads a fast tokenizer (measured 238 MiB more; datasets adds 24 MiB). The bench
-# classes at 32 x 64 calibrate on ids (synthetic, random): a flat 0.40 GB put their predictions at
-# 1.15-1.45x their peaks.
-BASE_BYTES = int(0.28 * GB)
+# The process before the first tensor: torch, quantkit and safetensors are 238 MiB after import (266 MiB at
+# the peak of a tiny RTN convert), but a convert's measured peaks at large calibration sit 0.1-0.2 GB above
+# the terms modeled here (the tiny GLM at 512 x 512: GPTQ 0.77 GB, AWQ 1.07, against 0.66 and 0.89 with a
+# 0.28 GB base), so the base is sized there: 0.40 GB, which over-predicts small runs (the bench classes at
+# 32 x 64, peaks of 0.27-0.6 GB: 0.68-0.87 of the prediction), the safe side for a budget. A calibration
+# that tokenizes text (a text file, a dataset) also imports transformers and a fast tokenizer: 238 MiB
+# more, measured (datasets adds 24 MiB).
+BASE_BYTES = int(0.40 * GB)
 TOKENIZER_BYTES = int(0.25 * GB)
 CHUNK_MAX = 16  # experts per chunk at most (one GPTQ batch) on the CPU
 # On a GPU, GPTQ's column loop is launch-bound (LAUNCHES_PER_COLUMN small kernels per column,

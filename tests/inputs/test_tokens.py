@@ -385,3 +385,14 @@ def test_a_long_document_prints_no_tokenizer_length_warning(tmp_path, tiny_kimi)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert "Token indices sequence length" not in run.stderr + run.stdout
+
+
+def test_reads_text_only_for_text_and_datasets(tmp_path):
+    """What the planner adds the tokenizer's memory for: text files and datasets, not ids."""
+    from quantkit.inputs.tokens import reads_text
+
+    (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "a.npy").write_bytes(b"")
+    assert reads_text(str(tmp_path / "a.jsonl")) and reads_text("hf:org/name@train") and reads_text(str(tmp_path))
+    assert not any(reads_text(s) for s in ("synthetic:train", "random", str(tmp_path / "a.npy")))
+    assert reads_text(str(tmp_path / "missing.txt"))  # a spec convert will refuse counts as text, never raises

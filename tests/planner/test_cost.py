@@ -192,6 +192,19 @@ def test_each_compute_phase_carries_the_flops_its_seconds_come_from():
     assert plan_convert_for("tiny:glm-5.2", gpu="cpu", method="rtn").flops["hessians"] == 0
 
 
+def test_a_text_calibration_adds_the_tokenizer_to_the_base(tmp_path):
+    """Ids (synthetic, random, token files) need no tokenizer; text does, and transformers' tokenizer is
+    TOKENIZER_BYTES of the process (quantkit.inputs.tokens.reads_text)."""
+    from quantkit.planner.budgets import BASE_BYTES, TOKENIZER_BYTES
+
+    text = tmp_path / "calib.jsonl"
+    text.write_text('{"text": "a b c"}\n')
+    ids = plan_convert_for("tiny:glm-5.2", gpu="cpu", validate=False)  # the tiny recipe: synthetic:train
+    read = plan_convert_for("tiny:glm-5.2", gpu="cpu", validate=False, calib=str(text))
+    assert ids.memory["base"] == BASE_BYTES and read.memory["base"] == BASE_BYTES + TOKENIZER_BYTES
+    assert read.peak_host - ids.peak_host == TOKENIZER_BYTES
+
+
 def test_resume_state_saves_are_bounded_by_the_overhead():
     """Rank 0 saves h (26 GB at full scale) every `state_every` layers, as many as keep the saves
     at STATE_OVERHEAD of the run: every layer when a save is quick, every few layers otherwise.
