@@ -415,6 +415,21 @@ def window_kl(ref_lp, lp):
     return token_kl(ref_lp, lp).mean(-1)
 
 
+def windows_kl(ref: Path, folders: dict, ids, chunk: int = 16) -> dict:
+    """{row: (N,) per-window KL(ref || row)} on ids (N, T), `chunk` windows at a time: the log-probs of
+    one chunk per checkpoint are all that is held (at a real vocabulary, 151,552 ids, a whole set's
+    would be 5 GB a checkpoint). Per-window values are the same however the windows are chunked."""
+    import torch
+
+    parts: dict = {k: [] for k in folders}
+    for i in range(0, len(ids), chunk):
+        ref_lp = bc.log_probs(ref, ids[i:i + chunk], chunk)
+        for k, f in folders.items():
+            parts[k].append(window_kl(ref_lp, bc.log_probs(f, ids[i:i + chunk], chunk)))
+        del ref_lp
+    return {k: torch.cat(v) for k, v in parts.items()}
+
+
 def run_plan(args, base: str, wd: Path, calib: tuple[int, int], data: str, corpus: str, name: str):
     """The class's quantkit runs as (row name, method, recipe): RTN, the --base rows (with --shipped's
     settings), the --variant rows, and with a --mix-* option each calibrated row's mix form beside it
@@ -514,11 +529,7 @@ def run_class(name: str, args, work: Path, env: dict, say) -> dict:
     sets = eval_sets(args.eval_samples, args.eval_seq_len, arch.vocab_size, corpus)
     folders = {k: (reused.get(k, wd / k) if k.startswith("llmc") else bc.splice_experts(
                    ref, wd / k.replace(" ", "-") / "decode", wd / f"{k.replace(' ', '-')}-spliced")) for k in runs}
-    kl = {s: {} for s in sets}
-    for s, ids in sets.items():
-        ref_lp = bc.log_probs(ref, ids)
-        for k, f in folders.items():
-            kl[s][k] = window_kl(ref_lp, bc.log_probs(f, ids))
+    kl = {s: windows_kl(ref, folders, ids) for s, ids in sets.items()}
     table = {}
     for k, m in runs.items():
         row = {"wall_s": m["wall_s"], "cpu_s": m["cpu_s"], "peak_rss_bytes": m["peak_rss_bytes"],

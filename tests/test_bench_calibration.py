@@ -238,3 +238,19 @@ def test_the_split_puts_every_class_on_one_side(bench):
     added later cannot be tuned on by being left out of both."""
     assert not set(bench.TUNING) & set(bench.CONFIRMATION)
     assert set(bench.TUNING) | set(bench.CONFIRMATION) == set(bench.CLASSES)
+
+
+def test_windows_kl_is_the_same_per_window_whatever_the_chunk(bench, monkeypatch):
+    """The quality pass holds one chunk of log-probs per checkpoint (a real vocabulary's whole set would
+    not fit); the per-window KL is the whole-set computation's, bit for bit."""
+    def fake_log_probs(folder, ids, chunk=16):  # a deterministic "model" per folder
+        g = torch.Generator().manual_seed(len(str(folder)))
+        table = torch.randn(50, 7, generator=g)
+        return table[ids].log_softmax(-1)
+
+    monkeypatch.setattr(bench.bc, "log_probs", fake_log_probs)
+    ids = torch.randint(0, 50, (10, 5), generator=torch.Generator().manual_seed(1))
+    got = bench.windows_kl("ref", {"a": "model-a", "bb": "model-bb"}, ids, chunk=3)
+    for k, f in {"a": "model-a", "bb": "model-bb"}.items():
+        want = bench.window_kl(fake_log_probs("ref", ids), fake_log_probs(f, ids))
+        assert got[k].shape == (10,) and torch.equal(got[k], want)
