@@ -366,12 +366,12 @@ def matmul_rate(threads: int) -> dict:
     return {"flops_per_thread": 2 * 2048**3 / best, "threads": threads, "shape": "2048x2048 @ 2048x2048"}
 
 
-# the planner's compute phases (quantkit.planner.cost ConvertCost.flops) and the convert's timed ones
-# (quantkit.runtime.phases) they are held against
-PHASES = (("attention", "attention", "attention, dense MLP and shared experts (calibration forward)"),
-          ("hessians", "hessians", "Hessian accumulation (X^T X per expert, down's on the quantized gate/up)"),
-          ("gptq", "gptq", "the GPTQ solve (Cholesky, column loop, lazy updates)"),
-          ("experts_out", "experts_out", "routed experts' outputs under the decode weights"))
+# the compute phases the planner counts FLOPs for (ConvertCost.flops), by the names convert times them
+# under (quantkit.runtime.phases)
+PHASES = {"attention": "attention, dense MLP and shared experts (calibration forward)",
+          "hessians": "Hessian accumulation (X^T X per expert, down's on the quantized gate/up)",
+          "gptq": "the GPTQ solve (Cholesky, column loop, lazy updates)",
+          "experts_out": "routed experts' outputs under the decode weights"}
 
 
 def arithmetic(run: dict, rate: dict) -> list[dict]:
@@ -387,13 +387,13 @@ def arithmetic(run: dict, rate: dict) -> list[dict]:
     flops, predicted = rep["cost"]["flops"], rep["cost"]["seconds"]
     limit = rate["flops_per_thread"] * rate["threads"]
     rows = []
-    for plan_key, timed_key, what in PHASES:
-        m, f = measured.get(timed_key), flops.get(plan_key, 0.0)
+    for phase, what in PHASES.items():
+        m, f = measured.get(phase), flops.get(phase, 0.0)
         if m is None or not f:
             continue
         cpu = max(m["cpu"], 1e-9)
-        rows.append({"phase": plan_key, "what": what, "cpu_s": m["cpu"], "wall_s": m["wall"], "gflop": f / 1e9,
-                     "gflops": f / cpu / 1e9, "of_rate": f / cpu / limit, "predicted_s": predicted.get(plan_key)})
+        rows.append({"phase": phase, "what": what, "cpu_s": m["cpu"], "wall_s": m["wall"], "gflop": f / 1e9,
+                     "gflops": f / cpu / 1e9, "of_rate": f / cpu / limit, "predicted_s": predicted.get(phase)})
     q = measured.get("quantize")
     if q is not None:  # the method's solve beyond the Hessians and GPTQ: the guard against RTN, stacking
         rest = {k: q[k] - sum(measured.get(p, {}).get(k, 0.0) for p in ("hessians", "gptq")) for k in ("wall", "cpu")}

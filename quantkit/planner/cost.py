@@ -72,7 +72,7 @@ each rank's share of the three checkpoints as stored, what of it fits in memory 
 
 `plan_convert` takes these steps in order: the memory terms (`_memory_terms`), the settings
 (`_choose_settings`), the memory table and peaks (`_memory_table`), the rates (`_device_rates`),
-the phases' times (`_phase_seconds`), the multi-rank terms (`_multi_rank_terms`), the disk's
+the phases' arithmetic and times (`_phase_flops`, `_phase_seconds`), the multi-rank terms (`_multi_rank_terms`), the disk's
 overlap with the compute and the resume state (`_overlap_disk`), and validate
 (`_validate_estimate`).
 """
@@ -545,37 +545,45 @@ def _device_rates(on_gpu: bool, gpu: str | None, rates: dict[str, float]) -> _Ra
                   link=NVLINK_BYTES if on_gpu else GLOO_BYTES)
 
 
-def _phase_seconds(m: _Memory, r: _Rates, *, method: Method, C: int, source_bytes: int, output_bytes: tuple[int, int],
-                   quantized: float, nproc: int, flops: dict[str, float], probe_work: float = 1.0) -> dict[str, float]:
-    """Seconds per phase of one rank's run, before the split by micro-batches and the disk overlap;
-    `flops` receives the arithmetic of each compute phase (ConvertCost.flops).
-    probe_work: the quantizing arithmetic's multiple with the method's probe (ProbeCost.work: GPTQ at
-    two dampenings in one batched call, so its arithmetic twice and its launches once)."""
+def _phase_flops(m: _Memory, *, method: Method, quantized: float, nproc: int, probe_work: float = 1.0) -> dict[str, float]:
+    """The arithmetic of each compute phase of one rank's run, FLOPs, before the split by micro-batches
+    (ConvertCost.flops). probe_work: the quantizing arithmetic's multiple with the method's probe
+    (ProbeCost.work: GPTQ at two dampenings in one batched call)."""
     x, tokens, T = m.x, m.tokens, m.T
     D, I = x.hidden, x.expert_width
     L, Lm = x.calibrated_layers, x.calibrated_moe_layers  # the calibration pass: every main layer and the first MTP
-    attn_flops = tokens * (2 * x.attn_params + 2 * 2 * x.heads * T * (x.qk_head + x.v_head)) * L
-    attn_flops += tokens * 2 * 3 * D * (x.dense_width * (L - Lm) + x.shared_width * Lm)  # dense MLP / shared expert
+    attn = tokens * (2 * x.attn_params + 2 * 2 * x.heads * T * (x.qk_head + x.v_head)) * L
+    attn += tokens * 2 * 3 * D * (x.dense_width * (L - Lm) + x.shared_width * Lm)  # dense MLP / shared expert
     routed = tokens * x.topk  # token-expert pairs per MoE layer
     gptq_on = m.calibrate and method.calibrated
     # the experts that get Hessians and GPTQ (not the reused source INT4 ones), this rank's part of them
     share = quantized / (nproc if m.shared_work else 1)
     per_token_hess, per_expert_gptq = expert_flops(D, I)
-    hess_flops = share * routed * per_token_hess * Lm if gptq_on else 0
-    out_flops = routed * 2 * 3 * I * D * Lm if m.calibrate else 0
-    gptq_flops = share * x.experts * Lm * per_expert_gptq * probe_work if gptq_on else 0
-    chunks = Lm * math.ceil(share * x.experts / C)
-    gptq_launch = chunks * (D + I) * LAUNCHES_PER_COLUMN * r.launch if gptq_on else 0.0
     data_free = method.data_free().flops_per_weight  # its data-free form's experts (MTP, or all)
-    rtn_flops = x.experts * (x.moe_layers - (Lm if gptq_on else 0)) * 3 * I * D * data_free
-    flops["attention"], flops["hessians"], flops["experts_out"] = attn_flops, hess_flops, out_flops
-    flops["gptq"], flops["rtn"] = gptq_flops, rtn_flops
+    return {
+        "attention": attn,
+        "hessians": share * routed * per_token_hess * Lm if gptq_on else 0,
+        "gptq": share * x.experts * Lm * per_expert_gptq * probe_work if gptq_on else 0,
+        "rtn": x.experts * (x.moe_layers - (Lm if gptq_on else 0)) * 3 * I * D * data_free,
+        "experts_out": routed * 2 * 3 * I * D * Lm if m.calibrate else 0,
+    }
+
+
+def _phase_seconds(m: _Memory, r: _Rates, flops: dict[str, float], *, method: Method, C: int, source_bytes: int,
+                   output_bytes: tuple[int, int], quantized: float, nproc: int) -> dict[str, float]:
+    """Seconds per phase of one rank's run from `flops` (`_phase_flops`), before the split by
+    micro-batches and the disk overlap; GPTQ's column loop adds its kernel launches per chunk."""
+    x = m.x
+    share = quantized / (nproc if m.shared_work else 1)
+    gptq_on = m.calibrate and method.calibrated
+    chunks = x.calibrated_moe_layers * math.ceil(share * x.experts / C)
+    gptq_launch = chunks * (x.hidden + x.expert_width) * LAUNCHES_PER_COLUMN * r.launch if gptq_on else 0.0
     return {
         "read": source_bytes / r.disk,
-        "attention": attn_flops / r.flops,
-        "hessians": hess_flops / r.flops,
-        "gptq": gptq_flops / r.gptq + gptq_launch + rtn_flops / r.flops,
-        "experts_out": out_flops / r.flops,
+        "attention": flops["attention"] / r.flops,
+        "hessians": flops["hessians"] / r.flops,
+        "gptq": flops["gptq"] / r.gptq + gptq_launch + flops["rtn"] / r.flops,
+        "experts_out": flops["experts_out"] / r.flops,
         "write": (output_bytes[0] + output_bytes[1]) / r.disk,
     }
 
@@ -775,10 +783,10 @@ def plan_convert(
             "streamed_source": 0}
 
     r = _device_rates(on_gpu, gpu, rates)
-    flops: dict[str, float] = {}
-    seconds = _phase_seconds(m, r, method=method, C=C, source_bytes=source_bytes, output_bytes=output_bytes,
-                             quantized=quantized, nproc=nproc, flops=flops,
-                             probe_work=probed.work if probed is not None else 1.0)
+    flops = _phase_flops(m, method=method, quantized=quantized, nproc=nproc,
+                         probe_work=probed.work if probed is not None else 1.0)
+    seconds = _phase_seconds(m, r, flops, method=method, C=C, source_bytes=source_bytes, output_bytes=output_bytes,
+                             quantized=quantized, nproc=nproc)
     if probe and calibrate:  # the probe's tokens run attention and the expert outputs, but are never fitted on
         seconds["hessians"] *= num_samples / (num_samples + probe)
         flops["hessians"] *= num_samples / (num_samples + probe)

@@ -149,13 +149,14 @@ def expert_rows(rows, experts: list[int], g) -> tuple[dict, dict, dict]:
             filled[e][1] += len(h)
         if want_fit or want_held:
             out = is_heldout(start + torch.arange(len(xb), device=xb.device))
-            n_out = int(out.sum())
             if every_fit is not None:
-                every_fit[layer_filled[0]:layer_filled[0] + len(xb) - n_out] = xb[~out]
+                part = xb[~out]
+                every_fit[layer_filled[0]:layer_filled[0] + len(part)] = part
+                layer_filled[0] += len(part)
             if every_held is not None:
-                every_held[layer_filled[1]:layer_filled[1] + n_out] = xb[out]
-            layer_filled[0] += len(xb) - n_out
-            layer_filled[1] += n_out
+                part = xb[out]
+                every_held[layer_filled[1]:layer_filled[1] + len(part)] = part
+                layer_filled[1] += len(part)
         del xb
     inputs: dict = {e: None for e in experts}
     held_rows: dict = {}
