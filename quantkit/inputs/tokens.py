@@ -130,12 +130,10 @@ def _parse_hf(body: str, original: str) -> Spec:
 
 def reads_text(spec: str) -> bool:
     """Whether loading `spec` tokenizes text (a text file or a dataset: transformers and a fast tokenizer
-    are imported, about 0.25 GB of the process's memory, quantkit.planner.budgets.TOKENIZER_BYTES); a spec
-    that does not parse counts as text (convert refuses it before any work)."""
-    try:
-        return parse_spec(spec).kind in ("text", "hf")
-    except ConfigError:
-        return True
+    are imported, about 0.25 GB of the process's memory, quantkit.planner.budgets.TOKENIZER_BYTES).
+    A spec that does not parse (a missing file) raises parse_spec's one-line ConfigError, so `plan
+    --convert --calib` refuses what convert would."""
+    return parse_spec(spec).kind in ("text", "hf")
 
 
 def load_tokens(

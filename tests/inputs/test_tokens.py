@@ -395,4 +395,5 @@ def test_reads_text_only_for_text_and_datasets(tmp_path):
     (tmp_path / "a.npy").write_bytes(b"")
     assert reads_text(str(tmp_path / "a.jsonl")) and reads_text("hf:org/name@train") and reads_text(str(tmp_path))
     assert not any(reads_text(s) for s in ("synthetic:train", "random", str(tmp_path / "a.npy")))
-    assert reads_text(str(tmp_path / "missing.txt"))  # a spec convert will refuse counts as text, never raises
+    with pytest.raises(ConfigError, match="missing.txt: file not found"):  # as convert refuses it
+        reads_text(str(tmp_path / "missing.txt"))

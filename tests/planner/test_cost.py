@@ -203,6 +203,8 @@ def test_a_text_calibration_adds_the_tokenizer_to_the_base(tmp_path):
     read = plan_convert_for("tiny:glm-5.2", gpu="cpu", validate=False, calib=str(text))
     assert ids.memory["base"] == BASE_BYTES and read.memory["base"] == BASE_BYTES + TOKENIZER_BYTES
     assert read.peak_host - ids.peak_host == TOKENIZER_BYTES
+    missing = CliRunner().invoke(app, ["plan", "tiny:glm-5.2", "--convert", "--gpu", "cpu", "--calib", str(tmp_path / "no.jsonl")])
+    assert missing.exit_code != 0 and "no.jsonl: file not found" in missing.output  # refused as convert refuses it
 
 
 def test_resume_state_saves_are_bounded_by_the_overhead():
